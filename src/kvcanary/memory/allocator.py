@@ -1,0 +1,214 @@
+"""Slot allocators for one token pool (storage lives in the pool; these only hand out ids).
+
+Page layout of a pool with ``page_size = P`` and ``num_pages = size // P``::
+
+    slots  [0 .. P)            page 0: reserved write sink (padded tokens land here)
+    slots  [P*k .. P*(k+1))    page k, k = 1 .. num_pages: handed out whole
+
+A request's slots are page-aligned with its positions: position ``p`` sits at
+offset ``p % P`` inside its page, so a partially filled last page is continued
+in place (``last_loc + 1``) before new pages are taken.
+
+``TokenAllocator`` is the ``P = 1`` case of :class:`PagedAllocator` (any count
+may be allocated, the partial-page rule never fires).
+
+Contracts: an allocation that cannot be satisfied returns ``None`` and mutates
+nothing; ``free`` is page granular (freeing any slot frees its whole page) and
+raises :class:`DoubleFreeError` on a page that is already free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvcanary.memory.errors import DoubleFreeError, raise_if_problems
+
+
+def _nonempty(pages: torch.Tensor) -> torch.Tensor:
+    # Gather source for torch.where: when no page is taken every lane uses the other branch.
+    return pages if pages.numel() else torch.zeros(1, dtype=torch.int64)
+
+
+def _as_cpu_lens(lens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(lens, dtype=torch.int64, device="cpu").reshape(-1)
+
+
+class PagedAllocator:
+    def __init__(self, size: int, page_size: int, device: torch.device | str = "cpu"):
+        if page_size < 1:
+            raise ValueError(f"page_size={page_size}: must be >= 1")
+        if size < page_size:
+            raise ValueError(f"pool size={size} tokens: must hold at least one page of {page_size}")
+        self.page_size = page_size
+        self.num_pages = size // page_size
+        self.size = self.num_pages * page_size
+        self.device = torch.device(device)
+        self._pending_free: list[torch.Tensor] | None = None
+        self.clear()
+
+    # ------------------------------------------------------------------ state
+    def clear(self) -> None:
+        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
+        # page_allocated[p]: page p is handed out (page 0 is never)
+        self.page_allocated = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=self.device)
+        self._pending_free = None
+
+    def available_size(self) -> int:
+        """Free token slots (whole free pages × page_size)."""
+        return int(self.free_pages.numel()) * self.page_size
+
+    def num_free_pages(self) -> int:
+        return int(self.free_pages.numel())
+
+    def _take_pages(self, num_pages: int) -> torch.Tensor:
+        pages = self.free_pages[:num_pages]
+        self.free_pages = self.free_pages[num_pages:]
+        self.page_allocated[pages] = True
+        return pages
+
+    # ------------------------------------------------------------------ alloc
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """``num_tokens`` fresh slots (whole pages; must be page aligned when page_size > 1)."""
+        if num_tokens % self.page_size:
+            raise ValueError(
+                f"alloc(num_tokens={num_tokens}): must be a multiple of page_size={self.page_size}"
+            )
+        num_pages = num_tokens // self.page_size
+        if num_pages > self.num_free_pages():
+            return None
+        pages = self._take_pages(num_pages)
+        offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+        return (pages[:, None] * self.page_size + offsets).reshape(-1)
+
+    def num_new_pages_extend(
+        self, prefix_lens: Sequence[int] | torch.Tensor, seq_lens: Sequence[int] | torch.Tensor
+    ) -> int:
+        """Pages ``alloc_extend`` would take: Σ ceil(seq/P) − ceil(prefix/P)."""
+        pre, seq = _as_cpu_lens(prefix_lens), _as_cpu_lens(seq_lens)
+        p = self.page_size
+        return int(((seq + p - 1) // p - (pre + p - 1) // p).sum())
+
+    def num_new_pages_decode(self, seq_lens: Sequence[int] | torch.Tensor) -> int:
+        """Pages ``alloc_decode`` would take: requests whose new token starts a page."""
+        seq = _as_cpu_lens(seq_lens)
+        return int(((seq - 1) % self.page_size == 0).sum())
+
+    def alloc_extend(
+        self,
+        prefix_lens: Sequence[int] | torch.Tensor,
+        seq_lens: Sequence[int] | torch.Tensor,
+        last_locs: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Slots for positions ``[prefix_len, seq_len)`` of each request, flat in batch order.
+
+        ``last_locs[i]`` is the slot of position ``prefix_len - 1`` (−1 when the prefix is
+        empty); it continues a partially filled last page in place.
+        """
+        pre, seq = _as_cpu_lens(prefix_lens), _as_cpu_lens(seq_lens)
+        if pre.numel() != seq.numel() or bool((seq < pre).any()) or bool((pre < 0).any()):
+            raise ValueError(f"alloc_extend: bad lengths prefix={pre.tolist()} seq={seq.tolist()}")
+        p = self.page_size
+        new_pages_per_req = (seq + p - 1) // p - (pre + p - 1) // p
+        num_new_pages = int(new_pages_per_req.sum())
+        if num_new_pages > self.num_free_pages():
+            return None
+        last_locs = last_locs.to(device="cpu", dtype=torch.int64).reshape(-1)
+        partial = pre % p != 0
+        if bool(partial.any()) and bool(((last_locs[partial] + 1) % p != pre[partial] % p).any()):
+            raise ValueError(
+                "alloc_extend: last_locs do not continue the partial last page "
+                f"(prefix_lens={pre.tolist()}, last_locs={last_locs.tolist()}, page_size={p})"
+            )
+        ext = seq - pre
+        num_tokens = int(ext.sum())
+        req = torch.repeat_interleave(torch.arange(pre.numel()), ext)
+        starts = torch.cumsum(ext, 0) - ext
+        pos = torch.arange(num_tokens) - starts[req] + pre[req]
+        first_new_page = (pre + p - 1) // p
+        in_partial = pos < first_new_page[req] * p
+        page_base = torch.cumsum(new_pages_per_req, 0) - new_pages_per_req
+        rank = (pos // p - first_new_page[req] + page_base[req]).clamp(min=0)
+        pages = _nonempty(self._take_pages(num_new_pages).cpu())
+        new_slots = pages[rank.clamp(max=pages.numel() - 1)] * p + pos % p
+        out = torch.where(in_partial, last_locs[req] + (pos - pre[req] + 1), new_slots)
+        return out.to(self.device)
+
+    def alloc_decode(
+        self, seq_lens: Sequence[int] | torch.Tensor, last_locs: torch.Tensor
+    ) -> torch.Tensor | None:
+        """One slot per request for position ``seq_len - 1`` (``seq_len`` counts the new token)."""
+        seq = _as_cpu_lens(seq_lens)
+        starts_page = (seq - 1) % self.page_size == 0
+        num_new_pages = int(starts_page.sum())
+        if num_new_pages > self.num_free_pages():
+            return None
+        pages = _nonempty(self._take_pages(num_new_pages).cpu())
+        rank = (torch.cumsum(starts_page.to(torch.int64), 0) - 1).clamp(0, pages.numel() - 1)
+        last_locs = last_locs.to(device="cpu", dtype=torch.int64).reshape(-1)
+        page_slots = pages[rank] * self.page_size
+        return torch.where(starts_page, page_slots, last_locs + 1).to(self.device)
+
+    # ------------------------------------------------------------------ free
+    def free(self, slots: torch.Tensor) -> None:
+        """Free the pages holding ``slots`` (page granular)."""
+        if slots.numel() == 0:
+            return
+        if self._pending_free is not None:
+            self._pending_free.append(slots.reshape(-1).to(self.device))
+            return
+        pages = torch.unique(slots.reshape(-1).to(self.device, torch.int64) // self.page_size)
+        if bool((pages <= 0).any()) or bool((pages > self.num_pages).any()):
+            raise ValueError(
+                f"free: slots {slots.tolist()[:16]} fall outside pages [1, {self.num_pages}] "
+                "(page 0 is the reserved sink)"
+            )
+        if not bool(self.page_allocated[pages].all()):
+            bad = pages[~self.page_allocated[pages]]
+            raise DoubleFreeError(f"free: pages {bad.tolist()[:16]} are already free")
+        self.page_allocated[pages] = False
+        self.free_pages = torch.cat([self.free_pages, pages])
+
+    def free_group_begin(self) -> None:
+        """Queue frees until :meth:`free_group_end` (one merged free, duplicates allowed)."""
+        self._pending_free = []
+
+    def free_group_end(self) -> None:
+        pending, self._pending_free = self._pending_free, None
+        if pending:
+            self.free(torch.cat(pending))
+
+    # ------------------------------------------------------------------ checks
+    def num_used_pages(self) -> int:
+        return int(self.page_allocated.sum())
+
+    def check_integrity(self) -> bool:
+        problems = []
+        free = self.free_pages
+        if int(torch.unique(free).numel()) != int(free.numel()):
+            problems.append("duplicate pages in the free list")
+        if bool((free <= 0).any()) or bool((free > self.num_pages).any()):
+            problems.append("free list holds reserved or out-of-range pages")
+        if bool(self.page_allocated[free].any()):
+            problems.append("pages both free and allocated")
+        if bool(self.page_allocated[0]):
+            problems.append("reserved page 0 allocated")
+        if self.num_free_pages() + self.num_used_pages() != self.num_pages:
+            problems.append(
+                f"free {self.num_free_pages()} + used {self.num_used_pages()} != total {self.num_pages}"
+            )
+        return raise_if_problems(type(self).__name__, problems)
+
+
+class TokenAllocator(PagedAllocator):
+    """Page size 1: every slot is its own page; slot 0 is the reserved sink."""
+
+    def __init__(self, size: int, device: torch.device | str = "cpu"):
+        super().__init__(size, 1, device)
+
+
+def make_allocator(size: int, page_size: int, device: torch.device | str = "cpu") -> PagedAllocator:
+    return TokenAllocator(size, device) if page_size == 1 else PagedAllocator(size, page_size, device)
+
+

@@ -1,0 +1,280 @@
+"""SWAAllocator: lockstep allocation in the full and sliding-window (SWA) pools.
+
+The logical index space is the full pool's slot ids; ``full_to_swa_index_mapping``
+(owned here, mutated in place, never reallocated) says where each full slot's
+SWA-layer KV lives::
+
+    mapping[f] = s > 0   full slot f's SWA KV is in SWA slot s (live)
+    mapping[f] = 0       no SWA slot (never allocated, evicted from the window, freed,
+                         or the reserved sink page)
+    mapping[-1] = -1     sentinel: ``mapping[last_loc=-1]`` reads "no prefix"
+
+Invariant: every live SWA slot is referenced by exactly one full slot. Every
+mapping write goes through :class:`SwaIndexMapping`, which bumps ``version`` so
+translation caches keyed on it can never outlive a mutation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvcanary.memory.allocator import PagedAllocator, _as_cpu_lens, make_allocator
+from kvcanary.memory.errors import raise_if_problems
+
+
+class SwaIndexMapping:
+    """The full→SWA mapping tensor plus its mutation counter."""
+
+    def __init__(self, full_size: int, page_size: int, device: torch.device):
+        self.tensor = torch.cat(
+            [
+                torch.zeros(full_size + page_size, dtype=torch.int64, device=device),
+                torch.full((1,), -1, dtype=torch.int64, device=device),
+            ]
+        )
+        self.version = 0
+
+    def write(self, full_slots: torch.Tensor, swa_slots: torch.Tensor | int) -> None:
+        self.tensor[full_slots] = swa_slots if isinstance(swa_slots, int) else swa_slots.to(torch.int64)
+        self.version += 1
+
+    def clear(self) -> None:
+        self.tensor[:-1] = 0
+        self.version += 1
+
+    def translate(self, full_slots: torch.Tensor) -> torch.Tensor:
+        return self.tensor[full_slots.to(torch.int64)]
+
+
+class SWAAllocator:
+    """Wraps a full and an SWA allocator of the same kind (token or paged).
+
+    All ``alloc*`` methods check both capacities before mutating anything and
+    return ``None`` when either pool is short.
+    """
+
+    def __init__(
+        self,
+        full_size: int,
+        swa_size: int,
+        page_size: int,
+        device: torch.device | str = "cpu",
+        kvcache: object | None = None,
+    ):
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.full_attn_allocator: PagedAllocator = make_allocator(full_size, page_size, device)
+        self.swa_attn_allocator: PagedAllocator = make_allocator(swa_size, page_size, device)
+        self.mapping = SwaIndexMapping(self.full_attn_allocator.size, page_size, self.device)
+        self.full_to_swa_index_mapping = self.mapping.tensor
+        if kvcache is not None:
+            kvcache.register_mapping(self.mapping)  # type: ignore[attr-defined]
+
+    # ----------------------------------------------------------------- sizes
+    @property
+    def size_full(self) -> int:
+        return self.full_attn_allocator.size
+
+    @property
+    def size_swa(self) -> int:
+        return self.swa_attn_allocator.size
+
+    @property
+    def size(self) -> int:
+        return min(self.size_full, self.size_swa)
+
+    def full_available_size(self) -> int:
+        return self.full_attn_allocator.available_size()
+
+    def swa_available_size(self) -> int:
+        return self.swa_attn_allocator.available_size()
+
+    def available_size(self) -> int:
+        return min(self.full_available_size(), self.swa_available_size())
+
+    def new_pages_available(self, num_full_pages: int, num_swa_pages: int) -> bool:
+        return (
+            self.full_attn_allocator.num_free_pages() >= num_full_pages
+            and self.swa_attn_allocator.num_free_pages() >= num_swa_pages
+        )
+
+    # ----------------------------------------------------------------- alloc
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Page size 1 only: ``num_tokens`` fresh slots in both pools, mapped."""
+        if self.page_size != 1:
+            raise ValueError(f"alloc(): only for page_size=1 (got {self.page_size}); use alloc_extend")
+        if not self.new_pages_available(num_tokens, num_tokens):
+            return None
+        full = self.full_attn_allocator.alloc(num_tokens)
+        swa = self.swa_attn_allocator.alloc(num_tokens)
+        assert full is not None and swa is not None  # capacity checked above
+        self.mapping.write(full, swa)
+        return full
+
+    def translate_last_locs(self, last_locs: torch.Tensor) -> torch.Tensor:
+        """Full → SWA for ``last_loc`` arguments (−1 stays −1 through the sentinel)."""
+        return self.mapping.translate(last_locs)
+
+    def alloc_extend(
+        self,
+        prefix_lens: Sequence[int] | torch.Tensor,
+        seq_lens: Sequence[int] | torch.Tensor,
+        last_locs: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Positions ``[prefix_len, seq_len)`` in both pools with identical page arithmetic."""
+        n = self.full_attn_allocator.num_new_pages_extend(prefix_lens, seq_lens)
+        if not self.new_pages_available(n, n):
+            return None
+        swa_last = self.translate_last_locs(last_locs)
+        pre = _as_cpu_lens(prefix_lens)
+        partial = (pre % self.page_size != 0).to(swa_last.device)
+        if bool((partial & (swa_last <= 0)).any()):
+            raise ValueError(
+                "alloc_extend: a request continues a partial page whose last slot has no SWA "
+                f"slot (last_locs={last_locs.tolist()}, swa={swa_last.tolist()}); its window "
+                "must not have been evicted"
+            )
+        full = self.full_attn_allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
+        swa = self.swa_attn_allocator.alloc_extend(prefix_lens, seq_lens, swa_last)
+        assert full is not None and swa is not None  # capacity checked above
+        self.mapping.write(full, swa)
+        return full
+
+    def alloc_decode(
+        self, seq_lens: Sequence[int] | torch.Tensor, last_locs: torch.Tensor
+    ) -> torch.Tensor | None:
+        n = self.full_attn_allocator.num_new_pages_decode(seq_lens)
+        if not self.new_pages_available(n, n):
+            return None
+        swa_last = self.translate_last_locs(last_locs)
+        seq = _as_cpu_lens(seq_lens)
+        continues = ((seq - 1) % self.page_size != 0).to(swa_last.device)
+        if bool((continues & (swa_last <= 0)).any()):
+            raise ValueError(
+                "alloc_decode: a request's previous token has no SWA slot "
+                f"(last_locs={last_locs.tolist()}, swa={swa_last.tolist()})"
+            )
+        full = self.full_attn_allocator.alloc_decode(seq_lens, last_locs)
+        swa = self.swa_attn_allocator.alloc_decode(seq_lens, swa_last)
+        assert full is not None and swa is not None  # capacity checked above
+        self.mapping.write(full, swa)
+        return full
+
+    def alloc_extend_swa_tail(
+        self, prefix_len: int, seq_len: int, last_loc: torch.Tensor | int, swa_tail_len: int
+    ) -> torch.Tensor | None:
+        """One request: full slots for ``[prefix_len, seq_len)``, SWA only for the last
+        ``swa_tail_len`` of them, allocated as a fresh page-aligned sequence::
+
+            positions  prefix_len ............................ seq_len
+            full       [########################################)
+            SWA                          [#####################)   swa_tail_len
+            mapping    0 0 0 0 0 0 0 0 0 s s s s s s s s s s s s
+
+        Non-tail mapping entries are zeroed explicitly: recycled full pages may carry a
+        previous owner's mapping.
+        """
+        extend_len = seq_len - prefix_len
+        if not 0 <= swa_tail_len <= extend_len:
+            raise ValueError(
+                f"alloc_extend_swa_tail: swa_tail_len={swa_tail_len} must be in [0, {extend_len}]"
+            )
+        if swa_tail_len and (seq_len - swa_tail_len) % self.page_size:
+            raise ValueError(
+                f"alloc_extend_swa_tail: tail start {seq_len - swa_tail_len} must be page aligned "
+                f"(page_size={self.page_size})"
+            )
+        full_pages = self.full_attn_allocator.num_new_pages_extend([prefix_len], [seq_len])
+        swa_pages = self.swa_attn_allocator.num_new_pages_extend([0], [swa_tail_len])
+        if not self.new_pages_available(full_pages, swa_pages):
+            return None
+        last = torch.as_tensor([last_loc], dtype=torch.int64).reshape(1)
+        full = self.full_attn_allocator.alloc_extend([prefix_len], [seq_len], last)
+        assert full is not None
+        head = full[: extend_len - swa_tail_len]
+        if head.numel():
+            self.mapping.write(head, 0)
+        if swa_tail_len:
+            no_prefix = torch.full((1,), -1, dtype=torch.int64)
+            swa = self.swa_attn_allocator.alloc_extend([0], [swa_tail_len], no_prefix)
+            assert swa is not None
+            self.mapping.write(full[extend_len - swa_tail_len :], swa)
+        return full
+
+    # ----------------------------------------------------------------- free
+    def _expand_to_pages(self, full_slots: torch.Tensor) -> torch.Tensor:
+        p = self.page_size
+        if p == 1:
+            return full_slots.reshape(-1).to(torch.int64)
+        pages = torch.unique(full_slots.reshape(-1).to(torch.int64) // p)
+        return (pages[:, None] * p + torch.arange(p, device=pages.device)).reshape(-1)
+
+    def free_swa(self, full_slots: torch.Tensor) -> None:
+        """Free the SWA slots of the whole full pages holding ``full_slots`` and unmap them.
+
+        Safe to repeat: already-unmapped entries are skipped (0 means nothing to free).
+        """
+        if full_slots.numel() == 0:
+            return
+        slots = self._expand_to_pages(full_slots.to(self.device))
+        swa = self.mapping.translate(slots)
+        live = swa > 0
+        if bool(live.any()):
+            self.swa_attn_allocator.free(swa[live])
+            self.mapping.write(slots[live], 0)
+
+    def free(self, full_slots: torch.Tensor) -> None:
+        """Free full slots (page granular) and their SWA slots."""
+        if full_slots.numel() == 0:
+            return
+        self.free_swa(full_slots)
+        self.full_attn_allocator.free(full_slots)
+
+    def free_group_begin(self) -> None:
+        self.full_attn_allocator.free_group_begin()
+        self.swa_attn_allocator.free_group_begin()
+
+    def free_group_end(self) -> None:
+        self.full_attn_allocator.free_group_end()
+        self.swa_attn_allocator.free_group_end()
+
+    def set_full_to_swa_mapping(self, full_slots: torch.Tensor, swa_slots: torch.Tensor) -> None:
+        self.mapping.write(full_slots, swa_slots)
+
+    def clear(self) -> None:
+        self.full_attn_allocator.clear()
+        self.swa_attn_allocator.clear()
+        self.mapping.clear()
+
+    # ----------------------------------------------------------------- checks
+    def check_integrity(self) -> bool:
+        self.full_attn_allocator.check_integrity()
+        self.swa_attn_allocator.check_integrity()
+        problems = []
+        m = self.mapping.tensor
+        p = self.page_size
+        if int(m[-1]) != -1:
+            problems.append("sentinel mapping[-1] is not -1")
+        body = m[:-1]
+        if bool((body < 0).any()):
+            problems.append("negative mapping entries")
+        if bool((body[:p] != 0).any()):
+            problems.append("reserved full page 0 is mapped")
+        full_slots = torch.nonzero(body > 0).reshape(-1)
+        swa_slots = body[full_slots]
+        if int(torch.unique(swa_slots).numel()) != int(swa_slots.numel()):
+            problems.append("mapping not injective: an SWA slot is referenced twice")
+        if full_slots.numel():
+            if not bool(self.full_attn_allocator.page_allocated[full_slots // p].all()):
+                problems.append("a free full slot is still mapped")
+            if not bool(self.swa_attn_allocator.page_allocated[swa_slots // p].all()):
+                problems.append("a mapped SWA slot is free")
+        mapped_pages = torch.unique(swa_slots // p)
+        used_pages = self.swa_attn_allocator.num_used_pages()
+        if int(mapped_pages.numel()) != used_pages:
+            problems.append(
+                f"SWA pages allocated ({used_pages}) != SWA pages referenced ({mapped_pages.numel()}): leak"
+            )
+        return raise_if_problems("SWAAllocator", problems)
