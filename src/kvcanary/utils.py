@@ -16,3 +16,22 @@ def floor_page(num_tokens: int, page_size: int) -> int:
 def ceil_page(num_tokens: int, page_size: int) -> int:
     """Smallest multiple of ``page_size`` that is >= ``num_tokens``."""
     return cdiv(num_tokens, page_size) * page_size
+
+
+def swa_tail_len(seq_len: int, window: int | None, page_size: int) -> int:
+    """SWA slots a sequence of ``seq_len`` needs when only its window is resident.
+
+    The window start is floored to a page so SWA pages start fresh::
+
+        seq_len - window        window_start = floor_page(seq_len - window)
+        ----------------|-------|--------------------------------| seq_len
+                                [========== tail ================)
+
+    ``window <= tail < window + page_size`` for long sequences; ``seq_len`` when it
+    fits in the window (or there is no window).
+    """
+    if seq_len <= 0:
+        return max(seq_len, 0)
+    if window is None or window <= 0:
+        return seq_len
+    return seq_len - floor_page(max(0, seq_len - window), page_size)
