@@ -1,0 +1,91 @@
+"""Frozen configuration dataclasses: the one source of truth for defaults.
+
+The CLI reads its defaults from these classes. Every invalid value raises
+``ValueError`` naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+KV_CANARY_MODES = ("none", "log", "raise", "abort")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}={value!r} is invalid: allowed {allowed}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "builtin:tiny-swa"
+    page_size: int = 4
+    # Tokens in the full KV pool (the logical index space). The SWA pool holds
+    # floor_page(max_total_tokens * swa_full_tokens_ratio) tokens.
+    max_total_tokens: int = 16384
+    swa_full_tokens_ratio: float = 0.25
+    max_running_requests: int = 64
+    max_context_len: int | None = None  # None: the model's max_position_embeddings
+    chunked_prefill_size: int = 512  # tokens per extend forward; <= 0 disables chunking
+    enable_prefix_cache: bool = True
+    # Retracted requests keep their KV in host memory and reload it on resume
+    # (instead of recomputing it).
+    enable_host_offload: bool = False
+    # Decode batch-size buckets of the graph runner; () disables it (plain eager decode).
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # Deterministic sampler for tests: next token = splitmix64(rid ^ position) % vocab.
+    token_oracle: bool = False
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_canary: str = "none"
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.model, str) and bool(self.model), "model", self.model,
+               "'builtin:tiny-mha', 'builtin:tiny-swa' or a HF model directory")
+        _check(self.page_size >= 1, "page_size", self.page_size, "an integer >= 1")
+        _check(self.max_total_tokens >= 2 * self.page_size, "max_total_tokens",
+               self.max_total_tokens, f">= 2 * page_size ({2 * self.page_size})")
+        _check(0.0 < self.swa_full_tokens_ratio <= 1.0, "swa_full_tokens_ratio",
+               self.swa_full_tokens_ratio, "a number in (0, 1]")
+        _check(self.max_running_requests >= 1, "max_running_requests",
+               self.max_running_requests, "an integer >= 1")
+        _check(self.max_context_len is None or self.max_context_len >= 2, "max_context_len",
+               self.max_context_len, "None or an integer >= 2")
+        _check(all(b >= 1 for b in self.graph_batch_sizes)
+               and list(self.graph_batch_sizes) == sorted(set(self.graph_batch_sizes)),
+               "graph_batch_sizes", self.graph_batch_sizes,
+               "strictly increasing positive integers, or () to disable")
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+        _check(self.kv_canary in KV_CANARY_MODES, "kv_canary", self.kv_canary,
+               f"one of {KV_CANARY_MODES}")
+        _check(isinstance(self.device, str) and bool(self.device), "device", self.device,
+               "a torch device string such as 'cpu' or 'cuda:0'")
+
+    @classmethod
+    def field_default(cls, name: str) -> Any:
+        return next(f.default for f in fields(cls) if f.name == name)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None  # per-request generator seed (sampling only)
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "a number >= 0")
+        _check(self.top_k >= 0, "top_k", self.top_k, "an integer >= 0 (0 = off)")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "a number in (0, 1]")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

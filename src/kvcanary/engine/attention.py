@@ -1,0 +1,128 @@
+"""Paged attention in torch: reads K/V through ``req_to_token``, one gather of the
+slot table per forward shared by all layers.
+
+Keys a request's queries may see, for a forward over positions ``[prefix_len, seq_len)``::
+
+    full layer     keys [0, seq_len)
+    sliding layer  keys [key_start, seq_len), key_start = max(0, prefix_len - W + 1)
+                   query at i sees j with i - W < j <= i  (Hugging Face's rule)
+
+On sliding layers the slot table is translated full→SWA once per forward, in the same
+gather as this forward's write locations, so N sliding layers cost one gather. Slots
+before ``key_start`` may already be evicted from the SWA pool; they are never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary.engine.forward_batch import ForwardBatch
+from kvcanary.memory.swa_pool import SWAKVPool
+from kvcanary.model.base import AttentionLayerSpec
+
+
+@dataclass
+class _KeyView:
+    slots: torch.Tensor  # int64 [bs, max_keys] slot table (0 where padded)
+    mask: torch.Tensor  # bool [bs, max_q, max_keys]
+    write_loc: torch.Tensor  # int64 [num_tokens] where this forward's K/V go
+
+
+class PagedAttentionBackend:
+    def __init__(self, pool, req_to_token_pool, sliding_window: int | None):
+        self.pool = pool
+        self.req_to_token_pool = req_to_token_pool
+        self.sliding_window = sliding_window
+        self.is_swa_pool = isinstance(pool, SWAKVPool)
+        self._full: _KeyView | None = None
+        self._sliding: _KeyView | None = None
+        self._q_index: torch.Tensor | None = None  # [bs, max_q] flat token index (clamped)
+        self._q_valid: torch.Tensor | None = None
+
+    # ----------------------------------------------------------- metadata
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        device = fb.input_ids.device
+        bs = fb.batch_size
+        ext = torch.as_tensor(fb.extend_seq_lens_cpu, dtype=torch.int64)
+        pre = torch.as_tensor(fb.prefix_lens_cpu, dtype=torch.int64)
+        seq = torch.as_tensor(fb.seq_lens_cpu, dtype=torch.int64)
+        max_q = int(ext.max()) if bs else 0
+        starts = torch.cumsum(ext, 0) - ext
+        qi = torch.arange(max_q)
+        self._q_valid = (qi[None, :] < ext[:, None]).to(device)
+        self._q_index = (starts[:, None] + qi[None, :]).clamp(max=max(fb.num_tokens - 1, 0)).to(device)
+        q_pos = pre[:, None] + qi[None, :]  # [bs, max_q]
+        rows = fb.req_pool_indices.to(torch.int64)
+
+        def key_view(key_start: torch.Tensor, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+            num_keys = seq - key_start
+            max_k = int(num_keys.max()) if bs else 0
+            kj = torch.arange(max_k)
+            k_pos = key_start[:, None] + kj[None, :]  # [bs, max_k]
+            k_valid = kj[None, :] < num_keys[:, None]
+            cols = torch.where(k_valid, k_pos, torch.zeros_like(k_pos)).to(device)
+            slots = self.req_to_token_pool.req_to_token[rows[:, None], cols].to(torch.int64)
+            slots = torch.where(k_valid.to(device), slots, torch.zeros_like(slots))
+            vis = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+            if window is not None:
+                vis &= k_pos[:, None, :] > q_pos[:, :, None] - window
+            # Padded query rows see key 0 only, so softmax stays finite; their output is dropped.
+            vis[:, :, 0] |= ~(qi[None, :] < ext[:, None])
+            return slots, vis.to(device)
+
+        full_slots, full_mask = key_view(torch.zeros(bs, dtype=torch.int64), None)
+        self._full = _KeyView(full_slots, full_mask, fb.out_cache_loc)
+        self._sliding = None
+        if self.sliding_window is not None:
+            w = self.sliding_window
+            slots, mask = key_view((pre - w + 1).clamp(min=0), w)
+            write_loc = fb.out_cache_loc
+            if self.is_swa_pool:
+                # One gather for this forward's write locations and the whole read table.
+                both = torch.cat([fb.out_cache_loc.to(torch.int64), slots.reshape(-1)])
+                swa = self.pool.translate_loc_from_full_to_swa(both).clamp(min=0)
+                write_loc = swa[: fb.num_tokens]
+                slots = swa[fb.num_tokens :].reshape(slots.shape)
+            self._sliding = _KeyView(slots, mask, write_loc)
+
+    # ----------------------------------------------------------- forward
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        view = self._sliding if layer.is_sliding else self._full
+        if view is None or self._q_index is None or self._q_valid is None:
+            raise RuntimeError("attention backend: init_forward_metadata was not called")
+        k_buf, v_buf = self._write(layer, view.write_loc, k, v)
+        keys = k_buf[view.slots]  # [bs, max_k, kv_heads, dim]
+        values = v_buf[view.slots]
+        group = layer.num_heads // layer.num_kv_heads
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=2)
+            values = values.repeat_interleave(group, dim=2)
+        qb = q[self._q_index]  # [bs, max_q, heads, dim]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qb.transpose(1, 2).to(keys.dtype),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=view.mask[:, None, :, :],
+            scale=layer.scaling,
+        ).transpose(1, 2)  # [bs, max_q, heads, dim]
+        return out[self._q_valid].to(q.dtype)
+
+    def _write(
+        self, layer: AttentionLayerSpec, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        lid = layer.layer_id
+        if self.is_swa_pool:
+            sub, local = self.pool._sub(lid)
+            sub.set_kv_buffer(local, loc, k, v)  # loc is pre-translated for SWA layers
+            return sub.get_key_buffer(local), sub.get_value_buffer(local)
+        self.pool.set_kv_buffer(lid, loc, k, v)
+        return self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid)

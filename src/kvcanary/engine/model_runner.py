@@ -1,0 +1,106 @@
+"""ModelRunner: owns the model, the KV memory (pools, allocator, req→token table) and
+the attention backend; runs one forward per call.
+
+Who owns what:
+  * ``token_to_kv_pool`` — the K/V tensors (MHAKVPool, or SWAKVPool for models with
+    sliding layers); written only by the attention backend during a forward.
+  * ``allocator`` — which slots are live (PagedAllocator/TokenAllocator or SWAAllocator,
+    the latter also owns the full→SWA mapping); mutated only by the scheduler.
+  * ``req_to_token_pool`` — per-request slot rows; written only by the scheduler.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary.config import EngineConfig
+from kvcanary.engine.attention import PagedAttentionBackend
+from kvcanary.engine.forward_batch import ForwardBatch
+from kvcanary.memory.allocator import PagedAllocator, make_allocator
+from kvcanary.memory.mha_pool import MHAKVPool
+from kvcanary.memory.req_to_token import ReqToTokenPool
+from kvcanary.memory.swa_allocator import SWAAllocator
+from kvcanary.memory.swa_pool import SWAKVPool
+from kvcanary.model import ModelConfig, load_model
+from kvcanary.utils import floor_page
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_kv_memory(
+    config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[MHAKVPool | SWAKVPool, PagedAllocator | SWAAllocator]:
+    """Pool + allocator for the model: an SWA pair when the model has sliding layers.
+
+    The full pool holds ``max_total_tokens``; the SWA pool
+    ``floor_page(max_total_tokens * swa_full_tokens_ratio)`` (at least two pages).
+    """
+    ps = config.page_size
+    full_tokens = floor_page(config.max_total_tokens, ps)
+    kv_heads, head_dim = model_config.num_key_value_heads, model_config.head_dim
+    if not model_config.has_sliding:
+        pool = MHAKVPool(
+            full_tokens, ps, dtype, kv_heads, head_dim, model_config.num_hidden_layers, device
+        )
+        return pool, make_allocator(full_tokens, ps, device)
+    swa_tokens = max(floor_page(int(full_tokens * config.swa_full_tokens_ratio), ps), 2 * ps)
+    swa_pool = SWAKVPool(
+        full_tokens,
+        swa_tokens,
+        ps,
+        dtype,
+        kv_heads,
+        head_dim,
+        swa_attention_layer_ids=model_config.swa_layer_ids,
+        full_attention_layer_ids=model_config.full_layer_ids,
+        device=device,
+    )
+    allocator = SWAAllocator(full_tokens, swa_tokens, ps, device, kvcache=swa_pool)
+    return swa_pool, allocator
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        self.model, self.tokenizer, self.model_config = load_model(
+            config.model, device=self.device, dtype=self.dtype, seed=config.seed
+        )
+        self.model.eval()
+        mc = self.model_config
+        self.max_context_len = config.max_context_len or mc.max_position_embeddings
+        windows = {mc.window_of(i) for i in mc.swa_layer_ids}
+        if len(windows) > 1:
+            raise ValueError(f"model {config.model!r}: sliding layers with different windows {windows} are not supported")
+        self.sliding_window: int | None = windows.pop() if windows else None
+        self.req_to_token_pool = ReqToTokenPool(
+            config.max_running_requests, self.max_context_len, self.device
+        )
+        self.token_to_kv_pool, self.allocator = build_kv_memory(config, mc, self.device, self.dtype)
+        self.attn_backend = PagedAttentionBackend(
+            self.token_to_kv_pool, self.req_to_token_pool, self.sliding_window
+        )
+        self.forward_ct = 0
+
+    @property
+    def is_swa(self) -> bool:
+        return isinstance(self.allocator, SWAAllocator)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Run the model over ``fb``; returns float32 logits ``[bs, vocab]`` of each
+        request's last new token."""
+        self.forward_ct += 1
+        # A new forward epoch: no SWA translation may be reused across forwards.
+        self.token_to_kv_pool.begin_forward()
+        fb.req_to_token_pool = self.req_to_token_pool
+        fb.token_to_kv_pool = self.token_to_kv_pool
+        fb.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        return self.model.compute_logits(hidden[fb.last_token_indices()])

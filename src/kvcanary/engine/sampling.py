@@ -1,0 +1,59 @@
+"""Next-token sampling: greedy, temperature / top-k / top-p with per-request seeds, and
+the deterministic token oracle used by tests and the canary's fault campaigns.
+
+The oracle ignores the logits: ``token = splitmix64(rid ^ position) % vocab``, where
+``position`` is the position the new token will occupy. Its output depends only on the
+request and position, so any scheduling (chunking, batching, retraction) must reproduce
+it exactly — and a swapped or corrupted input is immediately visible.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary.canary.hashing import splitmix64
+from kvcanary.config import SamplingParams
+
+
+def oracle_token(rid: int, position: int, vocab_size: int) -> int:
+    return splitmix64((rid ^ position) & 0xFFFFFFFFFFFFFFFF) % vocab_size
+
+
+def make_generator(params: SamplingParams, engine_seed: int, rid: int) -> torch.Generator | None:
+    """Per-request CPU generator (None for greedy): seeded by ``params.seed`` when given,
+    else by (engine seed, request id), so reruns reproduce."""
+    if params.greedy:
+        return None
+    g = torch.Generator(device="cpu")
+    g.manual_seed(params.seed if params.seed is not None else (engine_seed * 1_000_003 + rid))
+    return g
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """One token from ``logits [vocab]`` (float32)."""
+    if params.greedy or gen is None:
+        return int(torch.argmax(logits))
+    scaled = logits.float().cpu() / params.temperature
+    if params.top_k > 0 and params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always the top token).
+        drop = torch.cumsum(sorted_p, 0) - sorted_p >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        probs = probs / probs.sum()
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[int]:
+    """Tokens for a batch; all-greedy batches take one argmax."""
+    if all(p.greedy for p in params):
+        return torch.argmax(logits, dim=-1).tolist()
+    return [sample_one(logits[i], p, g) for i, (p, g) in enumerate(zip(params, generators, strict=True))]
