@@ -100,21 +100,20 @@ class PagedAttentionBackend:
         if view is None or self._q_index is None or self._q_valid is None:
             raise RuntimeError("attention backend: init_forward_metadata was not called")
         k_buf, v_buf = self._write(layer, view.write_loc, k, v)
-        keys = k_buf[view.slots]  # [bs, max_k, kv_heads, dim]
-        values = v_buf[view.slots]
-        group = layer.num_heads // layer.num_kv_heads
-        if group > 1:
-            keys = keys.repeat_interleave(group, dim=2)
-            values = values.repeat_interleave(group, dim=2)
-        qb = q[self._q_index]  # [bs, max_q, heads, dim]
+        keys = k_buf[view.slots].transpose(1, 2)  # [bs, kv_heads, max_k, dim]
+        values = v_buf[view.slots].transpose(1, 2)
+        bs, max_q = self._q_index.shape
+        kvh, group, dim = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
+        # GQA without copying K/V: query head h = kv_head * group + g attends with kv_head,
+        # so fold the group into the query axis.
+        qb = q[self._q_index].view(bs, max_q, kvh, group, dim).permute(0, 2, 3, 1, 4)
+        qb = qb.reshape(bs, kvh, group * max_q, dim).to(keys.dtype)
+        mask = view.mask[:, None, None].expand(bs, 1, group, max_q, view.mask.shape[-1])
         out = torch.nn.functional.scaled_dot_product_attention(
-            qb.transpose(1, 2).to(keys.dtype),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=view.mask[:, None, :, :],
-            scale=layer.scaling,
-        ).transpose(1, 2)  # [bs, max_q, heads, dim]
-        return out[self._q_valid].to(q.dtype)
+            qb, keys, values, attn_mask=mask.reshape(bs, 1, group * max_q, -1), scale=layer.scaling
+        )
+        out = out.view(bs, kvh, group, max_q, dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(bs, max_q, kvh * group, dim)[self._q_valid].to(q.dtype)
 
     def _write(
         self, layer: AttentionLayerSpec, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -185,7 +185,9 @@ class Scheduler:
                 self.req_to_token[row, :prefix_len] = match.device_indices[:prefix_len].to(torch.int32)
             self.cache.inc_lock_ref(match.last_node)
             req.last_node = match.last_node
-            req.kv_len = req.cache_protected_len = req.swa_evicted_seqlen = prefix_len
+            req.kv_len = req.cache_protected_len = prefix_len
+            # SWA eviction of the tree-owned prefix is the tree's business.
+            req.swa_evicted_seqlen = prefix_len if self.window is not None else 0
         if not req.admitted_once:
             req.admitted_once = True
             req.num_cached_prompt_tokens = req.kv_len

@@ -188,8 +188,10 @@ class PagedAllocator:
         free = self.free_pages
         if int(torch.unique(free).numel()) != int(free.numel()):
             problems.append("duplicate pages in the free list")
-        if bool((free <= 0).any()) or bool((free > self.num_pages).any()):
+        in_range = (free > 0) & (free <= self.num_pages)
+        if not bool(in_range.all()):
             problems.append("free list holds reserved or out-of-range pages")
+            free = free[in_range]  # indexing page_allocated with them would raise or wrap
         if bool(self.page_allocated[free].any()):
             problems.append("pages both free and allocated")
         if bool(self.page_allocated[0]):

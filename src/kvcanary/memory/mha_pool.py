@@ -8,6 +8,8 @@ stores: which slots are live is the allocator's business.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -30,6 +32,21 @@ class BaseKVPool:
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         raise NotImplementedError
+
+    def get_cpu_copy(self, indices: torch.Tensor, chunk_size: int | None = None) -> dict[str, Any]:
+        """CPU copy of the KV (and registered slot buffers) of full slots ``indices``;
+        see :mod:`kvcanary.memory.host_pool` (``chunk_size`` None: its default)."""
+        from kvcanary.memory import host_pool  # host_pool imports the pool classes
+
+        return host_pool.get_cpu_copy(self, indices, chunk_size)
+
+    def load_cpu_copy(
+        self, copy: dict[str, Any], indices: torch.Tensor, chunk_size: int | None = None
+    ) -> None:
+        """Restore a :meth:`get_cpu_copy` result into full slots ``indices``."""
+        from kvcanary.memory import host_pool
+
+        host_pool.load_cpu_copy(self, copy, indices, chunk_size)
 
     def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         return [], [], []
@@ -76,6 +93,21 @@ class MHAKVPool(BaseKVPool):
             torch.zeros((rows, head_num, self.v_head_dim), dtype=dtype, device=self.device)
             for _ in range(layer_num)
         ]
+        self.extra_slot_buffers: list[torch.Tensor] = []
+
+    def register_slot_buffer(self, buf: torch.Tensor) -> None:
+        """Attach a per-slot sidecar (row ``i`` describes slot ``i``, e.g. the canary's
+        ``[num_slots, 32]`` uint8 records) that host copies carry along with K/V.
+
+        The pool does not read or write it. A copy loads only into a pool with the same
+        sidecars registered, so register before the first copy is taken.
+        """
+        if buf.shape[0] != self.num_slots or buf.device != self.device:
+            raise ValueError(
+                f"slot buffer shape={tuple(buf.shape)} device={buf.device}: needs "
+                f"{self.num_slots} rows on {self.device}"
+            )
+        self.extra_slot_buffers.append(buf)
 
     @property
     def num_slots(self) -> int:

@@ -264,6 +264,10 @@ class SWAAllocator:
             problems.append("reserved full page 0 is mapped")
         full_slots = torch.nonzero(body > 0).reshape(-1)
         swa_slots = body[full_slots]
+        in_range = swa_slots // p <= self.swa_attn_allocator.num_pages
+        if not bool(in_range.all()):
+            problems.append("mapping points past the end of the SWA pool")
+            full_slots, swa_slots = full_slots[in_range], swa_slots[in_range]
         if int(torch.unique(swa_slots).numel()) != int(swa_slots.numel()):
             problems.append("mapping not injective: an SWA slot is referenced twice")
         if full_slots.numel():

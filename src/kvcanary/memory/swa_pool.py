@@ -2,10 +2,8 @@
 sliding-window layers, joined by the allocator-owned full→SWA mapping.
 
 Callers always speak full-pool slot ids; SWA layers read/write the SWA sub-pool at
-``mapping[full_loc]``. Translation is memoised for at most one forward: the cache key
-is ``(loc.data_ptr(), numel, stride, mapping.version, forward_epoch)``, so a hit needs
-the same view (not merely the same storage), an unmutated mapping and the same
-forward. Counters ``translation_stats`` expose hits, misses and gathers.
+``mapping[full_loc]``. The mapping registration and the per-forward translation cache
+live in :class:`BaseSWAKVPool`, shared with the DeepSeek-V4-style pool.
 """
 
 from __future__ import annotations
@@ -21,7 +19,67 @@ if TYPE_CHECKING:
     from kvcanary.memory.swa_allocator import SwaIndexMapping
 
 
-class SWAKVPool(BaseKVPool):
+class BaseSWAKVPool(BaseKVPool):
+    """A pool whose SWA-side storage is addressed through the allocator-owned full→SWA
+    mapping (:class:`SWAKVPool`, :class:`~kvcanary.memory.dsv4_pool.DSV4KVPool`).
+
+    ``translate_loc_from_full_to_swa`` is memoised for at most one forward: the cache key is
+    ``(loc.data_ptr(), numel, stride, dtype, mapping.version, forward_epoch)``, so a hit needs
+    the same view (not merely the same storage), an unmutated mapping and the same forward.
+    The entry keeps ``loc`` alive: a freed index tensor's address cannot be recycled by a new
+    tensor with other contents while the entry could still match it. ``translation_stats``
+    counts hits, misses and gathers.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mapping: SwaIndexMapping | None = None
+        self._cache_key: tuple[object, ...] | None = None
+        self._cache_loc: torch.Tensor | None = None  # held only to pin the key's address
+        self._cache_val: torch.Tensor | None = None
+        self.translation_stats = {"hits": 0, "misses": 0, "gathers": 0}
+
+    def register_mapping(self, mapping: SwaIndexMapping) -> None:
+        """Adopt the allocator's mapping (same object for the pool's life)."""
+        self._mapping = mapping
+        self.invalidate_loc_cache()
+
+    @property
+    def full_to_swa_index_mapping(self) -> torch.Tensor:
+        if self._mapping is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: no mapping registered (build the SWAAllocator first)"
+            )
+        return self._mapping.tensor
+
+    @property
+    def mapping_version(self) -> int:
+        return self._mapping.version if self._mapping is not None else -1
+
+    def invalidate_loc_cache(self) -> None:
+        self._cache_key = self._cache_loc = self._cache_val = None
+
+    def translate_loc_from_full_to_swa(self, loc: torch.Tensor) -> torch.Tensor:
+        """``mapping[loc]`` (−1 → −1), gathered at most once per forward for one view."""
+        key = (
+            loc.data_ptr(),
+            loc.numel(),
+            *loc.stride(),
+            loc.dtype,
+            self.mapping_version,
+            self.forward_epoch,
+        )
+        if key == self._cache_key and self._cache_val is not None:
+            self.translation_stats["hits"] += 1
+            return self._cache_val
+        self.translation_stats["misses"] += 1
+        self.translation_stats["gathers"] += 1
+        out = self.full_to_swa_index_mapping[loc.to(torch.int64)]
+        self._cache_key, self._cache_loc, self._cache_val = key, loc, out
+        return out
+
+
+class SWAKVPool(BaseSWAKVPool):
     def __init__(
         self,
         size: int,
@@ -50,48 +108,6 @@ class SWAKVPool(BaseKVPool):
             self.layers_mapping[gid] = (local, False)
         for local, gid in enumerate(swa_attention_layer_ids):
             self.layers_mapping[gid] = (local, True)
-        self._mapping: SwaIndexMapping | None = None
-        self._cache_key: tuple[int, ...] | None = None
-        self._cache_val: torch.Tensor | None = None
-        self.translation_stats = {"hits": 0, "misses": 0, "gathers": 0}
-
-    # ------------------------------------------------------------ mapping
-    def register_mapping(self, mapping: SwaIndexMapping) -> None:
-        """Adopt the allocator's mapping (same object for the pool's life)."""
-        self._mapping = mapping
-        self.invalidate_loc_cache()
-
-    @property
-    def full_to_swa_index_mapping(self) -> torch.Tensor:
-        if self._mapping is None:
-            raise RuntimeError("SWAKVPool: no mapping registered (build the SWAAllocator first)")
-        return self._mapping.tensor
-
-    @property
-    def mapping_version(self) -> int:
-        return self._mapping.version if self._mapping is not None else -1
-
-    def invalidate_loc_cache(self) -> None:
-        self._cache_key = None
-        self._cache_val = None
-
-    def translate_loc_from_full_to_swa(self, loc: torch.Tensor) -> torch.Tensor:
-        """``mapping[loc]`` (−1 → −1), gathered at most once per forward for one view."""
-        key = (
-            loc.data_ptr(),
-            loc.numel(),
-            *loc.stride(),
-            self.mapping_version,
-            self.forward_epoch,
-        )
-        if key == self._cache_key and self._cache_val is not None:
-            self.translation_stats["hits"] += 1
-            return self._cache_val
-        self.translation_stats["misses"] += 1
-        self.translation_stats["gathers"] += 1
-        out = self.full_to_swa_index_mapping[loc.to(torch.int64)]
-        self._cache_key, self._cache_val = key, out
-        return out
 
     # ------------------------------------------------------------ layers
     def is_swa_layer(self, layer_id: int) -> bool:

@@ -1,0 +1,145 @@
+"""Host (CPU) copies of a request's KV, for retraction and offload.
+
+A copy holds one CPU tensor per *row buffer* of each sub-pool, in a fixed order::
+
+    row buffers of a sub-pool = K layers ..., V layers ..., registered slot buffers ...
+
+    MHAKVPool   {"full": [...]}                               rows = indices
+    SWAKVPool   {"full": [...],                               rows = indices
+                 "swa": [...],                                rows = indices where swa_mask
+                 "swa_mask": cpu bool[len(indices)]}          mapping[indices] > 0 at save
+
+Row ``j`` of a "full" tensor is slot ``indices[j]``; row ``j`` of a "swa" tensor belongs to
+the ``j``-th index whose mapping was > 0 when saved. Unmapped positions (out of the window,
+never given an SWA slot by a tail allocation) have no SWA KV, and their translation 0 is the
+sink slot, so they are skipped. Loading restores every full row and only the saved SWA rows
+whose new index still has an SWA slot; SWA rows for new indices that were unmapped at save
+time are left untouched (the window only slides forward, so they should be unmapped too).
+
+Device gathers and scatters go ``chunk_size`` rows at a time, so a huge copy never needs a
+device temporary larger than one chunk of one buffer.
+
+Extra per-slot buffers ride along by registration: anything registered with
+:meth:`MHAKVPool.register_slot_buffer` on a sub-pool is copied with that sub-pool's KV. The
+canary registers its full-group records on ``pool.full_kv_pool`` (or the MHAKVPool itself) and
+its SWA-group records on ``pool.swa_kv_pool``; callers of ``get_cpu_copy`` need not know.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcanary.memory.mha_pool import BaseKVPool, MHAKVPool
+from kvcanary.memory.swa_pool import SWAKVPool
+
+DEFAULT_CHUNK_SIZE = 8192
+
+
+def _row_buffers(sub: MHAKVPool) -> list[torch.Tensor]:
+    return sub.all_buffers() + sub.extra_slot_buffers
+
+
+def _save(sub: MHAKVPool, slots: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:
+    out = []
+    for buf in _row_buffers(sub):
+        cpu = torch.empty((slots.numel(), *buf.shape[1:]), dtype=buf.dtype, pin_memory=buf.is_cuda)
+        for s in range(0, slots.numel(), chunk_size):
+            cpu[s : s + chunk_size].copy_(buf[slots[s : s + chunk_size]])
+        out.append(cpu)
+    return out
+
+
+def _check_rows(sub: MHAKVPool, saved: list[torch.Tensor], num_rows: int, what: str) -> None:
+    bufs = _row_buffers(sub)
+    if len(saved) != len(bufs):
+        raise ValueError(
+            f"load_cpu_copy: {what} copy holds {len(saved)} buffers, the pool has {len(bufs)} "
+            "(slot buffers registered between save and load?)"
+        )
+    for cpu, buf in zip(saved, bufs, strict=True):
+        if cpu.shape[0] != num_rows or cpu.shape[1:] != buf.shape[1:]:
+            raise ValueError(
+                f"load_cpu_copy: {what} rows of shape {tuple(cpu.shape)} do not fit "
+                f"{num_rows} rows of {tuple(buf.shape[1:])}"
+            )
+
+
+def _load(
+    sub: MHAKVPool,
+    saved: list[torch.Tensor],
+    slots: torch.Tensor,
+    src_rows: torch.Tensor | None,
+    chunk_size: int,
+) -> None:
+    """``buf[slots[j]] = saved[src_rows[j]]`` (``src_rows`` None: row ``j``) per buffer."""
+    for cpu, buf in zip(saved, _row_buffers(sub), strict=True):
+        for s in range(0, slots.numel(), chunk_size):
+            rows = (
+                cpu[s : s + chunk_size] if src_rows is None else cpu[src_rows[s : s + chunk_size]]
+            )
+            buf[slots[s : s + chunk_size]] = rows.to(buf.device)
+
+
+def _slots(pool: BaseKVPool, indices: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size}: must be >= 1 (default {DEFAULT_CHUNK_SIZE})")
+    return indices.reshape(-1).to(pool.device, torch.int64)
+
+
+def _unsupported(pool: BaseKVPool) -> NotImplementedError:
+    return NotImplementedError(
+        f"host copy of {type(pool).__name__}: supported pools are MHAKVPool, SWAKVPool"
+    )
+
+
+def get_cpu_copy(
+    pool: BaseKVPool, indices: torch.Tensor, chunk_size: int | None = None
+) -> dict[str, Any]:
+    """Copy the KV (and registered slot buffers) of full slots ``indices`` to the CPU."""
+    chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
+    slots = _slots(pool, indices, chunk_size)
+    if isinstance(pool, SWAKVPool):
+        swa = pool.full_to_swa_index_mapping[slots]
+        mask = swa > 0
+        return {
+            "full": _save(pool.full_kv_pool, slots, chunk_size),
+            "swa": _save(pool.swa_kv_pool, swa[mask], chunk_size),
+            "swa_mask": mask.cpu(),
+        }
+    if isinstance(pool, MHAKVPool):
+        return {"full": _save(pool, slots, chunk_size)}
+    raise _unsupported(pool)
+
+
+def load_cpu_copy(
+    pool: BaseKVPool,
+    copy: dict[str, Any],
+    indices: torch.Tensor,
+    chunk_size: int | None = None,
+) -> None:
+    """Restore ``copy`` into full slots ``indices`` (same length as the saved indices).
+
+    Everything is validated before the first write, so a mismatched copy loads nothing.
+    """
+    chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
+    slots = _slots(pool, indices, chunk_size)
+    if isinstance(pool, MHAKVPool):
+        _check_rows(pool, copy["full"], slots.numel(), "full")
+        _load(pool, copy["full"], slots, None, chunk_size)
+        return
+    if not isinstance(pool, SWAKVPool):
+        raise _unsupported(pool)
+    old_mask = copy["swa_mask"].to(slots.device)
+    if old_mask.numel() != slots.numel():
+        raise ValueError(f"load_cpu_copy: copy has {old_mask.numel()} indices, got {slots.numel()}")
+    _check_rows(pool.full_kv_pool, copy["full"], slots.numel(), "full")
+    _check_rows(pool.swa_kv_pool, copy["swa"], int(old_mask.sum()), "swa")
+    _load(pool.full_kv_pool, copy["full"], slots, None, chunk_size)
+    new_swa = pool.full_to_swa_index_mapping[slots]
+    row_mask = (new_swa > 0)[old_mask]
+    dest = new_swa[old_mask][row_mask]
+    if dest.numel():
+        src_rows = torch.nonzero(row_mask.cpu()).reshape(-1)
+        _load(pool.swa_kv_pool, copy["swa"], dest, src_rows, chunk_size)

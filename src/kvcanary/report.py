@@ -1,0 +1,40 @@
+"""Summaries: a readable table for the terminal and the same dict as JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.1f}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
+def render_table(title: str, rows: dict[str, Any]) -> str:
+    body = tabulate([(k, _fmt(v)) for k, v in rows.items()], headers=["metric", "value"],
+                    tablefmt="simple", colalign=("left", "right"))
+    return f"{title}\n{body}"
+
+
+def render_matrix(title: str, rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return f"{title}\n(no rows)"
+    table = [[_fmt(r.get(k, "")) for k in rows[0]] for r in rows]
+    return f"{title}\n{tabulate(table, headers=list(rows[0]), tablefmt='simple')}"
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> None:
+    """Write atomically (temp file + rename) so a reader never sees half a file."""
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        raise ValueError(f"--json {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,62 @@
+"""``kvcanary run``: drive the engine over a synthetic workload and summarise it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+from kvcanary.config import EngineConfig, SamplingParams
+from kvcanary.engine.engine import Engine
+from kvcanary.workload import WorkloadSpec, make_prompts
+
+
+def run_workload(
+    config: EngineConfig, spec: WorkloadSpec, progress: bool = True
+) -> tuple[dict[str, Any], Engine]:
+    """Run every request to completion; return the summary (stable JSON keys) and engine."""
+    engine = Engine(config)
+    prompts = make_prompts(spec, engine.runner.vocab_size)
+    params = SamplingParams(max_new_tokens=spec.output_len, ignore_eos=True)
+    bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=not progress)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, on_step=lambda done: bar.update(len(done)))
+    wall = time.perf_counter() - t0
+    bar.close()
+    engine.check_integrity()
+    return summarize(engine, outs, wall), engine
+
+
+def summarize(engine: Engine, outs: list, wall_s: float) -> dict[str, Any]:
+    st = engine.scheduler.stats
+    runner = engine.runner
+    alloc = runner.allocator
+    pool = runner.token_to_kv_pool
+    full_size = alloc.size_full if runner.is_swa else alloc.size
+    swa_size = alloc.size_swa if runner.is_swa else 0
+    gathers = pool.translation_stats["gathers"] if runner.is_swa else 0
+    return {
+        "model": engine.config.model,
+        "page_size": engine.config.page_size,
+        "sliding_window": runner.sliding_window,
+        "kv_canary": engine.config.kv_canary,
+        "requests": len(outs),
+        "prompt_tokens": sum(len(o.prompt_ids) for o in outs),
+        "output_tokens": sum(len(o.output_ids) for o in outs),
+        "wall_time_s": wall_s,
+        "prefill_tokens_per_s": st.num_prefill_tokens / st.prefill_time_s if st.prefill_time_s else 0.0,
+        "decode_tokens_per_s": st.num_decode_tokens / st.decode_time_s if st.decode_time_s else 0.0,
+        "forwards": st.num_forwards,
+        "full_pool_tokens": full_size,
+        "swa_pool_tokens": swa_size,
+        "peak_full_used_tokens": st.peak_full_used,
+        "peak_swa_used_tokens": st.peak_swa_used,
+        "prefix_cache_hit_rate": (
+            st.num_cached_prompt_tokens / st.num_prompt_tokens if st.num_prompt_tokens else 0.0
+        ),
+        "retractions": st.num_retractions,
+        "swa_slots_evicted": st.num_swa_slots_evicted,
+        "swa_translation_gathers_per_forward": gathers / st.num_forwards if st.num_forwards else 0.0,
+        "graph_replays": st.graph_replays,
+    }

@@ -1,0 +1,56 @@
+"""Shared helpers for engine tests: tiny configs, workloads and memory checks."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from kvcanary import Engine, EngineConfig, SamplingParams
+
+
+def make_prompts(num: int, min_len: int, max_len: int, shared: int = 0, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(256) for _ in range(shared)]
+    return [
+        prefix + [rng.randrange(256) for _ in range(rng.randint(min_len, max_len) - shared)]
+        for _ in range(num)
+    ]
+
+
+def tiny_engine(**overrides: Any) -> Engine:
+    base: dict[str, Any] = dict(model="builtin:tiny-swa", page_size=4, max_total_tokens=4096,
+                                max_context_len=1024)
+    base.update(overrides)
+    return Engine(EngineConfig(**base))
+
+
+def greedy_outputs(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 24,
+                   waves: int = 1) -> list[list[int]]:
+    """Greedy outputs, prompts submitted in ``waves`` consecutive generate() calls (so later
+    waves can hit the prefix cache filled by earlier ones)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    size = -(-len(prompts) // waves)
+    outs = []
+    for i in range(0, len(prompts), size):
+        outs += engine.generate(prompts[i : i + size], params)
+    return [o.output_ids for o in outs]
+
+
+def assert_all_memory_free(engine: Engine) -> None:
+    """After every request finished: integrity holds, and once the prefix cache lets go of
+    what it holds, every slot and row is back on the free lists."""
+    sched = engine.scheduler
+    assert not sched.has_unfinished()
+    engine.check_integrity()
+    if sched.cache is not None:
+        sched.cache.free_all()
+    alloc = engine.runner.allocator
+    if engine.runner.is_swa:
+        assert alloc.full_available_size() == alloc.size_full
+        assert alloc.swa_available_size() == alloc.size_swa
+        assert int((alloc.full_to_swa_index_mapping[:-1] != 0).sum()) == 0
+    else:
+        assert alloc.available_size() == alloc.size
+    pool = engine.runner.req_to_token_pool
+    assert pool.available_size() == pool.size
+    engine.check_integrity()
