@@ -1,0 +1,96 @@
+"""Canary verify/write kernels: the contract, and the per-device choice of implementation.
+
+Both backends (:mod:`.kernels_numba` for CPU, :mod:`.kernels_torch` for any device) and the
+test-only Python reference implement exactly this, bit for bit (ring rows in the same order):
+
+**verify(records, plan, ring, tag)** — for each plan entry ``i`` in order::
+
+    slot == 0                       skip (reserved padding slot; still counts as processed)
+    expected_chain = stored prev_hash            if prev_slot == 0   (predecessor unreachable)
+                   = ANCHOR_HASH                 if prev_slot <  0   (first token)
+                   = chain_hash(record[prev_slot]) otherwise
+    VERIFY_CHAIN_HASH_MISMATCH    prev_slot != 0 and stored prev_hash != expected_chain
+    VERIFY_TOKEN_MISMATCH         check_token and expected_token != -1 and stored token differs
+    VERIFY_POSITION_MISMATCH      stored position != expected position
+    VERIFY_REAL_KV_HASH_MISMATCH  stored real_kv_hash != fingerprint of the live KV (0 without
+                                  sources, so HEAD buffers must hold 0)
+    any bit → ring row (tag, slot, stored position, stored token, expected token or -1 when
+              check_token is off, stored prev_hash, expected_chain, bits)
+
+**write(records, plan, ring, tag)** — all seeds are read first; then per request, in order::
+
+    running = ANCHOR_HASH if seed < 0 else chain_hash(record[seed])
+    position assert armed iff chain_position_assert and seed >= 0; prev = record[seed].position
+    for each token (slot < 0: skipped entirely):
+        write-input assert (plan has expected inputs): WRITE_TOKEN_MISMATCH / WRITE_POSITION_MISMATCH
+            → row (tag, slot, position, token, expected token, running, expected position, bits)
+        armed and position != prev + 1 → row (tag, slot, position, token, token, running,
+            prev + 1, WRITE_POSITION_MISMATCH); then prev = position
+        record[slot] = (token, position, running, fingerprint of the live KV or 0)
+        running = chain_hash(running, token, position)   # always the ACTUAL values
+
+Duplicate slots within one write keep the last token's record. Slots outside the buffer
+raise. ``counters`` (optional) count one launch per call and the entries processed (verify:
+all entries of an enabled plan; write: tokens stored). A disabled verify plan does nothing
+but count the launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+from kvcanary.canary import kernels_numba, kernels_torch
+from kvcanary.canary.plan import VerifyPlan, WritePlan
+from kvcanary.canary.real_kv import RealKvSource
+from kvcanary.canary.ring import RunCounters, ViolationRing
+
+Backend = Literal["auto", "numba", "torch"]
+BACKENDS: tuple[Backend, ...] = ("auto", "numba", "torch")
+
+
+def _module(records: torch.Tensor, backend: Backend) -> ModuleType:
+    if backend not in BACKENDS:
+        raise ValueError(f"canary kernel backend={backend!r}; allowed: {', '.join(BACKENDS)}")
+    if backend == "numba" or (backend == "auto" and records.device.type == "cpu"):
+        return kernels_numba
+    return kernels_torch
+
+
+def verify(
+    records: torch.Tensor,
+    plan: VerifyPlan,
+    ring: ViolationRing,
+    launch_tag: int,
+    *,
+    real_kv_sources: Sequence[RealKvSource] = (),
+    check_token: bool = False,
+    counters: RunCounters | None = None,
+    backend: Backend = "auto",
+) -> None:
+    """Verify ``plan``'s entries against the canary buffer ``records`` (see module doc)."""
+    _module(records, backend).verify(
+        records, plan, ring, launch_tag,
+        real_kv_sources=real_kv_sources, check_token=check_token, counters=counters,
+    )  # fmt: skip
+
+
+def write(
+    records: torch.Tensor,
+    plan: WritePlan,
+    ring: ViolationRing,
+    launch_tag: int,
+    *,
+    real_kv_sources: Sequence[RealKvSource] = (),
+    chain_position_assert: bool = False,
+    counters: RunCounters | None = None,
+    backend: Backend = "auto",
+) -> None:
+    """Write this forward's records into ``records`` (see module doc)."""
+    _module(records, backend).write(
+        records, plan, ring, launch_tag, real_kv_sources=real_kv_sources,
+        chain_position_assert=chain_position_assert, counters=counters,
+    )  # fmt: skip

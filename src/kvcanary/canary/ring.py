@@ -1,0 +1,77 @@
+"""Device-side violation bookkeeping: the fill-once violation ring and per-tag run counters.
+
+Ring contract (same as SGLang's ``violation_ring`` + ``violation_write_index``)::
+
+    rows         int64 [capacity, 8]   row k = the k-th violation ever recorded (k < capacity)
+    write_index  int64 [1]             number of violations ever recorded; never decreases
+
+A violation with sequence number ``seq >= capacity`` is dropped but still counted, so
+``write_index > capacity`` means overflow. Rows are never overwritten. The row layout is
+``RING_COL_*`` in :mod:`kvcanary.canary.constants`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary.canary.constants import NUM_LAUNCH_TAGS, VIOLATION_ROW_FIELDS
+from kvcanary.canary.violation import ViolationRecord
+
+
+class ViolationRing:
+    """Owner of the ring tensors. Appends from kernels need no host sync."""
+
+    def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
+        if capacity < 1:
+            raise ValueError(f"violation ring capacity={capacity}; allowed: >= 1")
+        self.capacity = capacity
+        # One extra scratch row: vectorised appends aim dropped/non-violating candidates at it
+        # instead of filtering them on the host.
+        self._storage = torch.zeros(
+            capacity + 1, VIOLATION_ROW_FIELDS, dtype=torch.int64, device=device
+        )
+        self.rows = self._storage[:capacity]
+        self.write_index = torch.zeros(1, dtype=torch.int64, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+    def append_t(self, candidates: torch.Tensor, is_violation: torch.Tensor) -> None:
+        """Record ``candidates[i]`` (int64 ``[n, 8]``) for each set ``is_violation[i]``, in order."""
+        flags = is_violation.to(torch.int64)
+        seq = self.write_index + torch.cumsum(flags, 0) - flags
+        target = torch.where(is_violation & (seq < self.capacity), seq, self.capacity)
+        self._storage.index_copy_(0, target, candidates)
+        self.write_index += flags.sum()
+
+    def num_recorded(self) -> int:
+        """Violations ever recorded, including dropped ones (a host sync on accelerators)."""
+        return int(self.write_index.item())
+
+    def read(self, start: int = 0) -> list[ViolationRecord]:
+        """Host copies of the stored rows ``[start, min(write_index, capacity))``."""
+        end = min(self.num_recorded(), self.capacity)
+        return [ViolationRecord(*row) for row in self.rows[start:end].tolist()]
+
+    def clear(self) -> None:
+        self._storage.zero_()
+        self.write_index.zero_()
+
+
+class RunCounters:
+    """Per-launch-tag health counters (int64 ``[NUM_LAUNCH_TAGS]`` each).
+
+    ``kernel_runs[tag]`` grows by 1 on every kernel launch (even a disabled verify);
+    ``slots_processed[tag]`` by the entries a launch processed (verify: every entry incl. slot 0;
+    write: every token actually stored). Their sums feed the stats line and the health check.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.kernel_runs = torch.zeros(NUM_LAUNCH_TAGS, dtype=torch.int64, device=device)
+        self.slots_processed = torch.zeros(NUM_LAUNCH_TAGS, dtype=torch.int64, device=device)
+
+    def add(self, tag: int, num_slots: int | torch.Tensor) -> None:
+        """One launch of ``tag`` that processed ``num_slots`` entries (tensor: no host sync)."""
+        self.kernel_runs[tag] += 1
+        self.slots_processed[tag] += num_slots

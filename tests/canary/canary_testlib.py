@@ -1,0 +1,161 @@
+"""Helpers for the canary tests: the three kernel implementations, random real-KV sources,
+and a toy KV system (full pool, optional SWA sub-pool + LUT, req→token table) that produces
+engine-style :class:`PlanInputs` step by step.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import reference_kernels
+import torch
+
+from kvcanary.canary import kernels_numba, kernels_torch
+from kvcanary.canary.plan import PlanInputs
+from kvcanary.canary.real_kv import RealKvSource
+
+IMPLS: dict[str, ModuleType] = {
+    "numba": kernels_numba,
+    "torch": kernels_torch,
+    "reference": reference_kernels,
+}
+
+
+def make_sources(
+    num_slots: int,
+    rng: random.Random,
+    *,
+    num_sources: int,
+    page_size: int = 1,
+    bytes_per_token: int = 16,
+    read_bytes: int = 16,
+    extra_row_bytes: int = 0,
+) -> list[RealKvSource]:
+    """``num_sources`` random KV buffers covering ``num_slots`` slots."""
+    num_rows = -(-num_slots // page_size)
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    width = page_size * bytes_per_token + extra_row_bytes
+    return [
+        RealKvSource(
+            torch.randint(0, 256, (num_rows, width), dtype=torch.uint8, generator=gen),
+            page_size,
+            bytes_per_token,
+            read_bytes,
+        )
+        for _ in range(num_sources)
+    ]
+
+
+def store_kv(sources: list[RealKvSource], slots: list[int], rng: random.Random) -> None:
+    """Simulate attention storing fresh KV bytes for ``slots`` (the whole token stride)."""
+    for s in sources:
+        for slot in slots:
+            row, offset = divmod(slot, s.page_size)
+            col = offset * s.num_bytes_per_token
+            fresh = [rng.randrange(256) for _ in range(s.num_bytes_per_token)]
+            s.tensor[row, col : col + s.num_bytes_per_token] = torch.tensor(
+                fresh, dtype=torch.uint8
+            )
+
+
+@dataclass
+class ToyKvSystem:
+    """Slot allocation and req→token bookkeeping for canary round-trip tests.
+
+    Slot 0 of both pools and row 0 of ``req_to_token`` are padding. With ``window`` set, every
+    token also gets an SWA slot (``lut[full] = swa``) and :meth:`evict_out_of_window` frees the
+    SWA slots of positions ``< seq_len - window`` (``lut`` entry back to 0).
+    """
+
+    num_full_slots: int
+    num_rows: int
+    max_context_len: int
+    rng: random.Random
+    window: int | None = None
+    num_swa_slots: int = 0
+    vocab_size: int = 50
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.req_to_token = torch.zeros(self.num_rows, self.max_context_len, dtype=torch.int32)
+        self.free_full = list(range(1, self.num_full_slots))
+        self.free_swa = list(range(1, self.num_swa_slots))
+        self.rng.shuffle(self.free_full)
+        self.rng.shuffle(self.free_swa)
+        self.lut = torch.zeros(self.num_full_slots + 1, dtype=torch.int64)
+        self.lut[-1] = -1  # the "no prefix" sentinel entry of the full→SWA mapping
+
+    def free_rows(self) -> list[int]:
+        return [r for r in range(1, self.num_rows) if r not in self.tokens]
+
+    def share_prefix(self, row: int, donor: int, num_tokens: int) -> None:
+        """Start ``row`` as a radix hit on ``donor``'s first ``num_tokens`` tokens."""
+        self.tokens[row] = list(self.tokens[donor][:num_tokens])
+        self.req_to_token[row, :num_tokens] = self.req_to_token[donor, :num_tokens]
+
+    def step(self, batch: list[tuple[int, int]], num_padding_rows: int = 0) -> PlanInputs:
+        """One forward: each ``(row, num_new_tokens)`` appends fresh tokens; padding rows last."""
+        rows, prefix_lens, extend_lens, ids, pos, locs = [], [], [], [], [], []
+        for row, num_new in batch:
+            seq = self.tokens.setdefault(row, [])
+            rows.append(row)
+            prefix_lens.append(len(seq))
+            extend_lens.append(num_new)
+            for _ in range(num_new):
+                slot = self.free_full.pop()
+                self.req_to_token[row, len(seq)] = slot
+                if self.window is not None:
+                    self.lut[slot] = self.free_swa.pop()
+                ids.append(self.rng.randrange(self.vocab_size))
+                pos.append(len(seq))
+                locs.append(slot)
+                seq.append(ids[-1])
+        for _ in range(num_padding_rows):  # graph padding: row 0, one token into slot 0
+            rows.append(0)
+            prefix_lens.append(0)
+            extend_lens.append(1)
+            ids.append(0)
+            pos.append(0)
+            locs.append(0)
+        table = torch.zeros(self.num_rows, self.max_context_len, dtype=torch.int32)
+        for row, seq in self.tokens.items():
+            table[row, : len(seq)] = torch.tensor(seq, dtype=torch.int32)
+        lens = [len(self.tokens[r]) if r else 0 for r in rows]
+
+        def t(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64)
+
+        return PlanInputs(
+            req_to_token=self.req_to_token.clone(),
+            req_pool_indices=t(rows),
+            prefix_lens=t(prefix_lens),
+            extend_lens=t(extend_lens),
+            input_ids=t(ids),
+            positions=t(pos),
+            out_cache_loc=t(locs),
+            expected_token_table=table,
+            expected_token_lens=t(lens),
+            expected_input_ids=t(ids),
+            expected_positions=t(pos),
+        )
+
+    def evict_out_of_window(self) -> None:
+        assert self.window is not None
+        for row, seq in self.tokens.items():
+            for p in range(max(0, len(seq) - self.window)):
+                full = int(self.req_to_token[row, p])
+                if self.lut[full] != 0:
+                    self.free_swa.append(int(self.lut[full]))
+                    self.lut[full] = 0
+
+    def finish(self, row: int) -> None:
+        """Free a request's slots (stale records stay behind, as in a real pool)."""
+        for p in range(len(self.tokens.pop(row))):
+            full = int(self.req_to_token[row, p])
+            if self.window is not None and self.lut[full] != 0:
+                self.free_swa.append(int(self.lut[full]))
+                self.lut[full] = 0
+            self.free_full.append(full)
+        self.req_to_token[row] = 0

@@ -1,0 +1,199 @@
+"""numba == torch == Python reference on random records, plans, KV bytes and rings.
+
+Worlds are legit request chains with random corruption sprinkled over records and KV bytes;
+plans mix faithful entries with mutated ones (slot 0, unreachable/wrong predecessors, wrong
+positions/tokens), writes mix chained seeds with bogus ones, skipped (-1), padding (0) and
+duplicate slots. Small ring capacities exercise overflow. Every implementation must leave
+identical records, ring rows, ring counters and run counters.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from canary_testlib import IMPLS, make_sources
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference_kernels import real_kv_hash, slot_hash
+
+from kvcanary.canary.constants import CanaryLaunchTag
+from kvcanary.canary.hashing import ANCHOR_HASH_I64
+from kvcanary.canary.plan import VerifyPlan, WritePlan
+from kvcanary.canary.real_kv import RealKvSource
+from kvcanary.canary.records import as_int64_records
+from kvcanary.canary.ring import RunCounters, ViolationRing
+
+
+@dataclass
+class World:
+    records: torch.Tensor
+    sources: list[RealKvSource]
+    chains: list[list[int]]  # slots of each request, position order
+
+
+def make_world(rng: random.Random, num_slots: int, num_sources: int) -> World:
+    slot_bytes = rng.choice([32, 32, 48])
+    records = torch.zeros(num_slots, slot_bytes, dtype=torch.uint8)
+    rec = as_int64_records(records)
+    page_size = rng.choice([1, 2, 4])
+    bytes_per_token = rng.choice([16, 32])
+    sources = make_sources(
+        num_slots, rng, num_sources=num_sources, page_size=page_size,
+        bytes_per_token=bytes_per_token, read_bytes=rng.choice([16, bytes_per_token]),
+        extra_row_bytes=rng.choice([0, 16]),
+    )  # fmt: skip
+    free = list(range(1, num_slots))
+    rng.shuffle(free)
+    chains = []
+    while free:
+        chain, free = free[: rng.randint(1, 6)], free[rng.randint(1, 6) :]
+        chains.append(chain)
+        prev = ANCHOR_HASH_I64
+        for pos, slot in enumerate(chain):
+            record = [rng.randrange(5), pos, prev, real_kv_hash(sources, slot)]
+            rec[slot, :4] = torch.tensor(record)
+            prev = slot_hash(record)
+    for _ in range(rng.randint(0, 3)):  # corrupt a few fields and KV bytes
+        slot = rng.randrange(num_slots)
+        rec[slot, rng.randrange(4)] = rng.choice([0, -1, rng.randrange(-(2**63), 2**63)])
+    for s in sources:
+        if rng.random() < 0.3:
+            s.tensor[rng.randrange(s.tensor.shape[0]), rng.randrange(s.tensor.shape[1])] ^= 0xFF
+    return World(records, sources, chains)
+
+
+def make_verify_plan(rng: random.Random, w: World) -> VerifyPlan:
+    rec = as_int64_records(w.records)
+    n = rec.shape[0]
+    entries = []
+    for chain in w.chains:
+        for pos in range(rng.randrange(len(chain)), len(chain)):
+            entry = [chain[pos], chain[pos - 1] if pos else -1, pos, int(rec[chain[pos], 0])]
+            mutation = rng.randrange(12)
+            if mutation == 0:
+                entry[0] = 0
+            elif mutation == 1:
+                entry[1] = 0
+            elif mutation == 2:
+                entry[1] = rng.randrange(-1, n)
+            elif mutation == 3:
+                entry[2] += rng.choice([-1, 1])
+            elif mutation == 4:
+                entry[3] = rng.choice([-1, entry[3] + 1])
+            entries.append(entry)
+    for _ in range(rng.randint(0, 3)):
+        entries.insert(
+            rng.randint(0, len(entries)), [rng.randrange(n), rng.randrange(-1, n), 0, -1]
+        )
+    cols = torch.tensor(entries, dtype=torch.int64).reshape(-1, 4).T
+    return VerifyPlan.from_entries(cols[0], cols[1], cols[2], cols[3])
+
+
+def t(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def make_write_plan(rng: random.Random, w: World) -> WritePlan:
+    n = w.records.shape[0]
+    seeds, starts, counts, ids, positions, slots = [], [], [], [], [], []
+    for _ in range(rng.randint(0, 4)):
+        chain = rng.choice(w.chains)
+        seed = rng.choice([chain[-1], chain[-1], -1, 0, rng.randrange(n)])
+        first_pos = len(chain) if seed != -1 else 0
+        num_padding = rng.randint(0, 2)  # tokens of padding rows between requests
+        ids += [0] * num_padding
+        positions += [0] * num_padding
+        slots += [0] * num_padding
+        seeds.append(seed)
+        starts.append(len(ids))
+        counts.append(rng.randint(0, 5))
+        for j in range(counts[-1]):
+            ids.append(rng.randrange(5))
+            positions.append(first_pos + j + (rng.random() < 0.15))
+            slots.append(rng.choice([rng.randrange(n)] * 6 + [-1, 0]))
+    expected_ids = expected_pos = None
+    if rng.random() < 0.5:
+        expected_ids = t([i + (rng.random() < 0.2) for i in ids])
+        expected_pos = t([p + (rng.random() < 0.2) for p in positions])
+    return WritePlan(
+        t(seeds), t(starts), t(counts), t(ids), t(positions), t(slots),
+        max(counts, default=0), sum(counts), expected_ids, expected_pos,
+    )  # fmt: skip
+
+
+def run(impl_name: str, w: World, vplan: VerifyPlan, wplan: WritePlan, ring_capacity: int,
+        ring_start: int, check_token: bool, position_assert: bool) -> list[list[int]]:  # fmt: skip
+    """verify → write → verify again (all TAIL-like, with the world's sources); all state."""
+    impl = IMPLS[impl_name]
+    records = w.records.clone()
+    ring = ViolationRing(ring_capacity)
+    ring.write_index += ring_start  # earlier violations already filled part of the ring
+    counters = RunCounters()
+    impl.verify(records, vplan, ring, CanaryLaunchTag.TAIL_K_SWA, real_kv_sources=w.sources,
+                check_token=check_token, counters=counters)  # fmt: skip
+    impl.write(records, wplan, ring, CanaryLaunchTag.TAIL_V_FULL, real_kv_sources=w.sources,
+               chain_position_assert=position_assert, counters=counters)  # fmt: skip
+    impl.verify(records, vplan, ring, CanaryLaunchTag.SWEEP_K_FULL, real_kv_sources=w.sources,
+                check_token=check_token, counters=counters)  # fmt: skip
+    return [
+        *as_int64_records(records).tolist(),
+        *ring.rows.tolist(),
+        ring.write_index.tolist(),
+        counters.kernel_runs.tolist(),
+        counters.slots_processed.tolist(),
+    ]
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_slots=st.integers(2, 40),
+    num_sources=st.integers(0, 2),
+    ring_capacity=st.sampled_from([1, 3, 64, 256]),
+    ring_start=st.integers(0, 3),
+    check_token=st.booleans(),
+    position_assert=st.booleans(),
+)
+@settings(max_examples=80, deadline=None)
+def test_implementations_agree(
+    seed: int, num_slots: int, num_sources: int, ring_capacity: int, ring_start: int,
+    check_token: bool, position_assert: bool,
+) -> None:  # fmt: skip
+    rng = random.Random(seed)
+    w = make_world(rng, num_slots, num_sources)
+    vplan, wplan = make_verify_plan(rng, w), make_write_plan(rng, w)
+    args = (w, vplan, wplan, ring_capacity, ring_start, check_token, position_assert)
+    want = run("reference", *args)
+    assert run("numba", *args) == want
+    assert run("torch", *args) == want
+
+
+@pytest.mark.parametrize("impl_name", IMPLS)
+def test_out_of_range_slots_raise(impl_name: str) -> None:
+    impl = IMPLS[impl_name]
+    records, ring = torch.zeros(4, 32, dtype=torch.uint8), ViolationRing(4)
+    bad_slot = VerifyPlan.from_entries(torch.tensor([4]), torch.tensor([-1]), torch.tensor([0]))
+    bad_prev = VerifyPlan.from_entries(torch.tensor([1]), torch.tensor([9]), torch.tensor([0]))
+    for plan in (bad_slot, bad_prev):
+        with pytest.raises(IndexError):
+            impl.verify(records, plan, ring, 0)
+    one = torch.tensor([1])
+    bad_write_slot = WritePlan(t([-1]), t([0]), one, one, one, t([4]), 1, 1)
+    bad_token_range = WritePlan(t([-1]), t([-1]), one, one, one, one, 1, 1)
+    for plan in (bad_write_slot, bad_token_range):
+        with pytest.raises(IndexError):
+            impl.write(records, plan, ring, 0)
+
+
+@pytest.mark.parametrize("impl_name", IMPLS)
+def test_disabled_verify_only_counts_the_launch(impl_name: str) -> None:
+    records = torch.zeros(4, 32, dtype=torch.uint8)
+    records[1] = 7  # garbage that would violate if verified
+    empty = torch.zeros(0, dtype=torch.int64)
+    plan = VerifyPlan(empty, empty, empty, empty, enabled=False, num_requested_entries=99)
+    ring, counters = ViolationRing(4), RunCounters()
+    IMPLS[impl_name].verify(records, plan, ring, 3, counters=counters)
+    assert ring.num_recorded() == 0
+    assert counters.kernel_runs[3] == 1 and counters.slots_processed[3] == 0
