@@ -78,6 +78,7 @@ class Scheduler:
         )
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self._aborted: list[Req] = []  # reported by the next step()
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
         self.eos_ids = set(runner.tokenizer.eos_token_ids)
@@ -93,10 +94,48 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._aborted)
+
+    def abort_requests_referencing(
+        self, full_slots: torch.Tensor, swa_slots: torch.Tensor | None = None
+    ) -> list[int]:
+        """Abort every running request whose KV includes ``full_slots`` (or, SWA pools,
+        whose in-use full slots map to ``swa_slots``); quarantine those slots so they are
+        never handed out again. The aborted requests come back from the next ``step()``
+        with ``finish_reason="abort"``; everyone else keeps running. Returns their ids."""
+        full_slots = full_slots.reshape(-1).to(torch.int64)
+        swa_slots = (
+            swa_slots.reshape(-1).to(torch.int64)
+            if swa_slots is not None and self.runner.is_swa
+            else torch.zeros(0, dtype=torch.int64)
+        )
+        full_slots, swa_slots = full_slots[full_slots > 0], swa_slots[swa_slots > 0]
+        hit = []
+        for req in self.running:
+            slots = self.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
+            bad = bool(torch.isin(slots, full_slots).any())
+            if swa_slots.numel():
+                mapping = self.allocator.full_to_swa_index_mapping
+                bad = bad or bool(torch.isin(mapping[slots], swa_slots).any())
+            if bad:
+                hit.append(req)
+        self.allocator.quarantine(full_slots)
+        if swa_slots.numel():
+            self.allocator.quarantine_swa(swa_slots)
+        for req in hit:
+            self._release(req, insert=False)
+            self.running.remove(req)
+            req.finish_reason = "abort"
+            self._aborted.append(req)
+        return [r.rid for r in hit]
 
     def step(self) -> list[Req]:
-        """Run one forward; return the requests that finished in it."""
+        """Run one forward; return the requests that finished in it (and any aborted
+        since the last step)."""
+        aborted, self._aborted = self._aborted, []
+        return aborted + self._step()
+
+    def _step(self) -> list[Req]:
         batch, reqs = self._schedule_extend()
         if batch is None:
             batch, reqs = self._schedule_decode()
@@ -171,6 +210,7 @@ class Scheduler:
                 return False
         row = self.req_to_token_pool.alloc(1)[0]
         req.req_pool_idx = row
+        self.req_to_token_pool.set_tokens(row, req.all_ids())
         if req.host_copy is not None:
             if not self._restore_from_host(req):
                 self.req_to_token_pool.free(row)
@@ -234,7 +274,7 @@ class Scheduler:
     def _unstall(self) -> None:
         """No forward could be scheduled: free memory by retracting the newest running
         request, or fail loudly when a lone request cannot fit."""
-        if not self.has_unfinished():
+        if not (self.waiting or self.running):
             return
         if len(self.running) > 1:
             self._retract(self.running[-1], requeue_front=True)
@@ -317,6 +357,9 @@ class Scheduler:
             tokens = sample_batch(
                 logits[sample_rows], [r.params for r in to_sample], [r.generator for r in to_sample]
             )
+        self.req_to_token_pool.append_tokens(
+            [r.req_pool_idx for r in to_sample], [r.seq_len for r in to_sample], tokens
+        )
         finished = []
         for req, tok in zip(to_sample, tokens, strict=True):
             req.output_ids.append(tok)

@@ -53,6 +53,8 @@ class PagedAllocator:
         self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
         # page_allocated[p]: page p is handed out (page 0 is never)
         self.page_allocated = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=self.device)
+        # page_quarantined[p]: never handed out again (its KV was found corrupt)
+        self.page_quarantined = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=self.device)
         self._pending_free = None
 
     def available_size(self) -> int:
@@ -168,7 +170,20 @@ class PagedAllocator:
             bad = pages[~self.page_allocated[pages]]
             raise DoubleFreeError(f"free: pages {bad.tolist()[:16]} are already free")
         self.page_allocated[pages] = False
-        self.free_pages = torch.cat([self.free_pages, pages])
+        self.free_pages = torch.cat([self.free_pages, pages[~self.page_quarantined[pages]]])
+
+    def quarantine(self, slots: torch.Tensor) -> int:
+        """Take the pages holding ``slots`` out of circulation for good: free ones leave the
+        free list now, allocated ones when freed. Returns pages newly quarantined."""
+        pages = torch.unique(slots.reshape(-1).to(self.device, torch.int64) // self.page_size)
+        pages = pages[(pages > 0) & (pages <= self.num_pages)]
+        pages = pages[~self.page_quarantined[pages]]
+        self.page_quarantined[pages] = True
+        self.free_pages = self.free_pages[~self.page_quarantined[self.free_pages]]
+        return int(pages.numel())
+
+    def num_quarantined_pages(self) -> int:
+        return int(self.page_quarantined.sum())
 
     def free_group_begin(self) -> None:
         """Queue frees until :meth:`free_group_end` (one merged free, duplicates allowed)."""
@@ -196,9 +211,13 @@ class PagedAllocator:
             problems.append("pages both free and allocated")
         if bool(self.page_allocated[0]):
             problems.append("reserved page 0 allocated")
-        if self.num_free_pages() + self.num_used_pages() != self.num_pages:
+        if bool(self.page_quarantined[free].any()):
+            problems.append("quarantined pages in the free list")
+        parked = int((self.page_quarantined & ~self.page_allocated).sum())
+        if self.num_free_pages() + self.num_used_pages() + parked != self.num_pages:
             problems.append(
-                f"free {self.num_free_pages()} + used {self.num_used_pages()} != total {self.num_pages}"
+                f"free {self.num_free_pages()} + used {self.num_used_pages()} + quarantined "
+                f"{parked} != total {self.num_pages}"
             )
         return raise_if_problems(type(self).__name__, problems)
 

@@ -7,6 +7,10 @@ Layout (int32 ``[size + 1, max_context_len]``)::
 
 Only the owner of a row writes it (the scheduler). Entries past a request's
 sequence length are stale and must never be read.
+
+Beside it, ``token_ids[r, p]`` mirrors the token id at position ``p`` of row ``r``'s
+request (prompt + outputs) for the first ``token_lens[r]`` positions, so a checker can
+compare what a KV slot claims to hold with what the request really contains.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class ReqToTokenPool:
         self.req_to_token = torch.zeros(
             (size + 1, max_context_len), dtype=torch.int32, device=self.device
         )
+        self.token_ids = torch.zeros((size + 1, max_context_len), dtype=torch.int64, device=self.device)
+        self.token_lens = torch.zeros(size + 1, dtype=torch.int64, device=self.device)
         self._free_rows: list[int] = list(range(1, size + 1))
         self._is_free = [False] + [True] * size
 
@@ -55,6 +61,7 @@ class ReqToTokenPool:
             raise DoubleFreeError(f"req_to_token row {row} freed twice")
         self._is_free[row] = True
         self._free_rows.append(row)
+        self.token_lens[row] = 0
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """``req_to_token[row, start:start+len(slots)] = slots``."""
@@ -65,7 +72,23 @@ class ReqToTokenPool:
             )
         self.req_to_token[row, start:end] = slots.to(torch.int32)
 
+    def set_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Mirror a request's whole token sequence into ``row``."""
+        n = len(token_ids)
+        if n > self.max_context_len:
+            raise ValueError(f"sequence length {n} exceeds max_context_len={self.max_context_len}")
+        self.token_ids[row, :n] = torch.as_tensor(token_ids, dtype=torch.int64)
+        self.token_lens[row] = n
+
+    def append_tokens(self, rows: list[int], positions: list[int], token_ids: list[int]) -> None:
+        """One new token per row at ``positions`` (= the old length)."""
+        r = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+        p = torch.as_tensor(positions, dtype=torch.int64, device=self.device)
+        self.token_ids[r, p] = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device)
+        self.token_lens[r] = p + 1
+
     def clear(self) -> None:
+        self.token_lens.zero_()
         self._free_rows = list(range(1, self.size + 1))
         self._is_free = [False] + [True] * self.size
 

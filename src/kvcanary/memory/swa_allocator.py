@@ -243,6 +243,13 @@ class SWAAllocator:
     def set_full_to_swa_mapping(self, full_slots: torch.Tensor, swa_slots: torch.Tensor) -> None:
         self.mapping.write(full_slots, swa_slots)
 
+    def quarantine(self, full_slots: torch.Tensor) -> int:
+        """Never reallocate these full slots' pages (the SWA side: :meth:`quarantine_swa`)."""
+        return self.full_attn_allocator.quarantine(full_slots)
+
+    def quarantine_swa(self, swa_slots: torch.Tensor) -> int:
+        return self.swa_attn_allocator.quarantine(swa_slots)
+
     def clear(self) -> None:
         self.full_attn_allocator.clear()
         self.swa_attn_allocator.clear()
