@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcanary.model.base import AttentionLayerSpec
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -143,3 +145,14 @@ class ModelConfig:
     def window_of(self, layer_id: int) -> int | None:
         """The window of layer ``layer_id``; ``None`` for full attention."""
         return self.sliding_window if self.layer_types[layer_id] == SLIDING_ATTENTION else None
+
+    def attention_spec(self, layer_id: int) -> AttentionLayerSpec:
+        """What the attention backend is told about layer ``layer_id``."""
+        return AttentionLayerSpec(
+            layer_id=layer_id,
+            num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            scaling=self.attention_scaling,
+            sliding_window=self.window_of(layer_id),
+        )

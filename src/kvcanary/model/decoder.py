@@ -1,0 +1,185 @@
+"""The decoder: embeddings -> N x (attention, MLP) -> final norm -> lm_head.
+
+Tokens of several sequences arrive packed flat (``[num_tokens]``) with their absolute
+positions. Everything here is per-token except attention, which is delegated to
+``forward_batch.attn_backend`` (see ``base.py``): the model never looks inside
+``forward_batch`` beyond that attribute, so it is independent of how KV is stored.
+
+Module and parameter names equal Hugging Face's with the ``model.`` prefix dropped
+(``layers.3.self_attn.q_proj.weight``), which is what the loader relies on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kvcanary.model.base import AttentionLayerSpec
+from kvcanary.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from kvcanary.model.layers import GatedMLP, RMSNorm
+from kvcanary.model.rope import RotaryEmbedding, apply_rope
+
+Device = torch.device | str | None
+
+
+class Attention(nn.Module):
+    """q/k/v projections (+ optional bias, optional per-head q/k RMSNorm), RoPE, backend, o_proj."""
+
+    def __init__(
+        self, config: ModelConfig, spec: AttentionLayerSpec, device: Device, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        hidden, head_dim = config.hidden_size, config.head_dim
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias, device, dtype)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias, device, dtype)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias, device, dtype)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, config.o_bias, device, dtype)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            norm_args = (head_dim, config.rms_norm_eps, config.norm_weight_offset, device, dtype)
+            self.q_norm, self.k_norm = RMSNorm(*norm_args), RMSNorm(*norm_args)
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: Any
+    ) -> torch.Tensor:
+        spec, num_tokens = self.spec, hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, spec.num_heads, spec.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = forward_batch.attn_backend.forward(q, k, v, spec, forward_batch)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block; Gemma3 adds "sandwich" norms on each branch's output.
+
+    Llama/Qwen/Mistral::
+
+        h   = x + attn(input_layernorm(x))
+        out = h + mlp(post_attention_layernorm(h))
+
+    Gemma3 (``sandwich_norm``; HF reuses the name ``post_attention_layernorm``)::
+
+        h   = x + post_attention_layernorm(attn(input_layernorm(x)))
+        out = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+    """
+
+    def __init__(
+        self, config: ModelConfig, spec: AttentionLayerSpec, device: Device, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        eps, offset = config.rms_norm_eps, config.norm_weight_offset
+        norm_args = (config.hidden_size, eps, offset, device, dtype)
+        self.self_attn = Attention(config, spec, device, dtype)
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            config.mlp_bias,
+            device,
+            dtype,
+        )
+        self.input_layernorm = RMSNorm(*norm_args)
+        self.post_attention_layernorm = RMSNorm(*norm_args)
+        self.sandwich_norm = config.sandwich_norm
+        if self.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(*norm_args)
+            self.post_feedforward_layernorm = RMSNorm(*norm_args)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: Any
+    ) -> torch.Tensor:
+        attn_out = self.self_attn(self.input_layernorm(x), cos, sin, forward_batch)
+        if self.sandwich_norm:
+            x = x + self.post_attention_layernorm(attn_out)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridDecoder(nn.Module):
+    """A decoder whose layers are full or sliding-window attention per ``config.layer_types``.
+
+    The engine reads ``config`` and ``attention_specs`` (one per layer; sliding layers
+    carry their window) and calls :meth:`forward` then :meth:`compute_logits`.
+    Inference only (``requires_grad`` is off). Parameters are allocated on ``device`` in
+    ``dtype`` but hold no meaningful values until the loader or a preset fills them; the
+    RoPE tables are ready on construction.
+    """
+
+    def __init__(
+        self, config: ModelConfig, device: Device = None, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, device=device, dtype=dtype
+        )
+        self.attention_specs: list[AttentionLayerSpec] = [
+            config.attention_spec(i) for i in range(config.num_hidden_layers)
+        ]
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, spec, device, dtype) for spec in self.attention_specs
+        )
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, config.norm_weight_offset, device, dtype
+        )
+        self.lm_head: nn.Linear | None = None  # None: tied to embed_tokens
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, False, device, dtype)
+        # A tensor in the model dtype, as transformers rounds it (bf16: sqrt(3072) -> 55.5).
+        self.embed_scale: torch.Tensor | None
+        scale = (
+            torch.tensor(config.embed_scale, device=device).to(dtype)
+            if config.embed_scale != 1.0
+            else None
+        )
+        self.register_buffer("embed_scale", scale, persistent=False)
+        rope_len = config.max_position_embeddings
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, rope_len, device, dtype
+        )
+        self.local_rotary: RotaryEmbedding | None = None
+        if config.local_rope_theta is not None and config.has_sliding:
+            self.local_rotary = RotaryEmbedding(
+                config.head_dim, config.local_rope_theta, None, rope_len, device, dtype
+            )
+        self.requires_grad_(False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any
+    ) -> torch.Tensor:
+        """``input_ids``, ``positions``: ``[num_tokens]`` -> hidden ``[num_tokens, hidden_size]``.
+
+        The result is after the final norm; pass the rows to sample from to
+        :meth:`compute_logits`. Positions must be ``< config.max_position_embeddings``.
+        """
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        full_rope = self.rotary.cos_sin(positions)
+        rope = {FULL_ATTENTION: full_rope, SLIDING_ATTENTION: full_rope}
+        if self.local_rotary is not None:
+            rope[SLIDING_ATTENTION] = self.local_rotary.cos_sin(positions)
+        for layer, layer_type in zip(self.layers, self.config.layer_types, strict=True):
+            hidden = layer(hidden, *rope[layer_type], forward_batch)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden_size]`` -> float32 logits ``[n, vocab_size]`` (softcapped if configured)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,74 @@
+"""Per-token building blocks: RMSNorm and the gated (SwiGLU / GeGLU) MLP.
+
+Both reproduce transformers' float32 upcasts and cast points, so bf16/fp16 results
+round the way the reference does, not just fp32 ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * (weight_offset + weight)`` over the last dim, normalised in float32.
+
+    ``weight_offset=0`` is Llama/Qwen (``weight * normed.to(dtype)``); ``weight_offset=1``
+    is Gemma (``(normed * (1 + weight)).to(dtype)``, weights stored as deltas from 1).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        weight_offset: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.full((dim,), 1.0 - weight_offset, device=device, dtype=dtype)
+        )
+        self.eps = eps
+        self.weight_offset = weight_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_offset:
+            return (normed * (self.weight_offset + self.weight.float())).type_as(x)
+        return self.weight * normed.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with HF parameter names ``gate_proj/up_proj/down_proj``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        bias: bool,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act={hidden_act!r}; allowed: {sorted(ACTIVATIONS)}")
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias, device, dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias, device, dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias, device, dtype)
+        self.act_fn = ACTIVATIONS[hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,143 @@
+"""``load_model(model)`` for ``builtin:*`` presets and Hugging Face checkpoint directories.
+
+A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or
+``model.safetensors.index.json`` plus its shards (any other ``*.safetensors`` files are
+read as a fallback). Tensors use Hugging Face names (``model.layers.N.self_attn.q_proj.weight``,
+``lm_head.weight`` absent when tied); every parameter must be present, extra tensors
+(e.g. rotary ``inv_freq``) are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from kvcanary.model.config import ModelConfig, ModelLoadError
+from kvcanary.model.decoder import HybridDecoder
+from kvcanary.model.hf_config import parse_hf_config
+from kvcanary.model.presets import BUILTIN_PREFIX, PRESETS, init_preset_weights, preset_config
+from kvcanary.model.tokenizer import ByteTokenizer, Tokenizer, load_hf_tokenizer
+
+INDEX_FILE = "model.safetensors.index.json"
+_MAX_NAMES_SHOWN = 8
+
+
+def load_model_config(model: str) -> ModelConfig:
+    """The config of ``model``: ``"builtin:<preset>"`` or a checkpoint directory path."""
+    if model.startswith(BUILTIN_PREFIX):
+        return preset_config(model)
+    model_dir = Path(model)
+    if not model_dir.is_dir():
+        presets = ", ".join(BUILTIN_PREFIX + name for name in PRESETS)
+        raise ModelLoadError(
+            f"model {model!r} is neither a builtin preset ({presets}) nor an existing directory"
+        )
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(
+            f"{model_dir} has no config.json (a checkpoint directory needs config.json and "
+            f"model.safetensors or {INDEX_FILE} with its shards)"
+        )
+    generation_path = model_dir / "generation_config.json"
+    generation = _read_json(generation_path) if generation_path.is_file() else None
+    return parse_hf_config(_read_json(config_path), generation)
+
+
+def load_model(
+    model: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple[HybridDecoder, Tokenizer, ModelConfig]:
+    """Build the decoder on ``device`` in ``dtype`` with its weights and tokenizer.
+
+    Presets get seeded random weights (``seed``) and a :class:`ByteTokenizer`; checkpoint
+    directories get their safetensors weights (``seed`` unused) and their own tokenizer.
+    """
+    config = load_model_config(model)
+    decoder = HybridDecoder(config, device=device, dtype=dtype)
+    tokenizer: Tokenizer
+    if model.startswith(BUILTIN_PREFIX):
+        init_preset_weights(decoder, seed)
+        tokenizer = ByteTokenizer()
+    else:
+        load_safetensors_weights(decoder, Path(model))
+        tokenizer = load_hf_tokenizer(Path(model), config.vocab_size, config.eos_token_ids)
+    return decoder.eval(), tokenizer, config
+
+
+def hf_parameter_name(name: str) -> str:
+    """Our parameter name -> the Hugging Face checkpoint tensor name."""
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+@torch.no_grad()
+def load_safetensors_weights(decoder: HybridDecoder, model_dir: Path) -> None:
+    """Copy every parameter of ``decoder`` from the checkpoint (cast to its dtype/device)."""
+    params = {hf_parameter_name(n): p for n, p in decoder.named_parameters()}
+    loaded: set[str] = set()
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 -- safe_open is not a Mapping
+                param = params.get(key)
+                if param is None or key in loaded:
+                    continue
+                tensor = f.get_tensor(key)
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ModelLoadError(
+                        f"tensor {key} in {path.name} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(param.shape)} from config.json"
+                    )
+                param.copy_(tensor)
+                loaded.add(key)
+    missing = sorted(set(params) - loaded, key=_natural_key)
+    if missing:
+        shown = ", ".join(missing[:_MAX_NAMES_SHOWN])
+        more = (
+            f" and {len(missing) - _MAX_NAMES_SHOWN} more"
+            if len(missing) > _MAX_NAMES_SHOWN
+            else ""
+        )
+        raise ModelLoadError(
+            f"checkpoint {model_dir} is missing {len(missing)} tensor(s): {shown}{more}"
+        )
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files to read, from the index when there is one."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        shards = sorted(set(_read_json(index_path).get("weight_map", {}).values()))
+        absent = [name for name in shards if not (model_dir / name).is_file()]
+        if absent:
+            raise ModelLoadError(f"{INDEX_FILE} in {model_dir} names missing shard(s): {absent}")
+        return [model_dir / name for name in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"{model_dir} has no *.safetensors weights (expected model.safetensors or "
+            f"{INDEX_FILE} with its shards)"
+        )
+    return files
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _natural_key(name: str) -> list[tuple[int, str]]:
+    """Sort ``layers.10`` after ``layers.2``."""
+    return [(int(part), "") if part.isdigit() else (-1, part) for part in name.split(".")]
