@@ -10,10 +10,10 @@ import pytest
 import torch
 from dense_backend import DenseForwardBatch, DenseRunner
 from hf_fixtures import FAMILIES, VOCAB_SIZE, make_tiny_hf_checkpoint
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from kvcanary.model import HybridDecoder, load_model
-from kvcanary.model.loader import hf_parameter_name
+from kvcanary.model.hf_export import to_hf_qwen3
 
 PROMPT_LEN = 40  # > every fixture window (6 or 8)
 NUM_NEW_TOKENS = 12
@@ -186,25 +186,7 @@ def test_variants_match_transformers_at_far_positions(
 @pytest.mark.parametrize("preset", ["builtin:tiny-mha", "builtin:tiny-swa"])
 def test_presets_are_exact_transformers_qwen3_models(preset: str) -> None:
     model, _, c = load_model(preset, seed=5)
-    hf_config = Qwen3Config(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=False,
-        layer_types=list(c.layer_types),
-        use_sliding_window=c.has_sliding,
-        sliding_window=c.sliding_window,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-    )
-    hf = Qwen3ForCausalLM._from_config(hf_config, attn_implementation="eager").float().eval()
-    state = {hf_parameter_name(name): p for name, p in model.state_dict().items()}
-    hf.load_state_dict(state, strict=True)
+    hf = to_hf_qwen3(model, c)
     prompt = _prompt(length=80, vocab=256)  # > the tiny-swa window of 32
     torch.testing.assert_close(
         _our_logits(model, prompt), _hf_logits(hf, prompt), atol=1e-4, rtol=0

@@ -454,21 +454,23 @@ class Scheduler:
         return True
 
     def _evict_window(self) -> None:
+        """Free, in one call, the SWA slots that left each running request's window."""
         if self.window is None:
             return
         p = self.page_size
+        spans = []
         for req in self.running:
-            if not req.has_row:
-                continue
             start = max(req.swa_evicted_seqlen, req.cache_protected_len)
             frontier = floor_page(max(start, req.kv_len - self.window - p), p)
-            if frontier <= start:
-                continue
-            slots = self.req_to_token[req.req_pool_idx, start:frontier].to(torch.int64)
-            mapping = self.allocator.full_to_swa_index_mapping
-            self.stats.num_swa_slots_evicted += int((mapping[slots] > 0).sum())
-            self.allocator.free_swa(slots)
-            req.swa_evicted_seqlen = frontier
+            if frontier > start:
+                spans.append(self.req_to_token[req.req_pool_idx, start:frontier])
+                req.swa_evicted_seqlen = frontier
+        if not spans:
+            return
+        slots = torch.cat(spans).to(torch.int64)
+        mapping = self.allocator.full_to_swa_index_mapping
+        self.stats.num_swa_slots_evicted += int((mapping[slots] > 0).sum())
+        self.allocator.free_swa(slots)
 
     def _track_peak(self) -> None:
         a = self.allocator
