@@ -83,5 +83,5 @@ def test_window_eviction_frees_swa_slots(baseline: list[list[int]]) -> None:
     window = engine.runner.sliding_window
     assert window is not None and max(len(p) for p in PROMPTS) > 2 * window
     assert stats.num_swa_slots_evicted > 0
-    assert stats.peak_swa_used < stats.peak_full_used / 2
+    assert stats.peak_swa_used < stats.peak_full_used / 2  # no prefix cache: all is active
     assert_all_memory_free(engine)

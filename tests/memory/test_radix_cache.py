@@ -1,5 +1,6 @@
-"""RadixCache: prefix reuse, page truncation, splits, locks, LRU eviction, SWA tombstones,
-tombstone recovery and the ownership contract of insert (tiny pools, window 4)."""
+"""RadixCache: prefix reuse, page truncation, splits, locks (SWA-locking only the window,
+exact release across splits), LRU eviction, SWA tombstones (also on locked paths), tombstone
+recovery and the ownership contract of insert (tiny pools, window 4)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from kvcanary.memory.allocator import PagedAllocator, make_allocator
 from kvcanary.memory.errors import IntegrityError
-from kvcanary.memory.radix_cache import RadixCache
+from kvcanary.memory.radix_cache import RadixCache, RadixNode, SwaLock
 from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.memory.swa_pool import SWAKVPool
 from kvcanary.utils import floor_page
@@ -16,10 +17,12 @@ from kvcanary.utils import floor_page
 WINDOW = 4
 
 
-def make_swa(page_size: int, full: int = 64, swa: int = 32) -> tuple[SWAAllocator, RadixCache]:
+def make_swa(
+    page_size: int, full: int = 64, swa: int = 32, window: int = WINDOW
+) -> tuple[SWAAllocator, RadixCache]:
     pool = SWAKVPool(full, swa, page_size, torch.float32, 1, 2, [1], [0])
     alloc = SWAAllocator(full, swa, page_size, kvcache=pool)
-    return alloc, RadixCache(alloc, page_size, sliding_window=WINDOW)
+    return alloc, RadixCache(alloc, page_size, sliding_window=window)
 
 
 def make_plain(page_size: int, size: int = 64) -> tuple[PagedAllocator, RadixCache]:
@@ -180,15 +183,16 @@ def test_lock_protects_the_path(kind: str, page_size: int) -> None:
     cache_seq(alloc, cache, [1, 2, 3, 4, 5, 6, 7, 8])
     cache_seq(alloc, cache, [1, 2, 3, 4, 9, 9, 9, 9])
     m = cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])
-    cache.inc_lock_ref(m.last_node)
+    lock = cache.inc_lock_ref(m.last_node)
     assert (cache.protected_size(), cache.evictable_size()) == (8, 4)
     full, swa = cache.evict(100, 100)
-    assert full == 4 and cache.total_size() == 8
-    assert cache.num_tombstones() == 0  # locked nodes are never tombstoned
+    assert full == 4 and cache.total_size() == 8  # a locked path is never evicted
+    # ... but outside the SWA-locked window [4, 8) its SWA goes: the head is tombstoned.
+    assert cache.num_tombstones() == (1 if kind == "swa" else 0)
     assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).num_tokens == 8
-    cache.dec_lock_ref(m.last_node)
+    cache.dec_lock_ref(m.last_node, lock)
     assert (cache.protected_size(), cache.evictable_size()) == (0, 8)
-    assert cache.evict(100) == (8, 8 if kind == "swa" else 0)
+    assert cache.evict(100) == (8, 4 if kind == "swa" else 0)
     assert cache.total_size() == 0
     check(alloc, cache)
 
@@ -198,10 +202,9 @@ def test_unbalanced_unlock_raises() -> None:
     cache_seq(alloc, cache, [1, 2])
     node = cache.match_prefix([1, 2]).last_node
     with pytest.raises(ValueError):
-        cache.dec_lock_ref(node)
-    cache.dec_lock_ref(cache.root)  # the root is a no-op
-    cache.inc_lock_ref(node)
-    cache.dec_lock_ref(node)
+        cache.dec_lock_ref(node, SwaLock(2, 0))
+    cache.dec_lock_ref(cache.root, cache.inc_lock_ref(cache.root))  # the root: a no-op
+    cache.dec_lock_ref(node, cache.inc_lock_ref(node))
     assert cache.check_integrity()
 
 
@@ -242,6 +245,202 @@ def test_evict_cascades_to_parents_that_become_leaves() -> None:
     assert cache.total_size() == 0 and alloc.available_size() == alloc.size
 
 
+# ---------------------------------------------------------------- SWA locks (window only)
+def spans(cache: RadixCache) -> list[tuple[int, int, int, int, bool]]:
+    """(start, num_tokens, lock_ref, swa_lock_ref, tombstone) of every node, by position."""
+    out = [
+        (s.prefix_len, len(s.node.key), s.node.lock_ref, s.node.swa_lock_ref, s.node.tombstone)
+        for s in cache.iter_cached()
+    ]
+    return sorted(out)
+
+
+def locked_chain(
+    page_size: int, window: int, lens: list[int]
+) -> tuple[SWAAllocator, RadixCache, list[int], RadixNode, SwaLock]:
+    """A chain with node boundaries at ``lens`` (``range(lens[-1])``), locked at its end."""
+    alloc, cache = make_swa(page_size, window=window)
+    for n in lens:
+        cache_seq(alloc, cache, list(range(n)))
+    ids = list(range(lens[-1]))
+    node = cache.match_prefix(ids).last_node
+    return alloc, cache, ids, node, cache.inc_lock_ref(node)
+
+
+@pytest.mark.parametrize(
+    ("page_size", "window", "lens", "swa_start", "boundaries"),
+    [
+        (1, 4, [12], 8, [0, 8]),  # one long node: split at end - W
+        (2, 4, [12], 8, [0, 8]),
+        (4, 4, [12], 8, [0, 8]),
+        (2, 3, [12], 8, [0, 8]),  # rounded out to a page: 4 >= W tokens
+        (4, 5, [12], 4, [0, 4]),  # floor_page(7, 4) = 4
+        (4, 4, [4, 8, 12], 8, [0, 4, 8]),  # the window is a whole node: no split
+        (2, 6, [4, 8, 12], 6, [0, 4, 6, 8]),  # the window starts inside [4, 8)
+        (1, 4, [3], 0, [0]),  # shorter than the window: the whole path
+    ],
+)
+def test_swa_lock_covers_only_the_last_window(
+    page_size: int, window: int, lens: list[int], swa_start: int, boundaries: list[int]
+) -> None:
+    alloc, cache, _, node, lock = locked_chain(page_size, window, lens)
+    end = lens[-1]
+    assert lock == SwaLock(end, swa_start)
+    assert [s[0] for s in spans(cache)] == boundaries
+    assert all(s[2] == 1 and s[3] == int(s[0] >= swa_start) for s in spans(cache))
+    assert (cache.protected_size(), cache.evictable_size()) == (end, 0)
+    assert (cache.swa_protected_size(), cache.swa_evictable_size()) == (end - swa_start, swa_start)
+    cache.dec_lock_ref(node, lock)
+    assert all(s[2] == s[3] == 0 for s in spans(cache))
+    assert cache.swa_protected_size() == 0
+    check(alloc, cache)
+
+
+def test_plain_cache_lock_is_the_whole_path() -> None:
+    alloc, cache = make_plain(2)
+    cache_seq(alloc, cache, list(range(12)))
+    node = cache.match_prefix(list(range(12))).last_node
+    lock = cache.inc_lock_ref(node)
+    assert lock == SwaLock(12, 0) and len(spans(cache)) == 1  # no window: no split
+    assert cache.dec_swa_lock_only(node, lock) == SwaLock(12, 12)
+    cache.dec_lock_ref(node, SwaLock(12, 12))
+    check(alloc, cache)
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_swa_evict_tombstones_the_unlocked_part_of_a_locked_path(page_size: int) -> None:
+    alloc, cache, ids, node, lock = locked_chain(page_size, WINDOW, [12])
+    slots = cache.match_prefix(ids).device_indices
+    swa0 = alloc.swa_available_size()
+    assert cache.evict(100, 100) == (0, 8)  # nothing to delete; [0, 8) loses its SWA
+    assert alloc.swa_available_size() == swa0 + 8
+    assert spans(cache) == [(0, 8, 1, 0, True), (8, 4, 1, 1, False)]
+    assert mapping(alloc, slots[:8]).eq(0).all() and mapping(alloc, slots[8:]).gt(0).all()
+    assert cache.match_prefix(ids).num_tokens == 12  # the locked window is resident
+    assert cache.evict(100, 100) == (0, 0)
+    check(alloc, cache)
+    # A request extends from its locked node: cache_unfinished, relock, release the old.
+    own = alloc.alloc_extend([12], [16], slots[-1:])
+    assert own is not None
+    row = torch.cat([slots, own])
+    m2 = cache.cache_unfinished(ids + [90, 91, 92, 93], row, swa_evicted_seqlen=12)
+    assert m2 is not None and m2.device_indices.tolist() == row.tolist()
+    lock2 = cache.inc_lock_ref(m2.last_node)
+    cache.dec_lock_ref(node, lock)
+    assert lock2 == SwaLock(16, 12)
+    assert spans(cache) == [(0, 8, 1, 0, True), (8, 4, 1, 0, False), (12, 4, 1, 1, False)]
+    assert cache.evict(0, 100) == (0, 4)  # [8, 12) is outside the new window now
+    assert cache.match_prefix(ids + [90, 91, 92, 93]).num_tokens == 16
+    cache.dec_lock_ref(m2.last_node, lock2)
+    cache.free_all()
+    check(alloc, cache)
+    assert alloc.full_available_size() == alloc.size_full
+    assert alloc.swa_available_size() == alloc.size_swa
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+@pytest.mark.parametrize("node_is_leaf", [True, False])
+def test_dec_swa_lock_only_lets_the_window_be_tombstoned(
+    page_size: int, node_is_leaf: bool
+) -> None:
+    alloc, cache, ids, node, lock = locked_chain(page_size, WINDOW, [12])
+    if not node_is_leaf:
+        cache_seq(alloc, cache, ids + [50, 51, 52, 53])  # another request's continuation
+    assert cache.evict(0, 1) == (0, 8)  # the LRU unlocked live node first: the old head
+    swa_lock = cache.dec_swa_lock_only(node, lock)
+    assert swa_lock == SwaLock(12, 12)
+    assert cache.dec_swa_lock_only(node, swa_lock) == swa_lock  # idempotent
+    assert cache.swa_protected_size() == 0
+    assert cache.evict(0, 1) == (0, 4)  # [8, 12) is older than the continuation
+    # A locked leaf may be a tombstone (its request released the SWA lock) ...
+    assert spans(cache)[:2] == [(0, 8, 1, 0, True), (8, 4, 1, 0, True)]
+    assert cache.match_prefix(ids).num_tokens == 0
+    check(alloc, cache)
+    # ... and stays one when its unlocked continuation is evicted ...
+    assert cache.evict(100)[0] == (0 if node_is_leaf else 4)
+    assert spans(cache) == [(0, 8, 1, 0, True), (8, 4, 1, 0, True)]
+    check(alloc, cache)
+    # ... until it is unlocked: then it goes with its tombstone ancestors.
+    cache.dec_lock_ref(node, swa_lock)
+    assert cache.total_size() == 0 and alloc.full_available_size() == alloc.size_full
+    check(alloc, cache)
+
+
+@pytest.mark.parametrize(
+    ("page_size", "window", "cut"), [(1, 4, 14), (2, 4, 14), (4, 8, 12), (2, 6, 12)]
+)
+def test_split_of_a_swa_locked_node_keeps_locks_exact(
+    page_size: int, window: int, cut: int
+) -> None:
+    alloc, cache, ids, node, lock = locked_chain(page_size, window, [16])
+    swa_start = 16 - window
+    assert lock == SwaLock(16, swa_start) and swa_start < cut
+    # Another request diverges inside the SWA-locked node: both halves stay locked.
+    cache_seq(alloc, cache, ids[:cut] + [99] * page_size)
+    assert [s for s in spans(cache) if s[0] >= swa_start and s[2]] == [
+        (swa_start, cut - swa_start, 1, 1, False),
+        (cut, 16 - cut, 1, 1, False),
+    ]
+    assert cache.swa_protected_size() == window
+    cache.evict(100, 100)
+    assert cache.total_size() == 16 and cache.swa_protected_size() == window
+    cache.dec_lock_ref(node, lock)  # releases both halves, exactly
+    assert all(s[2] == s[3] == 0 for s in spans(cache))
+    with pytest.raises(ValueError):
+        cache.dec_lock_ref(node, lock)
+    check(alloc, cache)
+
+
+@pytest.mark.parametrize(
+    ("page_size", "window", "old_len", "new_len"),
+    [(1, 4, 6, 8), (2, 4, 6, 8), (4, 8, 12, 16), (4, 4, 8, 16)],
+)
+def test_relock_on_a_descendant_then_release_the_old_lock(
+    page_size: int, window: int, old_len: int, new_len: int
+) -> None:
+    """The cache_unfinished pair: the new lock splits inside the old lock's SWA range."""
+    alloc, cache, _, old_node, old_lock = locked_chain(page_size, window, [old_len])
+    ids = list(range(new_len))
+    prefix = cache.match_prefix(ids).device_indices
+    own = alloc.alloc_extend([old_len], [new_len], prefix[-1:])
+    assert own is not None
+    m = cache.cache_unfinished(ids, torch.cat([prefix, own]))
+    assert m is not None
+    new_lock = cache.inc_lock_ref(m.last_node)
+    cache.dec_lock_ref(old_node, old_lock)
+    new_start = floor_page(new_len - window, page_size)
+    assert new_lock == SwaLock(new_len, new_start)
+    assert all(s[2] == 1 and s[3] == int(s[0] >= new_start) for s in spans(cache))
+    cache.dec_lock_ref(m.last_node, new_lock)
+    assert cache.protected_size() == cache.swa_protected_size() == 0
+    cache.free_all()
+    assert alloc.full_available_size() == alloc.size_full
+    check(alloc, cache)
+
+
+def test_unbalanced_release_raises_without_mutation() -> None:
+    alloc, cache, ids, node, lock = locked_chain(1, WINDOW, [12])
+    head = cache.match_prefix(ids[:8]).last_node  # [0, 8): full-locked only
+    before = spans(cache)
+    for bad_node, bad_lock in [
+        (node, SwaLock(11, 8)),  # not this path's length
+        (node, SwaLock(12, 9)),  # SWA start inside a node
+        (node, SwaLock(12, 0)),  # claims SWA on [0, 8), never taken
+        (head, SwaLock(8, 0)),  # idem, on the head itself
+    ]:
+        for release in (cache.dec_lock_ref, cache.dec_swa_lock_only):
+            with pytest.raises(ValueError):
+                release(bad_node, bad_lock)
+            assert spans(cache) == before
+    cache.dec_lock_ref(node, lock)
+    for release in (cache.dec_lock_ref, cache.dec_swa_lock_only):
+        with pytest.raises(ValueError):
+            release(node, lock)  # twice
+        with pytest.raises(ValueError):
+            release(head, SwaLock(8, 8))  # nothing holds it any more
+    check(alloc, cache)
+
+
 # ---------------------------------------------------------------- SWA tombstones
 @pytest.mark.parametrize("page_size", [1, 2, 4])
 def test_tombstoned_prefix_needs_a_resident_window(page_size: int) -> None:
@@ -263,9 +462,9 @@ def test_match_truncates_to_before_the_first_tombstone() -> None:
     for n in (4, 8, 10):
         cache_seq(alloc, cache, list(range(1, n + 1)))  # [1..4] -> [5..8] -> [9, 10]
     head = cache.match_prefix([1, 2, 3, 4]).last_node
-    cache.inc_lock_ref(head)
+    lock = cache.inc_lock_ref(head)
     assert cache.evict(0, 1) == (0, 4)  # [5..8] is the LRU unlocked live node: tombstoned
-    cache.dec_lock_ref(head)
+    cache.dec_lock_ref(head, lock)
     m = cache.match_prefix(list(range(1, 11)))
     assert (m.num_tokens, m.last_node.key) == (4, [1, 2, 3, 4])
     check(alloc, cache)
@@ -398,13 +597,88 @@ def test_recovery_under_a_lock_keeps_the_locked_slots() -> None:
     cache_seq(alloc, cache, ids, swa_evicted_seqlen=4)
     held = cache.match_prefix(ids)  # usable: 4 resident tokens follow the tombstone
     assert held.num_tokens == 8
-    cache.inc_lock_ref(held.last_node)
+    lock = cache.inc_lock_ref(held.last_node)
     mine = new_slots(alloc, 6)
     cache.insert([1, 2, 3, 4, 30, 31], mine)
     assert cache.num_tombstones() == 0
     assert cache.match_prefix(ids).device_indices.tolist() == held.device_indices.tolist()
-    cache.dec_lock_ref(held.last_node)
+    cache.dec_lock_ref(held.last_node, lock)
     check(alloc, cache)
+
+
+def test_recovery_of_the_callers_own_tail_inside_a_tombstone() -> None:
+    alloc, cache = make_swa(2)
+    tree = cache_seq(alloc, cache, list(range(12)), swa_evicted_seqlen=8)  # tomb [0,8) live [8,12)
+    mine = torch.cat([tree[:4], new_slots(alloc, 8)])  # the tree's [0,4), its own [4,12)
+    cache.insert(list(range(12)), mine)
+    spans = [(s.prefix_len, len(s.node.key), s.node.tombstone) for s in cache.iter_cached()]
+    assert spans == [(0, 4, True), (4, 4, False), (8, 4, False)]
+    assert cache.match_prefix(list(range(8))).device_indices.tolist() == tree[:8].tolist()
+    check(alloc, cache)
+
+
+# ---------------------------------------------------------------- running requests
+def test_truncating_a_gated_match_can_leave_the_window() -> None:
+    """Why callers pass ``ids[:-1]`` instead of truncating a match afterwards."""
+    alloc, cache = make_swa(4)
+    ids = list(range(12))
+    cache_seq(alloc, cache, ids, swa_evicted_seqlen=8)  # tomb [0,8) live [8,12)
+    assert cache.match_prefix(ids).num_tokens == 12  # usable: 4 resident tokens at the end
+    # ... but position 8 is not a usable point: SWA for [4, 8) is gone.
+    assert cache.match_prefix(ids[:-1]).num_tokens == 0
+
+
+def test_cache_unfinished_is_not_window_gated_and_never_frees_under_the_request() -> None:
+    alloc, cache = make_swa(4, window=6)
+    ids = [7] * 10
+    slots = alloc.alloc_extend_swa_tail(0, 10, -1, 6)  # SWA only for [4, 10)
+    assert slots is not None
+    before = alloc.full_available_size()
+    m = cache.cache_unfinished(ids, slots, swa_evicted_seqlen=4)
+    assert m is not None and m.num_tokens == 8 and not m.last_node.tombstone
+    assert m.device_indices.tolist() == slots[:8].tolist()  # nothing was a duplicate
+    assert alloc.full_available_size() == before  # nothing freed
+    # A gated match cannot use it (4 resident < window 6), the request can (it holds [8, 10)).
+    assert cache.match_prefix(ids).num_tokens == 0
+    lock = cache.inc_lock_ref(m.last_node)
+    assert lock == SwaLock(8, 4)  # the SWA lock stops at the tombstone [0, 4)
+    assert cache.evict(100, 100) == (0, 0)
+    cache.dec_lock_ref(m.last_node, lock)
+    check(alloc, cache)
+
+
+def test_cache_unfinished_hands_back_the_trees_slots_for_duplicates() -> None:
+    alloc, cache = make_swa(2)
+    ids = list(range(9))
+    first = cache_seq(alloc, cache, ids)
+    mine = new_slots(alloc, 9)  # computed concurrently, its own copy
+    before = alloc.full_available_size()
+    m = cache.cache_unfinished(ids, mine)
+    assert m is not None and m.num_tokens == 8
+    assert m.device_indices.tolist() == first[:8].tolist()  # re-point onto these
+    assert alloc.full_available_size() == before + 8  # its duplicates went back; [8] is its own
+    alloc.free(mine[8:])
+    check(alloc, cache)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "lost_swa", "evicted"),
+    [
+        (3, (0, 0), 0),  # no whole page
+        (9, (0, 8), 8),  # every whole page is before the reported frontier
+        (8, (4, 8), 0),  # the last page lost its SWA (unreported)
+    ],
+)
+def test_cache_unfinished_refuses_without_a_live_last_page(
+    num_tokens: int, lost_swa: tuple[int, int], evicted: int
+) -> None:
+    alloc, cache = make_swa(4)
+    slots = new_slots(alloc, num_tokens)
+    alloc.free_swa(slots[lost_swa[0] : lost_swa[1]])
+    before = (alloc.full_available_size(), alloc.swa_available_size())
+    assert cache.cache_unfinished(list(range(num_tokens)), slots, evicted) is None
+    assert (alloc.full_available_size(), alloc.swa_available_size()) == before
+    assert cache.total_size() == 0
 
 
 # ---------------------------------------------------------------- walk, reset, integrity
@@ -427,10 +701,10 @@ def test_free_all_returns_every_slot(kind: str, page_size: int) -> None:
     cache_seq(alloc, cache, [1, 2, 3, 4, 5, 6, 7, 8], swa_evicted_seqlen=4 if kind == "swa" else 0)
     cache_seq(alloc, cache, [1, 2, 3, 4, 9, 9])
     node = cache.match_prefix([1, 2, 3, 4, 9, 9]).last_node
-    cache.inc_lock_ref(node)
+    lock = cache.inc_lock_ref(node)
     with pytest.raises(ValueError):
         cache.free_all()
-    cache.dec_lock_ref(node)
+    cache.dec_lock_ref(node, lock)
     cache.free_all()
     assert cache.total_size() == 0
     if isinstance(alloc, SWAAllocator):

@@ -33,6 +33,7 @@ class Req:
     kv_len: int = 0
     cache_protected_len: int = 0
     last_node: Any = None  # radix node locked for the protected prefix
+    cache_lock: Any = None  # the radix lock token of last_node (its SWA part may be released)
     swa_evicted_seqlen: int = 0
     finish_reason: str | None = None
     host_copy: dict[str, Any] | None = None  # KV saved at retraction (host offload)

@@ -54,6 +54,9 @@ class SchedulerStats:
     num_swa_slots_evicted: int = 0  # SWA slots freed by window eviction
     peak_full_used: int = 0
     peak_swa_used: int = 0
+    peak_full_active: int = 0  # minus the prefix cache's evictable part
+    peak_swa_active: int = 0
+    num_swa_slots_tombstoned: int = 0  # SWA slots the prefix cache gave back (tombstones)
     graph_replays: int = 0
     padded_rows: int = 0
     extra: dict[str, float] = field(default_factory=dict)
@@ -218,13 +221,13 @@ class Scheduler:
                 return False
             return True
         if self.cache is not None:
-            ids = req.all_ids()
-            match = self.cache.match_prefix(ids)
-            prefix_len = min(match.num_tokens, floor_page(req.seq_len - 1, self.page_size))
+            # Match at most seq_len - 1 tokens (the last one must be computed to sample);
+            # truncating a longer match instead could cut where the window is not resident.
+            match = self.cache.match_prefix(req.all_ids()[: req.seq_len - 1])
+            prefix_len = match.num_tokens
             if prefix_len:
-                self.req_to_token[row, :prefix_len] = match.device_indices[:prefix_len].to(torch.int32)
-            self.cache.inc_lock_ref(match.last_node)
-            req.last_node = match.last_node
+                self.req_to_token[row, :prefix_len] = match.device_indices.to(torch.int32)
+            self._lock(req, match.last_node)
             req.kv_len = req.cache_protected_len = prefix_len
             # SWA eviction of the tree-owned prefix is the tree's business.
             req.swa_evicted_seqlen = prefix_len if self.window is not None else 0
@@ -345,6 +348,8 @@ class Scheduler:
         sample_rows = []
         for i, (req, seq_len) in enumerate(zip(reqs, batch.seq_lens_cpu, strict=True)):
             req.kv_len = seq_len
+            if not batch.is_decode:
+                self._cache_prefilled(req)
             if req.kv_len == req.seq_len:  # the whole known sequence is in the cache
                 sample_rows.append(i)
         if not sample_rows:
@@ -369,6 +374,32 @@ class Scheduler:
                 finished.append(req)
         return finished
 
+    def _cache_prefilled(self, req: Req) -> None:
+        """Share a request's freshly prefilled whole pages (after every prefill chunk, before
+        window eviction can free their SWA) through the prefix cache while it still runs, so
+        requests arriving meanwhile reuse them and find the window resident; the request
+        adopts the tree's slots and locks them."""
+        if self.cache is None or floor_page(req.kv_len, self.page_size) <= req.cache_protected_len:
+            return
+        slots = self.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
+        match = self.cache.cache_unfinished(req.all_ids()[: req.kv_len], slots, req.swa_evicted_seqlen)
+        if match is None:
+            return
+        self.req_to_token[req.req_pool_idx, : match.num_tokens] = match.device_indices.to(torch.int32)
+        old_node, old_lock = req.last_node, req.cache_lock
+        self._lock(req, match.last_node)
+        self._unlock(old_node, old_lock)
+        req.cache_protected_len = match.num_tokens
+
+    def _lock(self, req: Req, node: object) -> None:
+        assert self.cache is not None
+        req.cache_lock = self.cache.inc_lock_ref(node)
+        req.last_node = node
+
+    def _unlock(self, node: object, lock: object) -> None:
+        if self.cache is not None and node is not None:
+            self.cache.dec_lock_ref(node, lock)
+
     def _check_finish(self, req: Req, tok: int) -> bool:
         p = req.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
@@ -384,7 +415,8 @@ class Scheduler:
     def _evict_cache(self, num_tokens: int) -> int:
         if self.cache is None:
             return 0
-        freed_full, _ = self.cache.evict(num_tokens, num_tokens if self.runner.is_swa else 0)
+        freed_full, freed_swa = self.cache.evict(num_tokens, num_tokens if self.runner.is_swa else 0)
+        self.stats.num_swa_slots_tombstoned += freed_swa
         return freed_full
 
     def _own_slots(self, req: Req) -> torch.Tensor:
@@ -402,8 +434,8 @@ class Scheduler:
             self.allocator.free(slots[floor_page(req.kv_len, self.page_size) :])
         else:
             self.allocator.free(self._own_slots(req))
-        if self.cache is not None and req.last_node is not None:
-            self.cache.dec_lock_ref(req.last_node)
+        self._unlock(req.last_node, req.cache_lock)
+        req.cache_lock = None
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = 0
         req.last_node = None
@@ -460,6 +492,15 @@ class Scheduler:
         p = self.page_size
         spans = []
         for req in self.running:
+            lock = req.cache_lock
+            if (
+                lock is not None
+                and lock.swa_start < lock.path_len
+                and req.kv_len - self.window >= req.cache_protected_len
+            ):
+                # The window left the cached prefix: the tree may tombstone its SWA now.
+                assert self.cache is not None
+                req.cache_lock = self.cache.dec_swa_lock_only(req.last_node, lock)
             start = max(req.swa_evicted_seqlen, req.cache_protected_len)
             frontier = floor_page(max(start, req.kv_len - self.window - p), p)
             if frontier > start:
@@ -473,14 +514,20 @@ class Scheduler:
         self.allocator.free_swa(slots)
 
     def _track_peak(self) -> None:
-        a = self.allocator
+        """Peak slots allocated, and peak slots requests actually need ("active": minus
+        what the prefix cache could give back right now)."""
+        a, st = self.allocator, self.stats
         if self.runner.is_swa:
             full_used = a.size_full - a.full_available_size()
             swa_used = a.size_swa - a.swa_available_size()
         else:
             full_used, swa_used = a.size - a.available_size(), 0
-        self.stats.peak_full_used = max(self.stats.peak_full_used, full_used)
-        self.stats.peak_swa_used = max(self.stats.peak_swa_used, swa_used)
+        full_idle = self.cache.evictable_size() if self.cache is not None else 0
+        swa_idle = self.cache.swa_evictable_size() if self.cache is not None and self.runner.is_swa else 0
+        st.peak_full_used = max(st.peak_full_used, full_used)
+        st.peak_swa_used = max(st.peak_swa_used, swa_used)
+        st.peak_full_active = max(st.peak_full_active, full_used - full_idle)
+        st.peak_swa_active = max(st.peak_swa_active, swa_used - swa_idle)
 
     def check_integrity(self) -> bool:
         self.allocator.check_integrity()

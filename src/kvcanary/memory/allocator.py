@@ -45,7 +45,7 @@ class PagedAllocator:
         self.num_pages = size // page_size
         self.size = self.num_pages * page_size
         self.device = torch.device(device)
-        self._pending_free: list[torch.Tensor] | None = None
+        self._pending_free: list[torch.Tensor] = []  # queued inside a free group
         self.clear()
 
     # ------------------------------------------------------------------ state
@@ -55,7 +55,8 @@ class PagedAllocator:
         self.page_allocated = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=self.device)
         # page_quarantined[p]: never handed out again (its KV was found corrupt)
         self.page_quarantined = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=self.device)
-        self._pending_free = None
+        self._free_group_depth = 0  # clear() ends any open free group
+        self._pending_free = []
 
     def available_size(self) -> int:
         """Free token slots (whole free pages × page_size)."""
@@ -157,7 +158,7 @@ class PagedAllocator:
         """Free the pages holding ``slots`` (page granular)."""
         if slots.numel() == 0:
             return
-        if self._pending_free is not None:
+        if self._free_group_depth:
             self._pending_free.append(slots.reshape(-1).to(self.device))
             return
         pages = torch.unique(slots.reshape(-1).to(self.device, torch.int64) // self.page_size)
@@ -186,12 +187,17 @@ class PagedAllocator:
         return int(self.page_quarantined.sum())
 
     def free_group_begin(self) -> None:
-        """Queue frees until :meth:`free_group_end` (one merged free, duplicates allowed)."""
-        self._pending_free = []
+        """Queue frees until the matching :meth:`free_group_end` (one merged free, duplicates
+        allowed). Groups nest: only the outermost end frees, so an inner group never drops
+        what an outer one queued."""
+        self._free_group_depth += 1
 
     def free_group_end(self) -> None:
-        pending, self._pending_free = self._pending_free, None
-        if pending:
+        if not self._free_group_depth:
+            raise ValueError("free_group_end: no open free group (unbalanced free_group_begin)")
+        self._free_group_depth -= 1
+        if self._free_group_depth == 0 and self._pending_free:
+            pending, self._pending_free = self._pending_free, []
             self.free(torch.cat(pending))
 
     # ------------------------------------------------------------------ checks

@@ -13,25 +13,42 @@ tokens follow the last tombstone (the window a continuation attends to)::
             tomb    live   live          match [1..5]       -> 0 (2 live < W)
                                          match [1..5,60,70] -> 7 (4 live >= W)
 
-Ownership contract (what the scheduler does):
+Locks. A lock full-locks the whole path root → node (never evicted) but SWA-locks
+only its last ``W`` tokens rounded out to a page (never tombstoned): all a continuation
+reads through SWA. The rest of the path may be tombstoned while the request runs::
 
-* ``match_prefix`` hands out tree-owned slots. Lock ``last_node`` (``inc_lock_ref``)
-  before anything can evict; never free those slots.
-* A request **finishes**: ``insert(ids, slots, req.swa_evicted_seqlen)`` with every
-  token whose KV is written, then ``dec_lock_ref(req.last_node)``, then free
-  ``slots[floor_page(len(ids)):]`` (the partial last page, which stays the caller's).
-* A request is **retracted** without caching: ``dec_lock_ref(req.last_node)`` and
-  free ``slots[prefix_len:]`` (its own slots; the matched prefix is the tree's).
+    W = 3, P = 2      0         4         8       12 = end
+    path             [0 1 2 3 | 4 5 6 7 8 9 10 11]      one node [4, 12) ...
+    after the lock   [0 1 2 3 | 4 5 6 7 | 8 9 10 11]    ... split at floor_page(end - W)
+    full lock        [#############################)
+    SWA lock                             [#########)    stops early at a tombstone
+
+``inc_lock_ref`` returns a :class:`SwaLock` token (positions on the path, which node
+splits never move) that ``dec_lock_ref`` / ``dec_swa_lock_only`` need to release exactly
+what was taken. Without a window the SWA lock is the whole path (nothing is tombstoned).
+
+Scheduler contract (``node, lock``: the request's locked node and its token):
+
+* **admit**: ``m = match_prefix(ids[:seq_len - 1])``; ``lock = inc_lock_ref(m.last_node)``
+  before anything can evict. ``m.device_indices`` are tree-owned: never free them.
+* **after prefill** (running, optional): ``m2 = cache_unfinished(ids[:kv_len], slots,
+  swa_evicted_seqlen)``; if ``m2``: re-point ``req_to_token[:m2.num_tokens]``,
+  ``lock2 = inc_lock_ref(m2.last_node)``, then ``dec_lock_ref(node, lock)``; from now on
+  ``node, lock, prefix_len = m2.last_node, lock2, m2.num_tokens``.
+* **window passed** (``kv_len - W >= prefix_len``: no later token reads a tree-owned
+  position through SWA): ``lock = dec_swa_lock_only(node, lock)`` (idempotent).
+* **finish**: ``insert(ids[:kv_len], slots, swa_evicted_seqlen)``, THEN
+  ``dec_lock_ref(node, lock)`` (unlocking first could free a tombstoned prefix that
+  insert then reads), then free ``slots[floor_page(kv_len):]`` (the caller's partial page).
+* **retract** without caching: ``dec_lock_ref(node, lock)``, free ``slots[prefix_len:]``.
 * Per-request window eviction (``free_swa``) must stay at or past the matched prefix
   (``frontier >= prefix_len``): tree nodes are tombstoned only by :meth:`evict`.
-* Chunked prefill needs no insert: the request keeps its own slots and its lock until
-  it finishes (caching mid-prefill would free its duplicates under it).
 
-Locks protect the whole path to the root, for full and SWA alike (a locked path is
-never evicted nor tombstoned; SWA-locking only the last ``W`` tokens would free more
-SWA and is not done). LRU ages: a touch stamps the path root → node with increasing
-times, so ancestors look older than their descendants and SWA eviction tombstones the
-prefix far from the window first.
+Tree invariants: ``full lock_ref >= swa_lock_ref >= 0``; a tombstone is never SWA-locked;
+a tombstone leaf exists only while full-locked (a request's node after
+``dec_swa_lock_only``) and is deleted when its last lock goes. LRU ages: a touch stamps
+the path root → node with increasing times, so ancestors look older than their
+descendants and SWA eviction tombstones the prefix far from the window first.
 """
 
 from __future__ import annotations
@@ -58,7 +75,8 @@ class RadixNode:
     value: torch.Tensor  # full slots, one per key token
     parent: RadixNode | None = field(default=None, repr=False)
     children: dict[int | tuple[int, ...], RadixNode] = field(default_factory=dict, repr=False)
-    lock_ref: int = 0
+    lock_ref: int = 0  # full locks: no eviction
+    swa_lock_ref: int = 0  # SWA locks (<= lock_ref): no tombstoning
     tombstone: bool = False  # SWA slots freed (mapping 0); full slots still valid
     last_access: int = 0
     node_id: int = field(default_factory=lambda: next(_node_ids))
@@ -68,6 +86,16 @@ class MatchResult(NamedTuple):
     device_indices: torch.Tensor  # full slots of the usable prefix (tree-owned)
     last_node: RadixNode  # lock this; the root when nothing matched
     num_tokens: int
+
+
+class SwaLock(NamedTuple):
+    """What one :meth:`RadixCache.inc_lock_ref` holds, as positions on the path root → node:
+    full locks on ``[0, path_len)``, SWA locks on ``[swa_start, path_len)`` (empty when
+    ``swa_start == path_len``). Splits only add node boundaries, so a release by position
+    takes back exactly the nodes (and split halves) that were locked."""
+
+    path_len: int  # tokens on the path, the locked node included
+    swa_start: int  # first SWA-locked position (a node boundary)
 
 
 class CachedSpan(NamedTuple):
@@ -129,13 +157,15 @@ class RadixCache:
         return self._evictable
 
     def protected_size(self) -> int:
+        """Full tokens held by locked nodes (never evicted)."""
         return self._protected
 
     def swa_evictable_size(self) -> int:
-        """SWA tokens ``evict(0, n)`` can free: unlocked non-tombstones (0 when not window-aware)."""
+        """SWA tokens ``evict(0, n)`` can free: live nodes not SWA-locked (0 without a window)."""
         return self._swa_evictable
 
     def swa_protected_size(self) -> int:
+        """SWA tokens under SWA locks (never tombstoned): about one window per lock."""
         return self._swa_protected
 
     def total_size(self) -> int:
@@ -149,11 +179,14 @@ class RadixCache:
         """Longest usable cached prefix of ``token_ids`` (page-truncated, window-gated).
 
         Splits a node when the match ends inside it, so ``last_node`` covers exactly
-        ``num_tokens``. Callers that need logits pass ``token_ids[:-1]``.
+        ``num_tokens``. Callers that need logits pass ``token_ids[:-1]`` (truncating the
+        result instead could land where the window is not resident).
         """
-        key = self._page_key(token_ids)
-        path = self._walk(key)
-        num_tokens = self._usable_len(path)
+        path = self._walk(self._page_key(token_ids))
+        return self._take(path, self._usable_len(path))
+
+    def _take(self, path: list[tuple[RadixNode, int]], num_tokens: int) -> MatchResult:
+        """The first ``num_tokens`` of ``path`` (a node boundary or the path's end), touched."""
         node, pos, values = self.root, 0, []
         for child, n in path:
             if pos == num_tokens:
@@ -243,14 +276,12 @@ class RadixCache:
                 child = self._split(child, n)
             incoming = value[pos : pos + n]
             dup = incoming != child.value
-            rec = max(pos, swa_start) - pos  # first offset the caller still has SWA for
-            if self.window is not None and child.tombstone and rec < n and bool(dup[rec:].all()):
+            rec = self._recoverable_from(child, dup, max(pos, swa_start) - pos)
+            if rec < n:
                 if rec:
                     self._split(child, rec)  # the head stays a tombstone
-                    freed.full_slots.append(incoming[:rec][dup[:rec]])
                 self._recover(child, incoming[rec:], freed)
-            else:
-                freed.full_slots.append(incoming[dup])
+            freed.full_slots.append(incoming[:rec][dup[:rec]])
             node, pos = child, pos + n
         num_cached = pos
 
@@ -266,6 +297,49 @@ class RadixCache:
         self._flush(freed)
         self._touch(node)
         return num_cached
+
+    def cache_unfinished(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        slots: torch.Tensor,
+        swa_evicted_seqlen: int = 0,
+    ) -> MatchResult | None:
+        """Cache a *running* request's computed whole pages; returns the prefix it adopts.
+
+        The request then re-points ``req_to_token[:n] = result.device_indices``
+        (``n = result.num_tokens = floor_page(len(token_ids))``; its duplicates there were
+        freed), takes ``new_lock = inc_lock_ref(result.last_node)``, then releases
+        ``dec_lock_ref(old_node, old_lock)`` (``last_node`` is ``old_node`` or a descendant:
+        both tokens are positions on one path, so the pair stays exact whatever the new
+        lock splits), and counts ``[0, n)`` as tree-owned from now on (window eviction
+        skips it). ``slots[n:]`` stay its own. Not window-gated (the request holds its
+        window); ``last_node`` is never a tombstone. ``None`` (nothing cached, nothing
+        freed): the last whole page has no SWA slot or lies before ``swa_evicted_seqlen``.
+        """
+        num_keep = floor_page(len(token_ids), self.page_size)
+        if num_keep == 0:
+            return None
+        ids, slots = token_ids[:num_keep], slots[:num_keep]
+        if self.window is not None:
+            # The last page must become a live node: it needs SWA, and a tail left as
+            # tombstones would be freed by insert under the running request.
+            last_page = slots[num_keep - self.page_size :].to(self.device, torch.int64)
+            mapping = self.allocator.full_to_swa_index_mapping  # type: ignore[union-attr]
+            if ceil_page(swa_evicted_seqlen, self.page_size) >= num_keep or bool(
+                (mapping[last_page] <= 0).any()
+            ):
+                return None
+        self.insert(ids, slots, min(swa_evicted_seqlen, num_keep))
+        return self._take(self._walk(self._page_key(ids)), num_keep)
+
+    def _recoverable_from(self, node: RadixNode, dup: torch.Tensor, swa_offset: int) -> int:
+        """Offset in tombstone ``node`` from which the caller's duplicates (all with SWA,
+        i.e. at or past ``swa_offset``) run to its end; ``len(node.key)`` when none."""
+        n = len(node.key)
+        if self.window is None or not node.tombstone or swa_offset >= n:
+            return n
+        kept = torch.nonzero(~dup).reshape(-1)  # the tree's own slots (the caller's prefix)
+        return max(swa_offset, int(kept[-1]) + 1 if kept.numel() else 0)
 
     def _check_swa_resident(self, key: list[int], value: torch.Tensor, swa_start: int) -> None:
         owned = torch.ones(len(key), dtype=torch.bool, device=self.device)
@@ -292,32 +366,81 @@ class RadixCache:
         self._account(node, +1)
 
     # ------------------------------------------------------------------ locks
-    def inc_lock_ref(self, node: RadixNode) -> None:
-        """Protect ``node`` and every ancestor from eviction and tombstoning."""
+    def inc_lock_ref(self, node: RadixNode) -> SwaLock:
+        """Full-lock ``node`` and every ancestor; SWA-lock from ``node`` upward until
+        ``[floor_page(path_len - W), path_len)`` is covered (splitting the node that
+        straddles that start) or a tombstone is met. Keep the token for the release."""
         if node is not self.root and node.parent is None:
             raise ValueError("inc_lock_ref: node was evicted (lock right after match_prefix)")
+        path_len = self._path_len(node)
+        swa_target = 0
+        if self.window is not None:
+            swa_target = floor_page(max(0, path_len - self.window), self.page_size)
+        swa_start = path_len
+        for n, start in self._starts(node, path_len):
+            if swa_start <= swa_target or n.tombstone:
+                break
+            if start < swa_target:
+                self._split(n, swa_target - start)  # n keeps the tail [swa_target, swa_start)
+                swa_start = swa_target
+                break
+            swa_start = start
+        lock = SwaLock(path_len, swa_start)
+        self._add_locks(node, lock, +1, full=True)
+        return lock
+
+    def dec_lock_ref(self, node: RadixNode, lock: SwaLock) -> None:
+        """Release what ``inc_lock_ref(node)`` returned as ``lock`` (or what is left of it
+        after :meth:`dec_swa_lock_only`). ``ValueError`` (nothing changed) if unbalanced."""
+        self._check_held(node, lock)
+        self._add_locks(node, lock, -1, full=True)
+        if node.tombstone and not node.children and not node.lock_ref:
+            freed = _Freed()  # a tombstone leaf outlives only its locks
+            self._delete_leaf(node, freed)
+            self._flush(freed)
+
+    def dec_swa_lock_only(self, node: RadixNode, lock: SwaLock) -> SwaLock:
+        """Release the SWA part of ``lock`` (the request no longer reads the tree's SWA);
+        returns the token for the later :meth:`dec_lock_ref`. Idempotent."""
+        self._check_held(node, lock)
+        self._add_locks(node, lock, -1, full=False)
+        return SwaLock(lock.path_len, lock.path_len)
+
+    def _starts(self, node: RadixNode, path_len: int) -> Iterator[tuple[RadixNode, int]]:
+        """(ancestor, position of its first token) from ``node`` up to the root."""
         for n in self._ancestors(node):
+            path_len -= len(n.key)
+            yield n, path_len
+
+    def _add_locks(self, node: RadixNode, lock: SwaLock, delta: int, full: bool) -> None:
+        for n, start in self._starts(node, lock.path_len):
             self._account(n, -1)
-            n.lock_ref += 1
+            n.lock_ref += delta if full else 0
+            n.swa_lock_ref += delta if start >= lock.swa_start else 0
             self._account(n, +1)
 
-    def dec_lock_ref(self, node: RadixNode) -> None:
-        chain = list(self._ancestors(node))
-        if any(n.lock_ref <= 0 for n in chain):
-            raise ValueError("dec_lock_ref: unbalanced (a node on the path is not locked)")
-        for n in chain:
-            self._account(n, -1)
-            n.lock_ref -= 1
-            self._account(n, +1)
+    def _check_held(self, node: RadixNode, lock: SwaLock) -> None:
+        """``ValueError`` unless ``lock`` can be a lock still held on ``node``."""
+        path_len = self._path_len(node)
+        if lock.path_len != path_len:
+            raise ValueError(f"release: {lock} is not a lock on a path of {path_len} tokens")
+        bounds = {path_len}
+        for n, start in self._starts(node, path_len):
+            bounds.add(start)
+            if n.lock_ref <= 0 or (start >= lock.swa_start and n.swa_lock_ref <= 0):
+                raise ValueError(f"release: unbalanced, node {n.node_id} is not locked ({lock})")
+        if lock.swa_start not in bounds:
+            raise ValueError(f"release: {lock} does not start its SWA lock on a node boundary")
 
     # ------------------------------------------------------------------ evict
     def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> tuple[int, int]:
         """Free at least the asked tokens where possible; returns ``(full, swa)`` freed.
 
-        Full: LRU unlocked leaves, then parents that become unlocked leaves (tombstone
-        parents go at once: leaves are never tombstones). SWA (window-aware only): LRU
-        unlocked non-tombstones, internal ones tombstoned (full KV kept), leaves deleted.
-        Deleting a live leaf counts on both sides. ``evict(0)`` is always safe.
+        Full: LRU unlocked leaves, then parents that become unlocked leaves (unlocked
+        tombstone parents go at once). SWA (window-aware only): LRU live nodes that are not
+        SWA-locked; unlocked leaves are deleted (counted on both sides), the rest tombstoned
+        with their full KV kept (internal nodes, and a locked leaf whose request released
+        its SWA lock). ``evict(0)`` is always safe.
         """
         freed = _Freed()
         if num_tokens > 0:
@@ -330,14 +453,14 @@ class RadixCache:
                     heapq.heappush(heap, self._entry(parent))
         if self.window is not None and swa_num_tokens > 0:
             heap = [
-                self._entry(n) for n in self._iter_nodes() if not n.tombstone and not n.lock_ref
+                self._entry(n) for n in self._iter_nodes() if not n.tombstone and not n.swa_lock_ref
             ]
             heapq.heapify(heap)
             while freed.swa < swa_num_tokens and heap:
                 node = heapq.heappop(heap)[2]
                 if node.parent is None:  # deleted by a cascade
                     continue
-                if node.children:
+                if node.children or node.lock_ref:
                     freed.swa_slots.append(node.value)
                     freed.swa += len(node.key)
                     self._account(node, -1)
@@ -349,7 +472,8 @@ class RadixCache:
         return freed.full, freed.swa
 
     def _delete_leaf(self, leaf: RadixNode, freed: _Freed) -> RadixNode:
-        """Delete ``leaf`` and every tombstone ancestor left childless; returns the survivor."""
+        """Delete ``leaf`` and every unlocked tombstone ancestor left childless; returns the
+        survivor."""
         node = leaf
         while True:
             parent = node.parent
@@ -361,7 +485,7 @@ class RadixCache:
             self._account(node, -1)
             del parent.children[self._child_key(node.key, 0)]
             node.parent = None
-            if parent is self.root or parent.children or not parent.tombstone:
+            if parent is self.root or parent.children or not parent.tombstone or parent.lock_ref:
                 return parent
             node = parent
 
@@ -411,6 +535,9 @@ class RadixCache:
             i += p
         return i
 
+    def _path_len(self, node: RadixNode) -> int:
+        return sum(len(n.key) for n in self._ancestors(node))
+
     def _ancestors(self, node: RadixNode) -> Iterator[RadixNode]:
         while node is not self.root:
             yield node
@@ -436,7 +563,8 @@ class RadixCache:
 
     def _split(self, node: RadixNode, num_tokens: int) -> RadixNode:
         """Cut ``node`` after ``num_tokens``; returns the new head. ``node`` keeps the tail
-        (and its identity, so locks taken on it stay balanced)."""
+        (its identity and path end, so locks taken on it stay valid); both halves keep
+        its locks (a lock covers whole nodes of its path)."""
         parent = node.parent
         assert parent is not None
         self._account(node, -1)
@@ -445,6 +573,7 @@ class RadixCache:
             value=node.value[:num_tokens],
             parent=parent,
             lock_ref=node.lock_ref,
+            swa_lock_ref=node.swa_lock_ref,
             tombstone=node.tombstone,
             last_access=node.last_access,
         )
@@ -457,13 +586,13 @@ class RadixCache:
 
     def _contribution(self, node: RadixNode) -> tuple[int, int, int, int, int]:
         """(evictable, protected, swa_evictable, swa_protected, tombstones) of one node."""
-        n, locked = len(node.key), node.lock_ref > 0
+        n, locked, swa_locked = len(node.key), node.lock_ref > 0, node.swa_lock_ref > 0
         swa = n if self.window is not None and not node.tombstone else 0
         return (
             0 if locked else n,
             n if locked else 0,
-            0 if locked else swa,
-            swa if locked else 0,
+            0 if swa_locked else swa,
+            swa if swa_locked else 0,
             int(node.tombstone),
         )
 
@@ -494,12 +623,17 @@ class RadixCache:
                     (pages != pages[:, :1] + offsets).any()
                 ):
                     problems.append(f"node {node.node_id}: value is not whole allocator pages")
-            if node.lock_ref < 0:
-                problems.append(f"node {node.node_id}: lock_ref {node.lock_ref} < 0")
+            if not node.lock_ref >= node.swa_lock_ref >= 0:
+                problems.append(
+                    f"node {node.node_id}: not lock_ref {node.lock_ref} >= "
+                    f"swa_lock_ref {node.swa_lock_ref} >= 0"
+                )
             if parent is not None and parent is not self.root and node.lock_ref > parent.lock_ref:
                 problems.append(f"node {node.node_id}: locked more than its parent")
-            if node.tombstone and not node.children:
-                problems.append(f"node {node.node_id}: tombstone leaf")
+            if node.tombstone and node.swa_lock_ref:
+                problems.append(f"node {node.node_id}: SWA-locked tombstone")
+            if node.tombstone and not node.children and not node.lock_ref:
+                problems.append(f"node {node.node_id}: unlocked tombstone leaf")
         counted = (
             self._evictable,
             self._protected,
