@@ -58,7 +58,7 @@ def test_page_size_does_not_change_output(baseline: list[list[int]], page_size: 
 @pytest.mark.parametrize("offload", [False, True])
 def test_retraction_resume_equals_uninterrupted(baseline: list[list[int]], offload: bool) -> None:
     outs, engine = _run(
-        waves=1, max_total_tokens=512, swa_full_tokens_ratio=0.5, enable_host_offload=offload,
+        waves=1, max_total_tokens=320, swa_full_tokens_ratio=0.5, enable_host_offload=offload,
         chunked_prefill_size=64,
     )
     assert outs == baseline
