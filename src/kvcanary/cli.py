@@ -9,19 +9,20 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from kvcanary.config import KV_CANARY_MODES, EngineConfig
+from kvcanary.config import KV_CANARY_MODES, REAL_DATA_LAYERS, REAL_DATA_MODES, EngineConfig
 from kvcanary.workload import WorkloadSpec
 
 _E = EngineConfig.field_default
 _W = WorkloadSpec()
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
+def _engine_flags(p: argparse.ArgumentParser, with_canary: bool = True) -> None:
     p.add_argument("--model", default=_E("model"),
                    help="builtin:tiny-swa | builtin:tiny-mha | path to a HF model directory (default: %(default)s)")
-    p.add_argument("--kv-canary", default=_E("kv_canary"), choices=KV_CANARY_MODES,
-                   help="KV-canary mode (default: %(default)s)")
+    if with_canary:
+        _canary_flags(p)
     p.add_argument("--page-size", type=int, default=_E("page_size"), help="KV page size in tokens (default: %(default)s)")
     p.add_argument("--max-total-tokens", type=int, default=_E("max_total_tokens"),
                    help="full KV pool size in tokens (default: %(default)s)")
@@ -39,10 +40,34 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=_E("seed"), help="(default: %(default)s)")
 
 
+def _canary_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-canary", default=_E("kv_canary"), choices=KV_CANARY_MODES,
+                   help="KV-canary mode: none installs nothing; log warns and goes on; raise fails "
+                        "on the first violation; abort aborts only the implicated requests "
+                        "(default: %(default)s)")
+    p.add_argument("--kv-canary-real-data", default=_E("kv_canary_real_data"),
+                   choices=REAL_DATA_MODES,
+                   help="fingerprint the real KV bytes of each slot: none, partial (first 16 "
+                        "bytes) or all (default: %(default)s)")
+    p.add_argument("--kv-canary-real-data-layers", default=_E("kv_canary_real_data_layers"),
+                   choices=REAL_DATA_LAYERS,
+                   help="layers fingerprinted per sub-pool: first (layer 0) or all (<= 4) "
+                        "(default: %(default)s)")
+    p.add_argument("--kv-canary-v-half", action="store_true",
+                   help="also run the V-half canaries (default: K only)")
+    p.add_argument("--kv-canary-verify-tokens", action="store_true",
+                   help="check every verified slot's token against the request's prompt + output ids")
+    p.add_argument("--kv-canary-ring-capacity", type=int, default=_E("kv_canary_ring_capacity"),
+                   help="violation rows kept (more are counted, not stored) (default: %(default)s)")
+    p.add_argument("--kv-canary-verify-capacity", type=int, default=_E("kv_canary_verify_capacity"),
+                   help="most verify entries per group per forward, 0 = 3 x pool slots; more "
+                        "skips verify that step with a warning (default: %(default)s)")
+
+
 def _engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model,
-        kv_canary=a.kv_canary,
+        **_canary_config(a),
         page_size=a.page_size,
         max_total_tokens=a.max_total_tokens,
         swa_full_tokens_ratio=a.swa_full_tokens_ratio,
@@ -54,6 +79,14 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
         device=a.device,
         seed=a.seed,
     )
+
+
+def _canary_config(a: argparse.Namespace) -> dict[str, Any]:
+    """The kv_canary* fields given on the command line (commands without them: defaults)."""
+    names = ("kv_canary", "kv_canary_real_data", "kv_canary_real_data_layers",
+             "kv_canary_v_half", "kv_canary_verify_tokens", "kv_canary_ring_capacity",
+             "kv_canary_verify_capacity")  # fmt: skip
+    return {n: getattr(a, n) for n in names if hasattr(a, n)}
 
 
 def _workload_flags(p: argparse.ArgumentParser) -> None:
@@ -77,6 +110,29 @@ def _cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_overhead(a: argparse.Namespace) -> int:
+    from kvcanary.bench.overhead import bench_overhead
+    from kvcanary.report import render_matrix, render_table, write_json
+
+    spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
+    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    if a.threads is not None:
+        if a.threads < 1:
+            raise ValueError(f"--threads={a.threads!r} is invalid: allowed an integer >= 1")
+        import torch
+
+        torch.set_num_threads(a.threads)
+    summary = bench_overhead(_engine_config(a), spec, repeats=a.repeats, variants=variants,
+                             progress=not a.no_progress)  # fmt: skip
+    head = {k: v for k, v in summary.items() if k != "variants"}
+    print(render_table("kvcanary bench overhead", head))
+    print(render_matrix("throughput (median) and overhead vs none (median of repeats)",
+                        summary["variants"]))  # fmt: skip
+    if a.json:
+        write_json(a.json, summary)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcanary", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,17 +142,41 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     run.set_defaults(func=_cmd_run)
+
+    bench = sub.add_parser("bench", help="benchmarks measured side by side in one run")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    overhead = benches.add_parser(
+        "overhead", help="canary cost: none vs log vs log + real-data, prefill and decode"
+    )
+    _engine_flags(overhead, with_canary=False)
+    _workload_flags(overhead)
+    overhead.add_argument("--repeats", type=int, default=5,
+                          help="interleaved repeats; figures are medians (default: %(default)s)")
+    overhead.add_argument("--variants", default="none,log,log+partial,log+all",
+                          help="comma-separated subset of none, log, log+partial, log+all "
+                               "(default: %(default)s)")  # fmt: skip
+    overhead.add_argument("--threads", type=int, default=None,
+                          help="torch CPU threads (default: torch's choice); 1 is steadier on "
+                               "a machine shared with other work")  # fmt: skip
+    overhead.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
+    overhead.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    overhead.set_defaults(func=_cmd_bench_overhead)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from kvcanary.canary.errors import KVCanaryViolation
+
     try:
         return int(args.func(args))
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"kvcanary {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KVCanaryViolation as e:  # --kv-canary raise: the reports, no traceback
+        print(f"kvcanary {args.command}: KV-canary violation (raise mode):\n{e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -6,10 +6,19 @@ The CLI reads its defaults from these classes. Every invalid value raises
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-KV_CANARY_MODES = ("none", "log", "raise", "abort")
+from kvcanary import envs
+from kvcanary.canary.config import (
+    KV_CANARY_MODES,
+    REAL_DATA_LAYERS,
+    REAL_DATA_MODES,
+    CanaryConfig,
+)
+
+__all__ = ["KV_CANARY_MODES", "REAL_DATA_LAYERS", "REAL_DATA_MODES", "EngineConfig", "SamplingParams"]
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -40,7 +49,14 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
+    # KV-canary (see kvcanary.canary.config.CanaryConfig; "none" installs nothing).
     kv_canary: str = "none"
+    kv_canary_real_data: str = "none"
+    kv_canary_real_data_layers: str = "first"
+    kv_canary_v_half: bool = False
+    kv_canary_verify_tokens: bool = False
+    kv_canary_ring_capacity: int = field(default_factory=envs.KVCANARY_KV_CANARY_RING_CAPACITY.get)
+    kv_canary_verify_capacity: int = 0  # 0: automatic (a multiple of the pool size)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", self.model,
@@ -59,14 +75,19 @@ class EngineConfig:
                "graph_batch_sizes", self.graph_batch_sizes,
                "strictly increasing positive integers, or () to disable")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
-        _check(self.kv_canary in KV_CANARY_MODES, "kv_canary", self.kv_canary,
-               f"one of {KV_CANARY_MODES}")
+        self.canary_config()  # validates the kv_canary* fields (errors name the flags)
         _check(isinstance(self.device, str) and bool(self.device), "device", self.device,
                "a torch device string such as 'cpu' or 'cuda:0'")
 
+    def canary_config(self) -> CanaryConfig:
+        return CanaryConfig.from_engine_fields(self)
+
     @classmethod
     def field_default(cls, name: str) -> Any:
-        return next(f.default for f in fields(cls) if f.name == name)
+        f = next(f for f in fields(cls) if f.name == name)
+        if f.default is MISSING and callable(f.default_factory):
+            return f.default_factory()
+        return f.default
 
 
 @dataclass(frozen=True)

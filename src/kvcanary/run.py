@@ -52,11 +52,31 @@ def summarize(engine: Engine, outs: list, wall_s: float) -> dict[str, Any]:
         "swa_pool_tokens": swa_size,
         "peak_full_used_tokens": st.peak_full_used,
         "peak_swa_used_tokens": st.peak_swa_used,
+        "peak_full_active_tokens": st.peak_full_active,
+        "peak_swa_active_tokens": st.peak_swa_active,
         "prefix_cache_hit_rate": (
             st.num_cached_prompt_tokens / st.num_prompt_tokens if st.num_prompt_tokens else 0.0
         ),
         "retractions": st.num_retractions,
         "swa_slots_evicted": st.num_swa_slots_evicted,
+        "swa_slots_tombstoned": st.num_swa_slots_tombstoned,
         "swa_translation_gathers_per_forward": gathers / st.num_forwards if st.num_forwards else 0.0,
         "graph_replays": st.graph_replays,
+        **canary_summary(engine),
+    }
+
+
+def canary_summary(engine: Engine) -> dict[str, Any]:
+    """The canary's figures (zeros when it is off); see README for the keys."""
+    c = engine.canary.stats() if engine.canary is not None else {}
+    return {
+        "kv_canary_real_data": engine.config.kv_canary_real_data,
+        "canary_protected_tokens": c.get("protected_tokens", 0),
+        "canary_verify_entries": c.get("verify_entries", 0),
+        "canary_write_entries": c.get("write_entries", 0),
+        "canary_violations": c.get("violations", 0),
+        "canary_violations_by_tag": c.get("violations_by_tag", {}),
+        "canary_violations_by_reason": c.get("violations_by_reason", {}),
+        "canary_verify_overflow_steps": c.get("verify_overflow_steps", 0),
+        "canary_aborted_requests": c.get("aborted_requests", 0),
     }

@@ -1,6 +1,13 @@
 """The KV-cache integrity canary (wire-compatible with SGLang's kv_canary).
 
 Numeric core: :mod:`.constants` (record layout, tags, fail reasons), :mod:`.hashing`,
-:mod:`.records`, :mod:`.real_kv`, :mod:`.plan` (what to verify/write per forward),
-:mod:`.kernels` (verify/write), :mod:`.ring` and :mod:`.violation` (reports and log lines).
+:mod:`.records`, :mod:`.real_kv`, :mod:`.plan` / :mod:`.plan_numba` (what to verify/write
+per forward), :mod:`.kernels` (verify/write), :mod:`.ring` and :mod:`.violation` (reports
+and log lines).
+
+Runtime: :mod:`.config` (CanaryConfig), :mod:`.buffers` (record buffer groups),
+:mod:`.adapters` + :mod:`.splice` (per pool type), :mod:`.plan_inputs`,
+:mod:`.single_forward` (HEAD/TAIL of one forward), :mod:`.pump` + :mod:`.reporter`
+(violations to the host, modes), :mod:`.manager` (CanaryManager), :mod:`.install`
+(install_canary), :mod:`.errors`. The engine-facing contract: docs/CANARY_PROTOCOL.md.
 """

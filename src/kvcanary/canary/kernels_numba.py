@@ -8,7 +8,9 @@ All tensors must be on the CPU; numba sees them through shared-memory numpy view
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numba
 import numpy as np
@@ -17,7 +19,7 @@ import torch
 from kvcanary.canary.constants import FailReason
 from kvcanary.canary.hashing import ANCHOR_HASH_I64, chain_hash_nb, fold_real_kv_nb, splitmix64_nb
 from kvcanary.canary.plan import VerifyPlan, WritePlan
-from kvcanary.canary.real_kv import RealKvSource, numba_source_args
+from kvcanary.canary.real_kv import NumbaSourceArgs, RealKvSource, numba_source_args
 from kvcanary.canary.records import as_int64_records
 from kvcanary.canary.ring import RunCounters, ViolationRing
 
@@ -188,6 +190,39 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+_MAX_CACHED = 64
+_records_cache: OrderedDict[int, tuple[torch.Tensor, np.ndarray]] = OrderedDict()
+_sources_cache: OrderedDict[int, tuple[Sequence[RealKvSource], NumbaSourceArgs]] = OrderedDict()
+_ring_cache: OrderedDict[int, tuple[ViolationRing, tuple[np.ndarray, np.ndarray]]] = OrderedDict()
+
+
+def _cached(cache: OrderedDict, key_obj: Any, make: Callable[[], Any]) -> Any:
+    """``make()`` memoised on the identity of ``key_obj`` (kept alive by the entry, so its
+    id cannot be reused while cached). Canary buffers and source tuples live as long as the
+    canary, and converting them per launch cost more than the decode-step verify itself."""
+    hit = cache.get(id(key_obj))
+    if hit is not None and hit[0] is key_obj:
+        cache.move_to_end(id(key_obj))
+        return hit[1]
+    value = make()
+    cache[id(key_obj)] = (key_obj, value)
+    if len(cache) > _MAX_CACHED:
+        cache.popitem(last=False)
+    return value
+
+
+def _records_np(records: torch.Tensor) -> np.ndarray:
+    return _cached(_records_cache, records, lambda: _np(as_int64_records(records)))
+
+
+def _sources_np(sources: Sequence[RealKvSource]) -> NumbaSourceArgs:
+    return _cached(_sources_cache, sources, lambda: numba_source_args(sources))
+
+
+def _ring_np(ring: ViolationRing) -> tuple[np.ndarray, np.ndarray]:
+    return _cached(_ring_cache, ring, lambda: (_np(ring.rows), _np(ring.write_index)))
+
+
 def verify(
     records: torch.Tensor,
     plan: VerifyPlan,
@@ -201,9 +236,9 @@ def verify(
     num_entries = plan.num_entries if plan.enabled else 0
     if num_entries:
         _verify_kernel(
-            _np(as_int64_records(records)), _np(plan.slots), _np(plan.prev_slots),
-            _np(plan.positions), _np(plan.expected_tokens), bool(check_token), int(launch_tag),
-            *numba_source_args(real_kv_sources), _np(ring.rows), _np(ring.write_index),
+            _records_np(records), plan.slots.numpy(), plan.prev_slots.numpy(),
+            plan.positions.numpy(), plan.expected_tokens.numpy(), bool(check_token),
+            int(launch_tag), *_sources_np(real_kv_sources), *_ring_np(ring),
         )  # fmt: skip
     if counters is not None:
         counters.add(launch_tag, num_entries)
@@ -228,11 +263,11 @@ def write(
     num_written = 0
     if plan.max_num_tokens:
         num_written = _write_kernel(
-            _np(as_int64_records(records)), _np(plan.seed_slots), _np(plan.token_starts),
-            _np(plan.num_tokens), _np(plan.token_ids), _np(plan.positions), _np(plan.slots),
-            check_inputs, _np(expected_ids), _np(expected_positions),
+            _records_np(records), plan.seed_slots.numpy(), plan.token_starts.numpy(),
+            plan.num_tokens.numpy(), plan.token_ids.numpy(), plan.positions.numpy(),
+            plan.slots.numpy(), check_inputs, expected_ids.numpy(), expected_positions.numpy(),
             bool(chain_position_assert), int(launch_tag),
-            *numba_source_args(real_kv_sources), _np(ring.rows), _np(ring.write_index),
+            *_sources_np(real_kv_sources), *_ring_np(ring),
         )  # fmt: skip
     if counters is not None:
         counters.add(launch_tag, num_written)

@@ -16,12 +16,15 @@ For batch row ``r`` (req_to_token row ``rp``, ``K = prefix_len``, ``E = extend_l
 
 Plans are exact-sized int64 tensors on the inputs' device; building one costs a single
 host read of a few counts (free on CPU). A verify plan over ``capacity`` entries is disabled
-(no entries) and reports how many were requested.
+(no entries) and reports how many were requested. On the CPU a compiled builder
+(:mod:`.plan_numba`) produces the same plans in one pass; the torch builder serves every
+device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -166,8 +169,12 @@ def _translate(slots: torch.Tensor, lut: torch.Tensor | None) -> torch.Tensor:
     return torch.where(slots >= 0, lut[slots.clamp(min=0)].long(), slots)
 
 
-def _long_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+def long_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.long()
+
+
+PlanBackend = Literal["auto", "numba", "torch"]
+PLAN_BACKENDS: tuple[PlanBackend, ...] = ("auto", "numba", "torch")
 
 
 def build_plans(
@@ -177,17 +184,39 @@ def build_plans(
     window: int | None = None,
     lut: torch.Tensor | None = None,
     kv_token_id_vs_position_offset: int = 0,
+    backend: PlanBackend = "auto",
 ) -> CanaryPlans:
     """Verify and write plans of one buffer group for one forward.
 
     ``window``: the SWA window (None: full attention); ``lut``: full→SWA slot mapping for SWA
     groups; ``verify_capacity``: most verify entries per forward (more ⇒ verify disabled);
-    ``kv_token_id_vs_position_offset``: 1 for draft pools whose slot ``p`` holds token ``p + 1``.
+    ``kv_token_id_vs_position_offset``: 1 for draft pools whose slot ``p`` holds token ``p + 1``;
+    ``backend``: auto = numba on CPU tensors, torch elsewhere.
     """
     if verify_capacity < 1:
         raise ValueError(f"verify_capacity={verify_capacity}; allowed: >= 1")
     if window is not None and window < 1:
         raise ValueError(f"window={window}; allowed: None (full attention) or >= 1")
+    if backend not in PLAN_BACKENDS:
+        raise ValueError(f"plan backend={backend!r}; allowed: {', '.join(PLAN_BACKENDS)}")
+    on_cpu = inputs.req_to_token.device.type == "cpu"
+    if backend == "numba" and not on_cpu:
+        raise ValueError(f"numba plan builder needs CPU tensors, got {inputs.req_to_token.device}")
+    if backend == "numba" or (backend == "auto" and on_cpu):
+        from kvcanary.canary.plan_numba import build_plans_numba  # imports this module
+
+        return build_plans_numba(inputs, verify_capacity, window, lut,
+                                 kv_token_id_vs_position_offset)  # fmt: skip
+    return _build_plans_torch(inputs, verify_capacity, window, lut, kv_token_id_vs_position_offset)
+
+
+def _build_plans_torch(
+    inputs: PlanInputs,
+    verify_capacity: int,
+    window: int | None,
+    lut: torch.Tensor | None,
+    kv_token_id_vs_position_offset: int,
+) -> CanaryPlans:
     r2t = inputs.req_to_token
     device = r2t.device
     rows = inputs.req_pool_indices.long()
@@ -250,7 +279,7 @@ def build_plans(
         slots=_translate(inputs.out_cache_loc.long(), lut),
         max_num_tokens=max_write,
         total_num_tokens=total_write,
-        expected_token_ids=_long_or_none(inputs.expected_input_ids),
-        expected_positions=_long_or_none(inputs.expected_positions),
+        expected_token_ids=long_or_none(inputs.expected_input_ids),
+        expected_positions=long_or_none(inputs.expected_positions),
     )
     return CanaryPlans(verify, write)

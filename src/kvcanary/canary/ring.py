@@ -70,8 +70,20 @@ class RunCounters:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.kernel_runs = torch.zeros(NUM_LAUNCH_TAGS, dtype=torch.int64, device=device)
         self.slots_processed = torch.zeros(NUM_LAUNCH_TAGS, dtype=torch.int64, device=device)
+        # CPU: update through numpy views of the same memory (a torch indexed add costs
+        # ~2.5 us per call, numpy ~0.1 us; counters are bumped on every kernel launch).
+        self._host_views = (
+            (self.kernel_runs.numpy(), self.slots_processed.numpy())
+            if self.kernel_runs.device.type == "cpu"
+            else None
+        )
 
     def add(self, tag: int, num_slots: int | torch.Tensor) -> None:
         """One launch of ``tag`` that processed ``num_slots`` entries (tensor: no host sync)."""
+        if self._host_views is not None and not isinstance(num_slots, torch.Tensor):
+            runs, slots = self._host_views
+            runs[tag] += 1
+            slots[tag] += num_slots
+            return
         self.kernel_runs[tag] += 1
         self.slots_processed[tag] += num_slots

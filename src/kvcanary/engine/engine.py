@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.engine.model_runner import ModelRunner
@@ -33,6 +34,16 @@ class RequestOutput:
     num_retractions: int
 
 
+class RunningRequest(NamedTuple):
+    """A snapshot of one running request (what tests and the canary's tooling look at)."""
+
+    rid: int
+    req_pool_idx: int  # its req->token row (0: holds none right now)
+    prompt_ids: list[int]
+    output_ids: list[int]
+    kv_len: int  # positions [0, kv_len) have K/V in the cache
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -40,6 +51,26 @@ class Engine:
         self.scheduler = Scheduler(config, self.runner)
         self.tokenizer = self.runner.tokenizer
         self._rids = itertools.count(1)
+        self.canary: Any = self._install_canary()
+
+    def _install_canary(self) -> Any:
+        """The KV canary (kvcanary.canary.manager.CanaryManager), or None when it is off."""
+        if self.config.kv_canary == "none":
+            return None
+        from kvcanary.canary.install import install_canary  # the canary is a guest: lazy
+
+        canary = install_canary(self.runner, self.config.canary_config())
+        if canary is None:
+            return None
+        if self.config.kv_canary == "abort":
+            abort = getattr(self.scheduler, "abort_requests_referencing", None)
+            if abort is None:
+                raise NotImplementedError(
+                    "--kv-canary=abort needs Scheduler.abort_requests_referencing"
+                )
+            canary.set_abort_handler(abort)
+        canary.mark_init_finished()  # no warm-up or capture to wait for
+        return canary
 
     def _encode(self, prompt: Prompt) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -62,7 +93,16 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One forward; the requests that finished in it."""
-        return [self._output(r) for r in self.scheduler.step()]
+        finished = self.scheduler.step()
+        if self.canary is not None:
+            self.canary.end_step()  # abort mode: abort requests implicated by violations
+        return [self._output(r) for r in finished]
+
+    def running_requests(self) -> list[RunningRequest]:
+        return [
+            RunningRequest(r.rid, r.req_pool_idx, list(r.prompt_ids), list(r.output_ids), r.kv_len)
+            for r in self.scheduler.running
+        ]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -87,6 +127,8 @@ class Engine:
                 done[out.rid] = out
             if on_step is not None:
                 on_step(finished)
+        if self.canary is not None:
+            self.canary.flush()  # report what a delayed pump has not read yet
         return [done[r] for r in rids]
 
     def _output(self, req: Req) -> RequestOutput:

@@ -11,6 +11,9 @@ Who owns what:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import Any
+
 import torch
 
 from kvcanary.config import EngineConfig
@@ -82,6 +85,8 @@ class ModelRunner:
             self.token_to_kv_pool, self.req_to_token_pool, self.sliding_window
         )
         self.forward_ct = 0
+        # Set by kvcanary.canary.install.install_canary; None: no canary, no cost.
+        self.canary: Any = None
 
     @property
     def is_swa(self) -> bool:
@@ -102,5 +107,6 @@ class ModelRunner:
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
+        with nullcontext() if self.canary is None else self.canary.forward_scope(fb):
+            hidden = self.model(fb.input_ids, fb.positions, fb)
         return self.model.compute_logits(hidden[fb.last_token_indices()])

@@ -1,0 +1,197 @@
+"""Pool adapters: which canary buffer groups a KV pool gets, chosen by the pool's type.
+
+    pool                 groups (kind: sub-pool, halves, slot translation)
+    MHAKVPool            FULL: the pool itself, K+V
+    SWAKVPool            FULL: full_kv_pool, K+V
+                         SWA:  swa_kv_pool, K+V, LUT = full_to_swa_index_mapping, window W
+    DSV4KVPool           SWA:  swa_kv_pool (latent, K only), LUT = the mapping, window W
+                         C4 / INDEXER / C128: c4_kv_pool / c4_indexer_kv_pool / c128_kv_pool,
+                         K only, one record per compressed row (full slot // ratio); only
+                         for sub-pools that have layers (SGLang covers the SWA part only)
+
+Attaching also (1) splices the groups' record buffers into the pool's buf-infos
+(:mod:`.splice`) and (2) registers them as slot sidecars of their sub-pool
+(``register_slot_buffer``), so host copies for retraction/offload carry the records with
+the KV. Other pool types raise ``NotImplementedError`` naming the supported ones; more can
+be added with :func:`register_pool_attacher`. A missing or empty sub-pool is a clear
+``ValueError``, never a half-attached pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcanary.canary.buffers import CanaryBufferGroup, allocate_group, real_kv_sources
+from kvcanary.canary.constants import PoolKind, RealKvHashMode
+from kvcanary.canary.splice import Segment, patch_buf_infos
+from kvcanary.memory.dsv4_pool import DSV4KVPool
+from kvcanary.memory.mha_pool import MHAKVPool
+from kvcanary.memory.swa_pool import SWAKVPool
+
+
+@dataclass(frozen=True)
+class AttachOptions:
+    real_kv_mode: RealKvHashMode
+    real_data_layers: str  # "first" | "all"
+    window: int | None  # the model's sliding window (SWA groups need it)
+    kv_token_id_vs_position_offset: int = 0
+
+
+PoolAttacher = Callable[[Any, AttachOptions], list[CanaryBufferGroup]]
+_ATTACHERS: dict[type, PoolAttacher] = {}
+
+
+def register_pool_attacher(pool_type: type, attacher: PoolAttacher) -> None:
+    """Teach :func:`attach_canary_buffers` a new pool type (subclasses inherit it)."""
+    _ATTACHERS[pool_type] = attacher
+
+
+def supported_pool_types() -> list[str]:
+    return [t.__name__ for t in _ATTACHERS]
+
+
+def attach_canary_buffers(pool: Any, options: AttachOptions) -> list[CanaryBufferGroup]:
+    """Allocate, splice and register the canary groups of ``pool``; returns the groups."""
+    attacher = next((_ATTACHERS[t] for t in type(pool).__mro__ if t in _ATTACHERS), None)
+    if attacher is None:
+        raise NotImplementedError(
+            f"kv-canary: no attacher registered for pool class {type(pool).__name__}; "
+            f"supported: {', '.join(supported_pool_types())}"
+        )
+    return attacher(pool, options)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _sub_pool(pool: Any, name: str) -> Any:
+    sub = getattr(pool, name, None)
+    if sub is None:
+        raise ValueError(f"kv-canary: {type(pool).__name__}.{name} is missing; cannot attach")
+    return sub
+
+
+def _layers(owner: str, buffers: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    if not buffers:
+        raise ValueError(f"kv-canary: {owner} has no layers; cannot attach a canary group to it")
+    return buffers
+
+
+def _lut(pool: Any) -> torch.Tensor:
+    try:
+        return pool.full_to_swa_index_mapping
+    except RuntimeError as e:
+        raise ValueError(f"kv-canary: {e}") from None
+
+
+def _window(pool: Any, options: AttachOptions) -> int:
+    if options.window is None or options.window < 1:
+        raise ValueError(
+            f"kv-canary: {type(pool).__name__} has sliding-window sub-pools but the runner "
+            f"reports sliding window {options.window!r}; allowed: an integer >= 1"
+        )
+    return options.window
+
+
+def _mha_group(sub: MHAKVPool, kind: PoolKind, name: str, options: AttachOptions,
+               **extra: object) -> CanaryBufferGroup:  # fmt: skip
+    """A K+V group over an MHA-layout (sub-)pool (sidecars: :func:`_register`, once every
+    group of the pool was built, so a failure leaves the pool untouched)."""
+    k_layers = _layers(f"{name} K", sub.k_buffer)
+    v_layers = _layers(f"{name} V", sub.v_buffer)
+    mode, layers = options.real_kv_mode, options.real_data_layers
+    return allocate_group(
+        kind, sub_pool=name, num_slots=int(k_layers[0].shape[0]), page_size=sub.page_size,
+        device=k_layers[0].device, with_v=True,
+        real_kv_sources_k=real_kv_sources(k_layers, mode, layers, f"{name} K"),
+        real_kv_sources_v=real_kv_sources(v_layers, mode, layers, f"{name} V"),
+        kv_token_id_vs_position_offset=options.kv_token_id_vs_position_offset, **extra,
+    )  # fmt: skip
+
+
+def _register(sub: MHAKVPool, group: CanaryBufferGroup) -> None:
+    for buf in group.buffers():
+        sub.register_slot_buffer(buf)
+
+
+def _mha_segments(sub: MHAKVPool, group: CanaryBufferGroup) -> list[Segment]:
+    return [
+        Segment(len(sub.k_buffer), group.k_head, group.k_tail, group.page_size),
+        Segment(len(sub.v_buffer), group.v_head, group.v_tail, group.page_size),
+    ]
+
+
+# ------------------------------------------------------------------ attachers
+
+
+def _attach_mha(pool: MHAKVPool, options: AttachOptions) -> list[CanaryBufferGroup]:
+    group = _mha_group(pool, PoolKind.FULL, type(pool).__name__, options)
+    _register(pool, group)
+    patch_buf_infos(pool, "get_contiguous_buf_infos", _mha_segments(pool, group))
+    return [group]
+
+
+def _attach_swa(pool: SWAKVPool, options: AttachOptions) -> list[CanaryBufferGroup]:
+    full, swa = _sub_pool(pool, "full_kv_pool"), _sub_pool(pool, "swa_kv_pool")
+    lut, window = _lut(pool), _window(pool, options)
+    full_group = _mha_group(full, PoolKind.FULL, "full_kv_pool", options)
+    swa_group = _mha_group(swa, PoolKind.SWA, "swa_kv_pool", options,
+                           swa_index_lut=lut, window=window)  # fmt: skip
+    _register(full, full_group)
+    _register(swa, swa_group)
+    patch_buf_infos(pool, "get_contiguous_buf_infos", _mha_segments(full, full_group))
+    patch_buf_infos(pool, "get_state_buf_infos", _mha_segments(swa, swa_group))
+    return [full_group, swa_group]
+
+
+_DSV4_COMPRESSED = (
+    (PoolKind.C4, "c4_kv_pool", 4),
+    (PoolKind.INDEXER, "c4_indexer_kv_pool", 4),
+    (PoolKind.C128, "c128_kv_pool", 128),
+)
+
+
+def _attach_dsv4(pool: DSV4KVPool, options: AttachOptions) -> list[CanaryBufferGroup]:
+    mode, layers = options.real_kv_mode, options.real_data_layers
+    lut, window = _lut(pool), _window(pool, options)
+    offset = options.kv_token_id_vs_position_offset
+
+    def latent_group(kind: PoolKind, name: str, **extra: object) -> CanaryBufferGroup:
+        sub = _sub_pool(pool, name)
+        bufs = _layers(f"DSV4KVPool.{name}", sub.buffers)
+        return allocate_group(
+            kind, sub_pool=name, num_slots=sub.num_slots, page_size=sub.rows_per_page,
+            device=bufs[0].device, with_v=False,
+            real_kv_sources_k=real_kv_sources(bufs, mode, layers, f"DSV4KVPool.{name}"),
+            kv_token_id_vs_position_offset=offset, **extra,
+        )  # fmt: skip
+
+    swa_group = latent_group(PoolKind.SWA, "swa_kv_pool", swa_index_lut=lut, window=window)
+    groups = [swa_group]
+    contiguous: list[Segment] = []
+    full_slots = torch.arange(lut.shape[0], device=lut.device)
+    for kind, name, ratio in _DSV4_COMPRESSED:
+        sub = _sub_pool(pool, name)
+        if not sub.buffers:  # no layer of this ratio: nothing to protect, nothing to splice
+            continue
+        group = latent_group(kind, name, swa_index_lut=full_slots // ratio,
+                             compression_ratio=ratio)  # fmt: skip
+        groups.append(group)
+        contiguous.append(Segment(len(sub.buffers), group.k_head, group.k_tail, group.page_size))
+    patch_buf_infos(pool, "get_contiguous_buf_infos", contiguous)
+    patch_buf_infos(
+        pool, "get_state_buf_infos",
+        [Segment(len(pool.swa_kv_pool.buffers), swa_group.k_head, swa_group.k_tail,
+                 swa_group.page_size)],
+    )  # fmt: skip
+    # Host copies (host_pool) do not cover DSV4 pools, so there is no sidecar to register.
+    return groups
+
+
+register_pool_attacher(MHAKVPool, _attach_mha)
+register_pool_attacher(SWAKVPool, _attach_swa)
+register_pool_attacher(DSV4KVPool, _attach_dsv4)

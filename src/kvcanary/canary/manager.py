@@ -1,0 +1,235 @@
+"""CanaryManager: the installed canary of one model runner.
+
+It owns the device state (violation ring, per-tag run counters), one
+:class:`SingleForwardManager` per forward of a step (1; a speculative draft runner would
+have one per draft step), the pump and the reporter, and offers the engine its surface::
+
+    ModelRunner.forward(fb):
+      with canary.forward_scope(fb):                  # = the two contexts below, index 0
+        with_ops_outside_graph([0], fb)               #   host pre-ops of the listed SFMs
+        with_active_single_forward_manager(0)         #   which SFM the patched forward uses
+          model.forward(...)  (patched, outermost call only):
+              pre_ops_maybe_inside_graph(fb)          #   plan + HEAD verify/write
+              original forward                        #   attention reads/writes the KV
+              post_ops_maybe_inside_graph(fb, plans)  #   TAIL verify/write
+      # leaving with_ops_outside_graph: SFM post-ops, step += 1, pump -> reporter (modes)
+    Engine.step(): scheduler.step(); canary.end_step()  # abort mode acts between steps
+
+Until :meth:`mark_init_finished` (after warm-up / graph capture) the write kernels' chain
+position assert is disarmed: synthetic warm-up batches break position chains on purpose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvcanary import envs
+from kvcanary.canary.buffers import CanaryBufferGroup
+from kvcanary.canary.config import CanaryConfig
+from kvcanary.canary.constants import CanaryLaunchTag
+from kvcanary.canary.plan import CanaryPlans
+from kvcanary.canary.pump import ViolationPump
+from kvcanary.canary.reporter import CanaryViolationRow, ImplicatedSlots, ViolationReporter
+from kvcanary.canary.ring import RunCounters, ViolationRing
+from kvcanary.canary.single_forward import CanaryRuntime, SingleForwardManager
+
+logger = logging.getLogger("kvcanary.canary")
+
+AbortHandler = Callable[[torch.Tensor, torch.Tensor], list[int]]
+
+
+class CanaryManager:
+    def __init__(
+        self,
+        config: CanaryConfig,
+        groups: list[CanaryBufferGroup],
+        req_to_token_pool: Any,
+        *,
+        device: torch.device,
+        num_single_forward_managers: int = 1,
+    ):
+        if not groups:
+            raise ValueError("kv-canary: no buffer group to protect")
+        if num_single_forward_managers < 1:
+            raise ValueError(
+                f"num_single_forward_managers={num_single_forward_managers}; allowed: >= 1"
+            )
+        self.config = config
+        self.groups = groups
+        self.device = device
+        factor = envs.KVCANARY_KV_CANARY_VERIFY_CAPACITY_FACTOR.get()
+        self.runtime = CanaryRuntime(
+            config=config,
+            groups=groups,
+            req_to_token_pool=req_to_token_pool,
+            ring=ViolationRing(config.ring_capacity, device),
+            verify_counters=RunCounters(device),
+            write_counters=RunCounters(device),
+            verify_capacities=[config.verify_capacity or factor * g.num_slots for g in groups],
+        )
+        self.single_forward_managers = [
+            SingleForwardManager(i, self.runtime) for i in range(num_single_forward_managers)
+        ]
+        delay = config.pump_delay_steps
+        if delay is None:
+            delay = 0 if device.type == "cpu" else 1
+        self.pump = ViolationPump(self.runtime.ring, delay)
+        self.reporter = ViolationReporter(
+            config.mode, {g.kind: g.compression_ratio for g in groups}
+        )
+        self.abort_handler: AbortHandler | None = None
+        self.aborted_request_ids: list[int] = []
+        self.step = 0  # forward steps completed (leaving with_ops_outside_graph)
+        self.init_finished = False
+        self._active: int | None = None
+        self._bracket_depth = 0
+
+    # ------------------------------------------------------------------ contexts
+    @contextlib.contextmanager
+    def with_active_single_forward_manager(self, index: int) -> Iterator[None]:
+        """Route the patched ``model.forward`` to SFM ``index``; nesting is an error."""
+        if self._active is not None:
+            raise RuntimeError(
+                f"kv-canary: single forward manager {self._active} is already active "
+                f"(nested with_active_single_forward_manager({index}))"
+            )
+        if not 0 <= index < len(self.single_forward_managers):
+            raise ValueError(
+                f"single forward manager index {index}; allowed: "
+                f"[0, {len(self.single_forward_managers)})"
+            )
+        self._active = index
+        try:
+            yield
+        finally:
+            self._active = None
+
+    @contextlib.contextmanager
+    def with_ops_outside_graph(
+        self, single_forward_indices: Sequence[int], maybe_inaccurate_forward_batch: Any = None
+    ) -> Iterator[None]:
+        """Host-side work around one step's forward(s): pre-ops, then (on success) post-ops,
+        the step counter and the pump (which may raise in ``raise`` mode)."""
+        sfms = [self.single_forward_managers[i] for i in single_forward_indices]
+        for sfm in sfms:
+            sfm.pre_ops_outside_graph(maybe_inaccurate_forward_batch)
+        yield
+        for sfm in sfms:
+            sfm.post_ops_outside_graph()
+        self.step += 1
+        self._report(self.pump.step())
+
+    @contextlib.contextmanager
+    def forward_scope(self, forward_batch: Any) -> Iterator[None]:
+        """What an engine's plain forward wraps itself in (SFM 0)."""
+        with (
+            self.with_ops_outside_graph([0], forward_batch),
+            self.with_active_single_forward_manager(0),
+        ):
+            yield
+
+    @contextlib.contextmanager
+    def model_forward_bracket_scope(self) -> Iterator[bool]:
+        """Yields True for the outermost ``model.forward`` call only (nested calls of the
+        patched forward, e.g. a wrapper model calling its inner model, must not re-run
+        the canary)."""
+        self._bracket_depth += 1
+        try:
+            yield self._bracket_depth == 1
+        finally:
+            self._bracket_depth -= 1
+
+    # ------------------------------------------------------------------ in-graph ops
+    def _active_sfm(self) -> SingleForwardManager:
+        if self._active is None:
+            raise RuntimeError(
+                "kv-canary: model.forward ran outside with_active_single_forward_manager(...); "
+                "wrap the forward in canary.forward_scope(forward_batch)"
+            )
+        return self.single_forward_managers[self._active]
+
+    def pre_ops_maybe_inside_graph(self, forward_batch: Any) -> list[CanaryPlans]:
+        return self._active_sfm().pre_ops_maybe_inside_graph(forward_batch)
+
+    def post_ops_maybe_inside_graph(self, forward_batch: Any, plans: list[CanaryPlans]) -> None:
+        self._active_sfm().post_ops_maybe_inside_graph(forward_batch, plans)
+
+    # ------------------------------------------------------------------ lifecycle
+    def mark_init_finished(self) -> None:
+        """Warm-up / capture is over: arm the write kernels' chain-position assert."""
+        self.runtime.chain_position_assert = True
+        self.init_finished = True
+
+    def set_abort_handler(self, handler: AbortHandler) -> None:
+        """``handler(full_slots, swa_slots) -> aborted request ids`` (abort mode)."""
+        self.abort_handler = handler
+
+    def end_step(self) -> list[int]:
+        """Between engine steps: in abort mode, abort the requests referencing the slots of
+        the rows reported since the last call. Returns the aborted request ids."""
+        slots = self.reporter.take_implicated_slots()
+        if slots is None:
+            return []
+        return self._abort(slots)
+
+    def flush(self) -> None:
+        """Report every row recorded so far (a host sync: call when idle)."""
+        self._report(self.pump.drain())
+        self.end_step()
+
+    def _report(self, records: list) -> None:
+        self.reporter.report(
+            records, total=self.pump.total_seen, capacity=self.runtime.ring.capacity,
+            step=self.step,
+        )  # fmt: skip
+
+    def _abort(self, slots: ImplicatedSlots) -> list[int]:
+        if self.abort_handler is None:
+            logger.warning("kv-canary abort: no abort handler attached; nothing aborted")
+            return []
+        aborted = self.abort_handler(slots.full.to(self.device), slots.swa.to(self.device))
+        self.aborted_request_ids += aborted
+        logger.warning(
+            "kv-canary abort: aborted requests %s referencing full slots %s / swa slots %s "
+            "(slots quarantined)", aborted, slots.full.tolist(), slots.swa.tolist(),
+        )  # fmt: skip
+        return aborted
+
+    # ------------------------------------------------------------------ inspection
+    @property
+    def violations(self) -> list[CanaryViolationRow]:
+        """Violations reported so far (call :meth:`flush` first for the very latest)."""
+        return list(self.reporter.rows)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since install (host reads: call outside the forward path).
+
+        ``protected_tokens`` follows SGLang's stats line: verify entries + tokens written,
+        summed over launches (a decode step re-verifies each request's whole prefix).
+        """
+        rt = self.runtime
+        verify = rt.verify_counters.slots_processed.tolist()
+        write = rt.write_counters.slots_processed.tolist()
+        runs = (rt.verify_counters.kernel_runs + rt.write_counters.kernel_runs).tolist()
+        tags = [t for t in CanaryLaunchTag if runs[t]]
+        by_tag, by_reason = self.reporter.counts()
+        return {
+            "protected_tokens": sum(verify) + sum(write),
+            "verify_entries": sum(verify),
+            "write_entries": sum(write),
+            "verify_entries_by_tag": {t.name: verify[t] for t in tags},
+            "write_entries_by_tag": {t.name: write[t] for t in tags},
+            "kernel_runs_by_tag": {t.name: runs[t] for t in tags},
+            "violations": rt.ring.num_recorded(),
+            "violations_reported": len(self.reporter.rows),
+            "violations_by_tag": by_tag,
+            "violations_by_reason": by_reason,
+            "verify_overflow_steps": rt.num_verify_overflow_steps,
+            "aborted_requests": len(self.aborted_request_ids),
+            "steps": self.step,
+        }

@@ -1,0 +1,75 @@
+"""The one typed registry of ``KVCANARY_*`` environment variables.
+
+Environment variables only supply *defaults*; explicit configuration (dataclass fields, CLI
+flags) always wins. Read a value with ``envs.KVCANARY_KV_CANARY_RING_CAPACITY.get()``; a
+malformed value raises ``ValueError`` naming the variable, the value and what is allowed.
+Nothing else in the package reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    default: T
+    parse: Callable[[str], T]
+    allowed: str
+    help: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw.strip())
+        except ValueError:
+            raise ValueError(f"{self.name}={raw!r} is invalid: allowed {self.allowed}") from None
+
+
+def _int_at_least(lo: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        value = int(raw)
+        if value < lo:
+            raise ValueError(raw)
+        return value
+
+    return parse
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.lower()
+        if value not in choices:
+            raise ValueError(raw)
+        return value
+
+    return parse
+
+
+KVCANARY_KV_CANARY_RING_CAPACITY: EnvVar[int] = EnvVar(
+    "KVCANARY_KV_CANARY_RING_CAPACITY", 1024, _int_at_least(1), "an integer >= 1",
+    "violation ring rows (violations beyond it are counted, not stored)",
+)  # fmt: skip
+KVCANARY_KV_CANARY_VERIFY_CAPACITY_FACTOR: EnvVar[int] = EnvVar(
+    "KVCANARY_KV_CANARY_VERIFY_CAPACITY_FACTOR", 3, _int_at_least(1), "an integer >= 1",
+    "default per-forward verify capacity = factor x slots of the group's pool "
+    "(radix sharing lets the sum of prefix lengths exceed the pool)",
+)  # fmt: skip
+KVCANARY_KV_CANARY_KERNEL_BACKEND: EnvVar[str] = EnvVar(
+    "KVCANARY_KV_CANARY_KERNEL_BACKEND", "auto", _choice("auto", "numba", "torch"),
+    "one of auto, numba, torch", "canary kernels: auto = numba on CPU, torch elsewhere",
+)  # fmt: skip
+
+ALL_ENV_VARS: tuple[EnvVar, ...] = (
+    KVCANARY_KV_CANARY_RING_CAPACITY,
+    KVCANARY_KV_CANARY_VERIFY_CAPACITY_FACTOR,
+    KVCANARY_KV_CANARY_KERNEL_BACKEND,
+)

@@ -1,0 +1,88 @@
+"""The canary on the command line: `kvcanary run` flags and summary keys, bad canary flags,
+and `kvcanary bench overhead` on a tiny workload."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcanary.cli import main
+
+SMALL = ["--num-requests", "4", "--input-len", "60", "--shared-prefix-len", "24",
+         "--output-len", "8", "--max-total-tokens", "1024", "--no-progress"]  # fmt: skip
+CANARY_KEYS = (
+    "kv_canary_real_data", "canary_protected_tokens", "canary_verify_entries",
+    "canary_write_entries", "canary_violations", "canary_violations_by_tag",
+    "canary_violations_by_reason", "canary_verify_overflow_steps", "canary_aborted_requests",
+)  # fmt: skip
+
+
+def test_run_with_canary_reports_its_figures(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    assert main(["run", "--model", "builtin:tiny-swa", *SMALL, "--kv-canary", "raise",
+                 "--kv-canary-real-data", "partial", "--kv-canary-v-half",
+                 "--kv-canary-verify-tokens", "--json", str(out)]) == 0  # fmt: skip
+    data = json.loads(out.read_text())
+    assert (data["kv_canary"], data["kv_canary_real_data"]) == ("raise", "partial")
+    assert data["canary_violations"] == 0 and data["canary_violations_by_tag"] == {}
+    assert data["canary_verify_entries"] > 0 and data["canary_write_entries"] > 0
+    assert data["canary_protected_tokens"] == (
+        data["canary_verify_entries"] + data["canary_write_entries"]
+    )
+
+
+def test_run_without_canary_has_zero_figures(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    assert main(["run", "--model", "builtin:tiny-mha", *SMALL, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert all(k in data for k in CANARY_KEYS)
+    assert data["canary_protected_tokens"] == 0 and data["canary_violations_by_reason"] == {}
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--kv-canary", "log", "--kv-canary-ring-capacity", "0"], "--kv-canary-ring-capacity"),
+        (["--kv-canary-real-data", "partial"], "while --kv-canary is 'none'"),
+        (["--kv-canary", "log", "--kv-canary-verify-capacity", "-3"], "-3"),
+    ],
+)
+def test_bad_canary_flags_fail_cleanly(args: list[str], needle: str, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    out = tmp_path / "run.json"
+    assert main(["run", *args, *SMALL, "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "error" in err
+    assert not out.exists()
+
+
+@pytest.fixture
+def keep_torch_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("keep_torch_threads")
+def test_bench_overhead_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "overhead", "--model", "builtin:tiny-mha", "--repeats", "1",
+                 "--variants", "none,log+partial", "--num-requests", "3", "--input-len", "24",
+                 "--shared-prefix-len", "8", "--output-len", "4", "--max-total-tokens", "512",
+                 "--threads", "1", "--no-progress", "--json", str(out)]) == 0  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["repeats"] == 1 and data["decode_steps"] > 0 and data["torch_threads"] == 1
+    rows = {r["variant"]: r for r in data["variants"]}
+    assert list(rows) == ["none", "log+partial"]
+    assert rows["none"]["decode_overhead_pct"] == 0.0
+    assert all(r["identical_outputs"] and r["violations"] == 0 for r in rows.values())
+    assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows.values())
+    assert "decode_overhead_pct" in capsys.readouterr().out
+
+
+def test_bench_overhead_rejects_unknown_variants(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "overhead", "--variants", "log,fast", "--no-progress"]) == 2
+    assert "--variants='log,fast' is invalid" in capsys.readouterr().err
