@@ -116,18 +116,39 @@ def _cmd_bench_overhead(a: argparse.Namespace) -> int:
 
     spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    if a.threads is not None:
-        if a.threads < 1:
-            raise ValueError(f"--threads={a.threads!r} is invalid: allowed an integer >= 1")
-        import torch
-
-        torch.set_num_threads(a.threads)
+    _set_threads(a.threads)
     summary = bench_overhead(_engine_config(a), spec, repeats=a.repeats, variants=variants,
                              progress=not a.no_progress)  # fmt: skip
     head = {k: v for k, v in summary.items() if k != "variants"}
     print(render_table("kvcanary bench overhead", head))
     print(render_matrix("throughput (median) and overhead vs none (median of repeats)",
                         summary["variants"]))  # fmt: skip
+    if a.json:
+        write_json(a.json, summary)
+    return 0
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads={threads!r} is invalid: allowed an integer >= 1")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _cmd_bench_engine(a: argparse.Namespace) -> int:
+    from kvcanary.bench.engine_vs_hf import bench_engine
+    from kvcanary.report import render_table, write_json
+
+    if a.repeats < 1:
+        raise ValueError(f"--repeats={a.repeats!r} is invalid: allowed an integer >= 1")
+    _set_threads(a.threads)
+    spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
+    summary = bench_engine(a.model, spec, repeats=a.repeats, page_size=a.page_size,
+                           progress=not a.no_progress)  # fmt: skip
+    print(render_table("kvcanary bench engine (vs transformers generate)", summary))
     if a.json:
         write_json(a.json, summary)
     return 0
@@ -161,6 +182,24 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
     overhead.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     overhead.set_defaults(func=_cmd_bench_overhead)
+
+    engine = benches.add_parser(
+        "engine", help="our engine vs transformers generate: same weights, prompts, batched greedy"
+    )
+    engine.add_argument("--model", default="builtin:tiny-swa",
+                        help="builtin:tiny-swa | builtin:tiny-mha (default: %(default)s)")
+    engine.add_argument("--page-size", type=int, default=_E("page_size"), help="(default: %(default)s)")
+    engine.add_argument("--num-requests", type=int, default=16, help="(default: %(default)s)")
+    engine.add_argument("--input-len", type=int, default=128, help="(default: %(default)s)")
+    engine.add_argument("--output-len", type=int, default=64, help="(default: %(default)s)")
+    engine.add_argument("--shared-prefix-len", type=int, default=0, help="(default: %(default)s)")
+    engine.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    engine.add_argument("--repeats", type=int, default=5,
+                        help="interleaved repeats; figures are medians (default: %(default)s)")
+    engine.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    engine.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
+    engine.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    engine.set_defaults(func=_cmd_bench_engine)
     return parser
 
 
