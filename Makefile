@@ -22,9 +22,13 @@ $(STAMP): pyproject.toml Makefile
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests
 
+# The main job: the hybrid sliding-window preset with the canary on, prompts sharing a prefix
+# and far longer than the 32-token window, an SWA pool 1/8 of the full pool (window eviction,
+# SWA tombstoning in the prefix cache and retraction all happen).
 demo: $(STAMP)
-	$(VENV)/bin/kvcanary run --model builtin:tiny-swa --kv-canary log \
-		--num-requests 24 --input-len 192 --shared-prefix-len 96 --output-len 48 --page-size 4
+	$(VENV)/bin/kvcanary run --model builtin:tiny-swa --kv-canary log --kv-canary-real-data partial \
+		--num-requests 64 --input-len 256 --shared-prefix-len 128 --output-len 96 \
+		--page-size 4 --swa-full-tokens-ratio 0.125 --json demo.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
