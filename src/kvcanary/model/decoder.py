@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from kvcanary.model.base import AttentionLayerSpec
 from kvcanary.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from kvcanary.model.layers import GatedMLP, RMSNorm
+from kvcanary.model.layers import GatedMLP, RMSNorm, fuse_linears
 from kvcanary.model.rope import RotaryEmbedding, apply_rope
 
 Device = torch.device | str | None
@@ -39,6 +39,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias, device, dtype)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias, device, dtype)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias, device, dtype)
+        self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_split = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, config.o_bias, device, dtype)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -50,9 +52,10 @@ class Attention(nn.Module):
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: Any
     ) -> torch.Tensor:
         spec, num_tokens = self.spec, hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, spec.num_heads, spec.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        q, k, v = F.linear(hidden, self.qkv_weight, self.qkv_bias).split(self.qkv_split, dim=-1)
+        q = q.reshape(num_tokens, spec.num_heads, spec.head_dim)
+        k = k.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+        v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -68,7 +68,29 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias, device, dtype)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias, device, dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias, device, dtype)
+        self.gate_up_weight, self.gate_up_bias = fuse_linears(self.gate_proj, self.up_proj)
         self.act_fn = ACTIVATIONS[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(self.act_fn(gate) * up, self.down_proj.weight, self.down_proj.bias)
+
+
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) tensor for several projections of the same input, with each
+    linear's own parameter re-pointed to a *view* of it: loaders that ``copy_`` into the
+    named (Hugging Face-compatible) parameters fill the fused tensor, and a forward does one
+    GEMM instead of several. Build the model on its final device: ``.to()`` would re-allocate
+    the parameters and break the views."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = None
+    if linears[0].bias is not None:
+        bias = torch.cat([lin.bias.detach() for lin in linears])  # type: ignore[misc]
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
