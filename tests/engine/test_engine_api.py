@@ -112,3 +112,22 @@ def test_abort_requests_referencing_a_slot_spares_the_others() -> None:
     assert bool(alloc.page_quarantined[page])
     assert page not in alloc.free_pages.tolist()
     engine.check_integrity()
+
+
+def test_abort_drops_the_corrupt_prefix_from_the_cache() -> None:
+    prompts = make_prompts(3, 48, 60, shared=32, seed=6)
+    engine = tiny_engine()
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    rids = [engine.add_request(p, params) for p in prompts]
+    for _ in range(2):
+        engine.step()
+    sched = engine.scheduler
+    assert sched.cache is not None and sched.cache.total_size() > 0
+    shared_slot = sched.req_to_token[sched.running[0].req_pool_idx, 3].to(torch.int64).reshape(1)
+    aborted = sched.abort_requests_referencing(shared_slot)
+    assert sorted(aborted) == sorted(rids)  # every request shares the corrupt prefix page
+    # A newcomer with the same prefix must recompute it, not reuse the corrupt slots.
+    assert sched.cache.match_prefix(prompts[0]).num_tokens == 0
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()

@@ -737,3 +737,36 @@ def test_check_integrity_reports_breakage() -> None:
     alloc.free(node.value)  # the tree now holds free slots
     with pytest.raises(IntegrityError, match="free slot"):
         cache.check_integrity()
+
+
+def test_invalidate_drops_the_nodes_holding_a_slot_and_their_subtrees() -> None:
+    alloc = make_allocator(64, 2)
+    cache = RadixCache(alloc, 2)
+    a = alloc.alloc(8)
+    cache.insert([1, 2, 3, 4, 5, 6, 7, 8], a)
+    b = torch.cat([a[:4], alloc.alloc(4)])
+    cache.insert([1, 2, 3, 4, 9, 9, 9, 9], b)  # shares [1..4] with a, diverges after
+    c = alloc.alloc(4)
+    cache.insert([7, 7, 7, 7], c)
+    free_before = alloc.available_size()
+    # A slot of the shared prefix: the prefix and both continuations go; [7,7,7,7] stays.
+    assert cache.invalidate(a[2:3]) == 12
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).num_tokens == 0
+    assert cache.match_prefix([7, 7, 7, 7]).num_tokens == 4
+    assert alloc.available_size() == free_before + 12
+    cache.check_integrity()
+    alloc.check_integrity()
+
+
+def test_invalidate_leaves_locked_subtrees_alone() -> None:
+    alloc = make_allocator(32, 1)
+    cache = RadixCache(alloc, 1)
+    slots = alloc.alloc(4)
+    cache.insert([1, 2, 3, 4], slots)
+    m = cache.match_prefix([1, 2, 3, 4])
+    lock = cache.inc_lock_ref(m.last_node)
+    assert cache.invalidate(slots[:1]) == 0
+    assert cache.match_prefix([1, 2, 3, 4]).num_tokens == 4
+    cache.dec_lock_ref(m.last_node, lock)
+    assert cache.invalidate(slots[:1]) == 4
+    cache.check_integrity()

@@ -130,6 +130,13 @@ class Scheduler:
             self.running.remove(req)
             req.finish_reason = "abort"
             self._aborted.append(req)
+        if self.cache is not None:
+            # No later request may be served the corrupt KV from the prefix cache.
+            bad = full_slots
+            if swa_slots.numel():
+                mapping = self.allocator.full_to_swa_index_mapping[:-1]
+                bad = torch.cat([bad, torch.nonzero(torch.isin(mapping, swa_slots)).reshape(-1)])
+            self.cache.invalidate(bad)
         return [r.rid for r in hit]
 
     def step(self) -> list[Req]:

@@ -489,6 +489,36 @@ class RadixCache:
                 return parent
             node = parent
 
+    def invalidate(self, slots: torch.Tensor) -> int:
+        """Drop every unlocked node holding any of ``slots`` together with its subtree (KV
+        computed on top of a corrupt prefix is suspect too), freeing their slots; returns the
+        tokens dropped. Locked subtrees are left alone: their holders reference the slots and
+        are aborted first by the caller."""
+        bad = slots.reshape(-1).to(self.device, torch.int64)
+        if bad.numel() == 0:
+            return 0
+        targets = [
+            n for n in self._iter_nodes()
+            if n is not self.root and bool(torch.isin(n.value, bad).any())
+        ]  # fmt: skip
+        freed, dropped = _Freed(), 0
+        for top in targets:
+            if top.parent is None:  # already dropped with an ancestor
+                continue
+            subtree, stack = [], [top]
+            while stack:
+                node = stack.pop()
+                subtree.append(node)
+                stack.extend(node.children.values())
+            if any(n.lock_ref for n in subtree):
+                continue
+            for node in reversed(subtree):  # descendants first: each is a leaf when deleted
+                if node.parent is not None:
+                    dropped += len(node.key)
+                    self._delete_leaf(node, freed)
+        self._flush(freed)
+        return dropped
+
     def _flush(self, freed: _Freed) -> None:
         # One free per side; SWA-only frees first so the mapping they zero is not read twice.
         if freed.swa_slots:
