@@ -7,8 +7,10 @@ with the flag, the value and what is allowed.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvcanary.config import KV_CANARY_MODES, REAL_DATA_LAYERS, REAL_DATA_MODES, EngineConfig
@@ -62,6 +64,21 @@ def _canary_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-canary-verify-capacity", type=int, default=_E("kv_canary_verify_capacity"),
                    help="most verify entries per group per forward, 0 = 3 x pool slots; more "
                         "skips verify that step with a warning (default: %(default)s)")
+    p.add_argument("--kv-canary-sweep-interval", type=int, default=_E("kv_canary_sweep_interval"),
+                   help="every N forward steps, verify every slot the prefix cache holds; "
+                        "0 = off; needs --kv-canary log|raise|abort (default: %(default)s)")
+    p.add_argument("--kv-canary-stats-interval", type=int, default=_E("kv_canary_stats_interval"),
+                   help="every N forward steps log `[canary] step=... protected_tokens=...` "
+                        "(INFO); 0 = off (default: %(default)s)")
+    p.add_argument("--kv-canary-health-check-interval", type=int,
+                   default=_E("kv_canary_health_check_interval"),
+                   help="every N forward steps check that every expected launch tag ran since "
+                        "the last check, else fail; 0 = off (default: %(default)s)")
+    p.add_argument("--kv-canary-swa-divergence-interval", type=int,
+                   default=_E("kv_canary_swa_divergence_interval"),
+                   help="every N forward steps log `kv_canary_swa_divergence={...}` (INFO): "
+                        "proof the SWA path was exercised; 0 = off (default: %(default)s, from "
+                        "KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL)")
 
 
 def _engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -85,7 +102,9 @@ def _canary_config(a: argparse.Namespace) -> dict[str, Any]:
     """The kv_canary* fields given on the command line (commands without them: defaults)."""
     names = ("kv_canary", "kv_canary_real_data", "kv_canary_real_data_layers",
              "kv_canary_v_half", "kv_canary_verify_tokens", "kv_canary_ring_capacity",
-             "kv_canary_verify_capacity")  # fmt: skip
+             "kv_canary_verify_capacity", "kv_canary_sweep_interval",
+             "kv_canary_stats_interval", "kv_canary_health_check_interval",
+             "kv_canary_swa_divergence_interval")  # fmt: skip
     return {n: getattr(a, n) for n in names if hasattr(a, n)}
 
 
@@ -98,12 +117,33 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
                    help="tokens every prompt shares (default: %(default)s)")
 
 
+@contextlib.contextmanager
+def _log_to_stderr(level: str | None) -> Iterator[None]:
+    """``--log-level``: show kvcanary's own log lines (stats, sweep, SWA divergence are INFO)
+    on stderr for the duration of the command."""
+    if level is None:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("kvcanary")
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+
+
 def _cmd_run(a: argparse.Namespace) -> int:
     from kvcanary.report import render_table, write_json
     from kvcanary.run import run_workload
 
     spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
-    summary, _ = run_workload(_engine_config(a), spec, progress=not a.no_progress)
+    with _log_to_stderr(a.log_level):
+        summary, _ = run_workload(_engine_config(a), spec, progress=not a.no_progress)
     print(render_table("kvcanary run", summary))
     if a.json:
         write_json(a.json, summary)
@@ -154,6 +194,51 @@ def _cmd_bench_engine(a: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _cmd_selftest(a: argparse.Namespace) -> int:
+    from kvcanary.report import write_json
+    from kvcanary.selftest import render_selftest, run_selftest
+
+    if a.num_seeds < 1:
+        raise ValueError(f"--num-seeds={a.num_seeds!r} is invalid: allowed an integer >= 1")
+    seeds = list(range(a.seed, a.seed + a.num_seeds))
+    canary_log = logging.getLogger("kvcanary.canary")
+    level = canary_log.level
+    if not a.verbose:  # the injected faults' violation reports are the expected outcome
+        canary_log.setLevel(logging.ERROR)
+    try:
+        summary = run_selftest(_csv(a.models), _csv(a.faults), seeds, progress=not a.no_progress)
+    finally:
+        canary_log.setLevel(level)
+    print(render_selftest(summary))
+    if a.json:
+        write_json(a.json, summary)
+    return 0 if summary["ok"] else 1
+
+
+def _cmd_explain(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvcanary.canary.explain import explain, render_explain
+    from kvcanary.report import write_json
+
+    if a.logfile == "-":
+        text = sys.stdin.read()
+    else:
+        path = Path(a.logfile)
+        if not path.is_file():
+            raise ValueError(f"LOGFILE={a.logfile!r} is invalid: allowed an existing file or '-' (stdin)")
+        text = path.read_text(errors="replace")
+    summary = {"log": a.logfile, **explain(text)}
+    print(render_explain(summary))
+    if a.json:
+        write_json(a.json, summary)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcanary", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,7 +247,39 @@ def build_parser() -> argparse.ArgumentParser:
     _workload_flags(run)
     run.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    run.add_argument("--log-level", choices=("debug", "info", "warning"), default=None,
+                     help="print kvcanary's log lines at this level to stderr (info: the "
+                          "canary's stats, sweep and SWA divergence lines)")
     run.set_defaults(func=_cmd_run)
+
+    from kvcanary.canary.perturb.config import PERTURB_MODES
+    from kvcanary.selftest import SELFTEST_MODELS
+
+    selftest = sub.add_parser(
+        "selftest", help="fault-injection campaign: every fault class x pool kind, detected? "
+                         "plus clean runs (false positives); exit 1 on a miss or a false positive",
+    )  # fmt: skip
+    selftest.add_argument("--models", default=",".join(SELFTEST_MODELS),
+                          help="comma-separated pools to test (default: %(default)s)")
+    selftest.add_argument("--faults", default=",".join(PERTURB_MODES),
+                          help="comma-separated fault classes (default: all: %(default)s)")
+    selftest.add_argument("--seed", type=int, default=0, help="first seed (default: %(default)s)")
+    selftest.add_argument("--num-seeds", type=int, default=3,
+                          help="seeds seed, seed+1, ...: each draws other prompts and injection "
+                               "targets; a class must be detected under all (default: %(default)s)")
+    selftest.add_argument("--json", metavar="OUT", help="also write the detection matrix as JSON to OUT")
+    selftest.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    selftest.add_argument("--verbose", action="store_true",
+                          help="also print the injections' log lines and violation reports")
+    selftest.set_defaults(func=_cmd_selftest)
+
+    explain = sub.add_parser(
+        "explain", help="group the kv_canary violation lines of a kvcanary or SGLang log and "
+                        "name their likely causes",
+    )  # fmt: skip
+    explain.add_argument("logfile", metavar="LOGFILE", help="log file to read ('-': stdin)")
+    explain.add_argument("--json", metavar="OUT", help="also write the analysis as JSON to OUT")
+    explain.set_defaults(func=_cmd_explain)
 
     bench = sub.add_parser("bench", help="benchmarks measured side by side in one run")
     benches = bench.add_subparsers(dest="bench", required=True)

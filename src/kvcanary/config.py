@@ -57,6 +57,12 @@ class EngineConfig:
     kv_canary_verify_tokens: bool = False
     kv_canary_ring_capacity: int = field(default_factory=envs.KVCANARY_KV_CANARY_RING_CAPACITY.get)
     kv_canary_verify_capacity: int = 0  # 0: automatic (a multiple of the pool size)
+    kv_canary_sweep_interval: int = 0  # radix sweep every N steps; 0 = off
+    kv_canary_stats_interval: int = 100  # `[canary] step=...` line every N steps; 0 = off
+    kv_canary_health_check_interval: int = 100  # kernel-run-counter check; 0 = off
+    kv_canary_swa_divergence_interval: int = field(
+        default_factory=envs.KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL.get
+    )  # kv_canary_swa_divergence= line every N steps; 0 = off
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", self.model,

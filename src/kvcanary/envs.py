@@ -68,8 +68,15 @@ KVCANARY_KV_CANARY_KERNEL_BACKEND: EnvVar[str] = EnvVar(
     "one of auto, numba, torch", "canary kernels: auto = numba on CPU, torch elsewhere",
 )  # fmt: skip
 
+KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL: EnvVar[int] = EnvVar(
+    "KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL", 0, _int_at_least(0), "an integer >= 0",
+    "default of --kv-canary-swa-divergence-interval: log kv_canary_swa_divergence= every N "
+    "forward steps (0 = off; SGLang: SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL)",
+)  # fmt: skip
+
 ALL_ENV_VARS: tuple[EnvVar, ...] = (
     KVCANARY_KV_CANARY_RING_CAPACITY,
     KVCANARY_KV_CANARY_VERIFY_CAPACITY_FACTOR,
     KVCANARY_KV_CANARY_KERNEL_BACKEND,
+    KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL,
 )

@@ -79,4 +79,9 @@ def canary_summary(engine: Engine) -> dict[str, Any]:
         "canary_violations_by_reason": c.get("violations_by_reason", {}),
         "canary_verify_overflow_steps": c.get("verify_overflow_steps", 0),
         "canary_aborted_requests": c.get("aborted_requests", 0),
+        "canary_sweep_passes": c.get("sweep_passes", 0),
+        "canary_launch_tags_active": (
+            f"{len(c['launch_tags_active'])}/{c['launch_tags_defined']}" if c else "0/0"
+        ),
+        "canary_swa_divergence": c.get("swa_divergence", {}),
     }

@@ -17,6 +17,7 @@ CANARY_KEYS = (
     "kv_canary_real_data", "canary_protected_tokens", "canary_verify_entries",
     "canary_write_entries", "canary_violations", "canary_violations_by_tag",
     "canary_violations_by_reason", "canary_verify_overflow_steps", "canary_aborted_requests",
+    "canary_sweep_passes", "canary_launch_tags_active", "canary_swa_divergence",
 )  # fmt: skip
 
 
@@ -34,6 +35,23 @@ def test_run_with_canary_reports_its_figures(tmp_path: Path) -> None:
     )
 
 
+def test_run_with_sweep_stats_and_divergence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run.json"
+    assert main(["run", "--model", "builtin:tiny-swa", *SMALL, "--output-len", "40",
+                 "--kv-canary", "log", "--kv-canary-sweep-interval", "3",
+                 "--kv-canary-stats-interval", "10", "--kv-canary-health-check-interval", "5",
+                 "--kv-canary-swa-divergence-interval", "4", "--log-level", "info",
+                 "--json", str(out)]) == 0  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["canary_violations"] == 0 and data["canary_sweep_passes"] > 0
+    assert data["canary_launch_tags_active"] == "6/12"  # HEAD, TAIL, SWEEP x K x FULL, SWA
+    assert data["canary_swa_divergence"]["samples"] > 0
+    assert data["canary_swa_divergence"]["swa_out_of_window_tokens"] > 0  # 60 + 40 tokens > 32
+    err = capsys.readouterr().err
+    assert "[canary] step=10 protected_tokens=" in err and "kv_canary_swa_divergence={" in err
+    assert "[canary] sweep succeeded 1 times (last_step=0)" in err
+
+
 def test_run_without_canary_has_zero_figures(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     assert main(["run", "--model", "builtin:tiny-mha", *SMALL, "--json", str(out)]) == 0
@@ -48,6 +66,10 @@ def test_run_without_canary_has_zero_figures(tmp_path: Path) -> None:
         (["--kv-canary", "log", "--kv-canary-ring-capacity", "0"], "--kv-canary-ring-capacity"),
         (["--kv-canary-real-data", "partial"], "while --kv-canary is 'none'"),
         (["--kv-canary", "log", "--kv-canary-verify-capacity", "-3"], "-3"),
+        (["--kv-canary-sweep-interval", "4"], "--kv-canary-sweep-interval (kv_canary_sweep_interval)=4"),
+        (["--kv-canary", "log", "--kv-canary-stats-interval", "-1"], "allowed an integer >= 0 (0 = off)"),
+        (["--kv-canary", "log", "--kv-canary-swa-divergence-interval", "-2"],
+         "--kv-canary-swa-divergence-interval"),
     ],
 )
 def test_bad_canary_flags_fail_cleanly(args: list[str], needle: str, tmp_path: Path,

@@ -10,4 +10,9 @@ Runtime: :mod:`.config` (CanaryConfig), :mod:`.buffers` (record buffer groups),
 :mod:`.single_forward` (HEAD/TAIL of one forward), :mod:`.pump` + :mod:`.reporter`
 (violations to the host, modes), :mod:`.manager` (CanaryManager), :mod:`.install`
 (install_canary), :mod:`.errors`. The engine-facing contract: docs/CANARY_PROTOCOL.md.
+
+Observability: :mod:`.delayed` (one-step-late device reads), :mod:`.sweep` (radix sweep),
+:mod:`.stats_logger`, :mod:`.health` (kernel-run-counter check), :mod:`.swa_divergence`
+(SWA coverage telemetry), :mod:`.token_oracle` (write-input expectations). Self-test and
+diagnosis: :mod:`.perturb` (fault injection), :mod:`.explain` (violation lines -> causes).
 """

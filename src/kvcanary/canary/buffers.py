@@ -25,10 +25,12 @@ import torch
 from kvcanary.canary.constants import (
     MAX_REAL_KV_SOURCES,
     REAL_KV_BYTE_ALIGNMENT,
+    CanaryLaunchTag,
     KvHalf,
     LaunchStage,
     PoolKind,
     RealKvHashMode,
+    launch_tag,
 )
 from kvcanary.canary.real_kv import RealKvSource, resolve_read_bytes
 from kvcanary.canary.records import alloc_canary_buffer
@@ -64,6 +66,15 @@ class CanaryBufferGroup:
     def halves(self, v_half: bool) -> tuple[KvHalf, ...]:
         """The halves launched: K, plus V when the group has one and ``v_half`` is on."""
         return (KvHalf.K, KvHalf.V) if v_half and self.has_v_half else (KvHalf.K,)
+
+    @property
+    def sweepable(self) -> bool:
+        """Compressed groups summarise blocks of positions; a radix sweep covers the others."""
+        return self.compression_ratio == 1
+
+    def launch_tags(self, stages: Sequence[LaunchStage], v_half: bool) -> list[CanaryLaunchTag]:
+        """The tags this group launches in ``stages`` (K, plus V when launched)."""
+        return [launch_tag(self.kind, s, h) for s in stages for h in self.halves(v_half)]
 
     def records(self, stage: LaunchStage, half: KvHalf) -> torch.Tensor:
         bufs = {

@@ -55,6 +55,18 @@ class CanaryConfig:
     # copy of the ring counter is staged and read one step later: no host sync on the
     # forward path), 0 on CPU (reading host memory costs nothing).
     pump_delay_steps: int | None = None
+    # Every N forward steps verify every slot the radix prefix cache holds (0 = off).
+    sweep_interval: int = 0
+    # Every N forward steps log the `[canary] step=... protected_tokens=...` line (0 = off).
+    stats_interval: int = 100
+    # Every N forward steps (from step N on) check that every launch tag expected to run
+    # since the last check did run; raises KVCanaryHealthError otherwise (0 = off).
+    health_check_interval: int = 100
+    # Every N forward steps log `kv_canary_swa_divergence={...}` (0 = off): coverage
+    # telemetry of the sliding-window path, never a check.
+    swa_divergence_interval: int = field(
+        default_factory=envs.KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL.get
+    )
 
     def __post_init__(self) -> None:
         _check(self.mode in KV_CANARY_MODES, "--kv-canary", self.mode,
@@ -72,12 +84,23 @@ class CanaryConfig:
                self.backend, f"one of {KERNEL_BACKENDS}")  # fmt: skip
         _check(self.pump_delay_steps in (None, 0, 1), "pump_delay_steps",
                self.pump_delay_steps, "None (automatic), 0 or 1")  # fmt: skip
+        intervals: tuple[tuple[str, Any], ...] = (
+            ("--kv-canary-sweep-interval", self.sweep_interval),
+            ("--kv-canary-stats-interval", self.stats_interval),
+            ("--kv-canary-health-check-interval", self.health_check_interval),
+            ("--kv-canary-swa-divergence-interval", self.swa_divergence_interval),
+        )
+        for flag, value in intervals:
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                   flag, value, "an integer >= 0 (0 = off)")  # fmt: skip
         if self.mode == "none":
-            for flag, value, default in (
+            unset: tuple[tuple[str, Any, Any], ...] = (
                 ("--kv-canary-real-data", self.real_data, "none"),
                 ("--kv-canary-v-half", self.v_half, False),
                 ("--kv-canary-verify-tokens", self.verify_tokens, False),
-            ):
+                ("--kv-canary-sweep-interval", self.sweep_interval, 0),
+            )
+            for flag, value, default in unset:
                 _check(value == default, flag, value,
                        f"only {default!r} while --kv-canary is 'none' "
                        f"(pick a mode in {KV_CANARY_MODES[1:]})")  # fmt: skip
@@ -101,4 +124,8 @@ class CanaryConfig:
             verify_tokens=owner.kv_canary_verify_tokens,
             ring_capacity=owner.kv_canary_ring_capacity,
             verify_capacity=owner.kv_canary_verify_capacity,
+            sweep_interval=owner.kv_canary_sweep_interval,
+            stats_interval=owner.kv_canary_stats_interval,
+            health_check_interval=owner.kv_canary_health_check_interval,
+            swa_divergence_interval=owner.kv_canary_swa_divergence_interval,
         )

@@ -10,3 +10,8 @@ class KVCanaryViolation(RuntimeError):
     frozen ``kv_canary violation: ...`` line (SGLang raises a plain ``RuntimeError`` with the
     same text, so ``except RuntimeError`` handlers keep working).
     """
+
+
+class KVCanaryHealthError(RuntimeError):
+    """Raised by the kernel-run-counter health check: a launch tag the canary expected to
+    run since the previous check did not run (the canary path is not executing)."""

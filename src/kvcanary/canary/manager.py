@@ -12,8 +12,14 @@ have one per draft step), the pump and the reporter, and offers the engine its s
               pre_ops_maybe_inside_graph(fb)          #   plan + HEAD verify/write
               original forward                        #   attention reads/writes the KV
               post_ops_maybe_inside_graph(fb, plans)  #   TAIL verify/write
-      # leaving with_ops_outside_graph: SFM post-ops, step += 1, pump -> reporter (modes)
+      # leaving with_ops_outside_graph: SFM post-ops, perturbation post-hook, radix sweep,
+      #   step += 1, pump -> reporter (modes), health check, stats line, SWA divergence
     Engine.step(): scheduler.step(); canary.end_step()  # abort mode acts between steps
+
+Observability (each opt-in by its interval; all read the device on the delayed schedule of
+:mod:`.delayed`): :mod:`.sweep` (radix sweep), :mod:`.stats_logger`, :mod:`.health`,
+:mod:`.swa_divergence`. Fault injection (:mod:`.perturb`) attaches as ``perturber`` and is
+called at the three host-side points (pre-forward, post-forward, end of step).
 
 Until :meth:`mark_init_finished` (after warm-up / graph capture) the write kernels' chain
 position assert is disarmed: synthetic warm-up batches break position chains on purpose.
@@ -31,12 +37,23 @@ import torch
 from kvcanary import envs
 from kvcanary.canary.buffers import CanaryBufferGroup
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import CanaryLaunchTag
+from kvcanary.canary.constants import (
+    NUM_LAUNCH_TAGS,
+    NUM_SGLANG_LAUNCH_TAGS,
+    CanaryLaunchTag,
+    LaunchStage,
+    PoolKind,
+)
+from kvcanary.canary.delayed import DelayedDeviceHostHandler
+from kvcanary.canary.health import KernelRunHealthChecker
 from kvcanary.canary.plan import CanaryPlans
 from kvcanary.canary.pump import ViolationPump
 from kvcanary.canary.reporter import CanaryViolationRow, ImplicatedSlots, ViolationReporter
 from kvcanary.canary.ring import RunCounters, ViolationRing
-from kvcanary.canary.single_forward import CanaryRuntime, SingleForwardManager
+from kvcanary.canary.single_forward import CanaryRuntime, ExpectedInputs, SingleForwardManager
+from kvcanary.canary.stats_logger import PeriodicStatsLogger
+from kvcanary.canary.swa_divergence import SwaDivergenceReporter, VerifyTotals
+from kvcanary.canary.sweep import SweepOrchestrator
 
 logger = logging.getLogger("kvcanary.canary")
 
@@ -88,6 +105,49 @@ class CanaryManager:
         self.init_finished = False
         self._active: int | None = None
         self._bracket_depth = 0
+        self.perturber: Any = None  # kvcanary.canary.perturb.Perturber, when injecting faults
+        self._init_observability(config, groups, req_to_token_pool)
+
+    def _init_observability(
+        self, config: CanaryConfig, groups: list[CanaryBufferGroup], req_to_token_pool: Any
+    ) -> None:
+        rt, device = self.runtime, self.device
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # shared D2H stream
+
+        def handler() -> DelayedDeviceHostHandler:
+            return DelayedDeviceHostHandler(device, stream)
+
+        self.sweep = SweepOrchestrator(rt, config.sweep_interval)
+        per_forward = (LaunchStage.HEAD, LaunchStage.TAIL)
+        self.per_forward_tags = [t for g in groups for t in g.launch_tags(per_forward, config.v_half)]
+        sweep_tags = [
+            t for g in groups if g.sweepable and config.sweep_interval
+            for t in g.launch_tags((LaunchStage.SWEEP,), config.v_half)
+        ]  # fmt: skip
+        # What this canary launches (the stats line's `launch_tags_active=a/b`; b = SGLang's
+        # 12 tags unless a DSV4 compressed group brings kvcanary's own).
+        self.launch_tags = sorted(self.per_forward_tags + sweep_tags)
+        sglang_only = max(self.launch_tags) < NUM_SGLANG_LAUNCH_TAGS
+        self.num_launch_tags_defined = NUM_SGLANG_LAUNCH_TAGS if sglang_only else NUM_LAUNCH_TAGS
+        self.stats_logger = (
+            PeriodicStatsLogger(rt, config.stats_interval, handler(),
+                                lambda: self.sweep.num_passes,
+                                (len(self.launch_tags), self.num_launch_tags_defined))
+            if config.stats_interval else None
+        )  # fmt: skip
+        self.health = (
+            KernelRunHealthChecker(rt, config.health_check_interval, handler(),
+                                   self.per_forward_tags, lambda: self.sweep.launches)
+            if config.health_check_interval else None
+        )  # fmt: skip
+        self.swa_divergence: SwaDivergenceReporter | None = None
+        if config.swa_divergence_interval:
+            rt.verify_totals = VerifyTotals(device)
+            swa = next((g for g in groups if g.kind == PoolKind.SWA), None)
+            self.swa_divergence = SwaDivergenceReporter(
+                config.swa_divergence_interval, rt.verify_totals, handler(),
+                None if swa is None else swa.swa_index_lut, req_to_token_pool.req_to_token,
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ contexts
     @contextlib.contextmanager
@@ -115,14 +175,26 @@ class CanaryManager:
     ) -> Iterator[None]:
         """Host-side work around one step's forward(s): pre-ops, then (on success) post-ops,
         the step counter and the pump (which may raise in ``raise`` mode)."""
+        fb = maybe_inaccurate_forward_batch
         sfms = [self.single_forward_managers[i] for i in single_forward_indices]
         for sfm in sfms:
-            sfm.pre_ops_outside_graph(maybe_inaccurate_forward_batch)
+            sfm.pre_ops_outside_graph(fb)
+        if self.perturber is not None:
+            self.perturber.pre_forward(fb)
         yield
         for sfm in sfms:
             sfm.post_ops_outside_graph()
+        if self.perturber is not None:
+            self.perturber.post_forward(fb)
+        self.sweep.maybe_run(self.step)
         self.step += 1
         self._report(self.pump.step())
+        if self.health is not None:
+            self.health.step(self.step)
+        if self.stats_logger is not None:
+            self.stats_logger.step(self.step)
+        if self.swa_divergence is not None:
+            self.swa_divergence.step(self.step, fb)
 
     @contextlib.contextmanager
     def forward_scope(self, forward_batch: Any) -> Iterator[None]:
@@ -169,18 +241,36 @@ class CanaryManager:
         """``handler(full_slots, swa_slots) -> aborted request ids`` (abort mode)."""
         self.abort_handler = handler
 
+    def attach_radix_cache(self, cache: Any) -> None:
+        """The engine's prefix cache, for the radix sweep (and cached-slot perturbations);
+        it needs ``iter_cached()`` (see :mod:`.sweep`). None: no cache."""
+        self.sweep.attach_radix_cache(cache)
+
+    def set_expected_inputs(self, expected_inputs: ExpectedInputs | None) -> None:
+        """Arm (or, with None, disarm) the write-input assertion: ``fn(fb) -> (token ids,
+        positions)`` every token written by ``fb`` must carry."""
+        self.runtime.expected_inputs = expected_inputs
+
     def end_step(self) -> list[int]:
         """Between engine steps: in abort mode, abort the requests referencing the slots of
-        the rows reported since the last call. Returns the aborted request ids."""
+        the rows reported since the last call; then the end-of-step perturbation hook.
+        Returns the aborted request ids."""
         slots = self.reporter.take_implicated_slots()
-        if slots is None:
-            return []
-        return self._abort(slots)
+        aborted = [] if slots is None else self._abort(slots)
+        if self.perturber is not None:
+            self.perturber.end_step()
+        return aborted
 
     def flush(self) -> None:
-        """Report every row recorded so far (a host sync: call when idle)."""
+        """Report every row recorded so far and drain the staged stats / health /
+        divergence reads (a host sync: call when idle)."""
         self._report(self.pump.drain())
-        self.end_step()
+        for observer in (self.health, self.stats_logger, self.swa_divergence):
+            if observer is not None:
+                observer.handler.flush()
+        slots = self.reporter.take_implicated_slots()
+        if slots is not None:
+            self._abort(slots)
 
     def _report(self, records: list) -> None:
         self.reporter.report(
@@ -232,4 +322,8 @@ class CanaryManager:
             "verify_overflow_steps": rt.num_verify_overflow_steps,
             "aborted_requests": len(self.aborted_request_ids),
             "steps": self.step,
+            "sweep_passes": self.sweep.num_passes,
+            "launch_tags_active": [t.name for t in self.launch_tags],
+            "launch_tags_defined": self.num_launch_tags_defined,
+            "swa_divergence": {} if self.swa_divergence is None else self.swa_divergence.peak(),
         }

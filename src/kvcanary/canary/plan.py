@@ -162,7 +162,7 @@ class CanaryPlans:
     write: WritePlan
 
 
-def _translate(slots: torch.Tensor, lut: torch.Tensor | None) -> torch.Tensor:
+def translate_slots(slots: torch.Tensor, lut: torch.Tensor | None) -> torch.Tensor:
     """Full→SWA slots; negative sentinels pass through. Out-of-range slots raise (IndexError)."""
     if lut is None:
         return slots
@@ -262,7 +262,7 @@ def _build_plans_torch(
             gathered = table[row, torch.where(ok, idx, 0)].long()
             expected = torch.where(ok, gathered, NO_TOKEN)
         verify = VerifyPlan(
-            _translate(slots, lut), _translate(prev, lut), pos, expected, True, total_verify
+            translate_slots(slots, lut), translate_slots(prev, lut), pos, expected, True, total_verify
         )
 
     # ---- write metadata
@@ -271,12 +271,12 @@ def _build_plans_torch(
     seed = r2t[rows, torch.where(has_seed, prefix - 1, 0)].long()
     seed = torch.where(has_seed, seed, NO_SLOT)
     write = WritePlan(
-        seed_slots=_translate(seed, lut),
+        seed_slots=translate_slots(seed, lut),
         token_starts=token_starts,
         num_tokens=write_counts,
         token_ids=inputs.input_ids.long(),
         positions=inputs.positions.long(),
-        slots=_translate(inputs.out_cache_loc.long(), lut),
+        slots=translate_slots(inputs.out_cache_loc.long(), lut),
         max_num_tokens=max_write,
         total_num_tokens=total_write,
         expected_token_ids=long_or_none(inputs.expected_input_ids),

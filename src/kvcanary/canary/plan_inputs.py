@@ -28,8 +28,16 @@ import torch
 from kvcanary.canary.plan import PlanInputs
 
 
-def plan_inputs_from_batch(fb: Any, req_to_token_pool: Any, *, verify_tokens: bool) -> PlanInputs:
-    """The shared plan inputs of a forward (tensors are used as they are, no copies)."""
+def plan_inputs_from_batch(
+    fb: Any,
+    req_to_token_pool: Any,
+    *,
+    verify_tokens: bool,
+    expected_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> PlanInputs:
+    """The shared plan inputs of a forward (tensors are used as they are, no copies).
+    ``expected_inputs``: (token ids, positions) every written token must carry (the
+    write-input assertion; None: off)."""
     table = lens = None
     if verify_tokens:
         table = req_to_token_pool.token_ids
@@ -44,6 +52,8 @@ def plan_inputs_from_batch(fb: Any, req_to_token_pool: Any, *, verify_tokens: bo
         out_cache_loc=fb.out_cache_loc,
         expected_token_table=table,
         expected_token_lens=lens,
+        expected_input_ids=None if expected_inputs is None else expected_inputs[0],
+        expected_positions=None if expected_inputs is None else expected_inputs[1],
     )
 
 

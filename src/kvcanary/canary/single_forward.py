@@ -16,8 +16,11 @@ verifies exactly what HEAD verified, now against the post-forward KV.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from kvcanary.canary import kernels
 from kvcanary.canary.buffers import CanaryBufferGroup
@@ -26,6 +29,9 @@ from kvcanary.canary.constants import LaunchStage, launch_tag
 from kvcanary.canary.plan import CanaryPlans, build_plans
 from kvcanary.canary.plan_inputs import compress_plan_inputs, plan_inputs_from_batch
 from kvcanary.canary.ring import RunCounters, ViolationRing
+from kvcanary.canary.swa_divergence import VerifyTotals
+
+ExpectedInputs = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
 
 logger = logging.getLogger("kvcanary.canary")
 
@@ -43,6 +49,11 @@ class CanaryRuntime:
     verify_capacities: list[int]  # per group
     chain_position_assert: bool = False  # armed by mark_init_finished()
     num_verify_overflow_steps: int = 0
+    # fb -> (expected input ids, expected positions): arms the write-input assertion
+    # (e.g. TokenOracleExpectations under the engine's oracle sampler).
+    expected_inputs: ExpectedInputs | None = None
+    # Verify entries per FULL/SWA group, for the SWA divergence reporter (None: off).
+    verify_totals: VerifyTotals | None = None
 
 
 class SingleForwardManager:
@@ -57,8 +68,9 @@ class SingleForwardManager:
     def pre_ops_maybe_inside_graph(self, fb: Any) -> list[CanaryPlans]:
         rt = self.rt
         inputs = plan_inputs_from_batch(
-            fb, rt.req_to_token_pool, verify_tokens=rt.config.verify_tokens
-        )
+            fb, rt.req_to_token_pool, verify_tokens=rt.config.verify_tokens,
+            expected_inputs=None if rt.expected_inputs is None else rt.expected_inputs(fb),
+        )  # fmt: skip
         all_plans = []
         for group, capacity in zip(rt.groups, rt.verify_capacities, strict=True):
             group_inputs = (
@@ -78,6 +90,8 @@ class SingleForwardManager:
                 self._overflows.append(
                     (group.kind.name, plans.verify.num_requested_entries, capacity)
                 )
+            if rt.verify_totals is not None:
+                rt.verify_totals.observe(group.kind, plans.verify.num_entries)
             self._launch(group, LaunchStage.HEAD, plans)
             all_plans.append(plans)
         return all_plans

@@ -69,8 +69,20 @@ class Engine:
                     "--kv-canary=abort needs Scheduler.abort_requests_referencing"
                 )
             canary.set_abort_handler(abort)
+        canary.attach_radix_cache(self.scheduler.cache)  # the radix sweep walks it
+        if self.config.token_oracle:  # every fed token is known: arm the write-input assert
+            from kvcanary.canary.token_oracle import TokenOracleExpectations
+
+            canary.set_expected_inputs(
+                TokenOracleExpectations(self.runner.vocab_size, self._prompt_lens)
+            )
         canary.mark_init_finished()  # no warm-up or capture to wait for
         return canary
+
+    def _prompt_lens(self, rids: list[int]) -> list[int]:
+        """Prompt length of each running request id (0 for padding / unknown ids)."""
+        lens = {r.rid: len(r.prompt_ids) for r in self.scheduler.running}
+        return [lens.get(rid, 0) for rid in rids]
 
     def _encode(self, prompt: Prompt) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]

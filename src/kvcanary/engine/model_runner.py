@@ -106,7 +106,9 @@ class ModelRunner:
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
-        self.attn_backend.init_forward_metadata(fb)
         with nullcontext() if self.canary is None else self.canary.forward_scope(fb):
+            # Inside the scope: the canary's host pre-ops (fault injection included) run
+            # before attention gathers its slot tables, as before a real forward.
+            self.attn_backend.init_forward_metadata(fb)
             hidden = self.model(fb.input_ids, fb.positions, fb)
         return self.model.compute_logits(hidden[fb.last_token_indices()])

@@ -1,0 +1,91 @@
+"""PerturbConfig: which faults to inject, how often, where (frozen, validated).
+
+Each mode has its own probability per hook call (SGLang's five, then kvcanary's three)::
+
+    mode                  hook           what it corrupts
+    req_to_token          pre-forward    one committed req->token entry -> another live slot
+    real_kv_used          pre-forward    byte 0 of a running request's slot in a K real-KV source
+    real_kv_unused_cache  pre-forward    the same, on a cached slot no request holds (sweep steps)
+    real_kv_post_forward  post-forward   the same, on a slot this forward just wrote
+    next_token_swap       end of step    two requests' freshly sampled tokens (oracle sampler)
+    swa_mapping           pre-forward    a live in-window full slot's mapping -> another SWA slot
+    stale_reuse           pre-forward    a request's new token lands in another's live slot
+    page_shift            pre-forward    one request's page table shifted by one page
+
+A hook fires when its probability is > 0, the forward step is >= ``warmup_steps``, fewer than
+``max_injections`` (0 = no limit) of that mode happened, and the seeded RNG draws below the
+probability: the same seed and workload inject the same faults. ``target_group`` (``full`` |
+``swa``) picks the group of the byte-flip modes and is required when the pool has both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from typing import Any
+
+
+class PerturbMode(StrEnum):
+    REQ_TO_TOKEN = "req_to_token"
+    REAL_KV_USED = "real_kv_used"
+    REAL_KV_UNUSED_CACHE = "real_kv_unused_cache"
+    REAL_KV_POST_FORWARD = "real_kv_post_forward"
+    NEXT_TOKEN_SWAP = "next_token_swap"
+    SWA_MAPPING = "swa_mapping"
+    STALE_REUSE = "stale_reuse"
+    PAGE_SHIFT = "page_shift"
+
+
+PERTURB_MODES: tuple[str, ...] = tuple(m.value for m in PerturbMode)
+TARGET_GROUPS = ("full", "swa")
+# Modes that corrupt the real KV bytes of one buffer group (they need target_group on SWA pools).
+BYTE_FLIP_MODES = frozenset(
+    {PerturbMode.REAL_KV_USED, PerturbMode.REAL_KV_UNUSED_CACHE, PerturbMode.REAL_KV_POST_FORWARD}
+)
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"PerturbConfig.{name}={value!r} is invalid: allowed {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerturbConfig:
+    req_to_token_prob: float = 0.0
+    real_kv_used_prob: float = 0.0
+    real_kv_unused_cache_prob: float = 0.0
+    real_kv_post_forward_prob: float = 0.0
+    next_token_swap_prob: float = 0.0
+    swa_mapping_prob: float = 0.0
+    stale_reuse_prob: float = 0.0
+    page_shift_prob: float = 0.0
+    target_group: str | None = None  # full | swa (byte-flip modes)
+    warmup_steps: int = 50  # forward steps before any injection (SGLang's default)
+    seed: int = 0
+    max_injections: int = 0  # per mode; 0 = no limit
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name.endswith("_prob"):
+                v = getattr(self, f.name)
+                _check(isinstance(v, int | float) and 0.0 <= v <= 1.0, f.name, v, "a number in [0, 1]")
+        _check(self.target_group in (None, *TARGET_GROUPS), "target_group", self.target_group,
+               f"None or one of {TARGET_GROUPS}")  # fmt: skip
+        for name in ("warmup_steps", "max_injections"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and v >= 0, name, v, "an integer >= 0")
+        _check(isinstance(self.seed, int), "seed", self.seed, "an integer")
+
+    @classmethod
+    def single(cls, mode: str, prob: float = 1.0, **kwargs: Any) -> PerturbConfig:
+        """One mode at ``prob``: ``PerturbConfig.single("page_shift", warmup_steps=4)``."""
+        _check(mode in PERTURB_MODES, "mode", mode, f"one of {PERTURB_MODES}")
+        kwargs[f"{mode}_prob"] = prob
+        return cls(**kwargs)
+
+    def prob(self, mode: PerturbMode) -> float:
+        return float(getattr(self, f"{mode.value}_prob"))
+
+    @property
+    def active_modes(self) -> list[PerturbMode]:
+        return [m for m in PerturbMode if self.prob(m) > 0]

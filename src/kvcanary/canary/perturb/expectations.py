@@ -1,0 +1,63 @@
+"""What the canary must report for each injected fault (the perturbation table).
+
+    mode                  pools      expected tag (first report)  fail reason (any of)
+    req_to_token          MHA, SWA   HEAD_K_FULL                  verify_chain_hash
+    real_kv_used          MHA, SWA   TAIL_K_<group>               verify_real_kv_hash
+    real_kv_unused_cache  MHA, SWA   SWEEP_K_<group>              verify_real_kv_hash
+    real_kv_post_forward  MHA, SWA   TAIL_K_<group>               verify_real_kv_hash
+    next_token_swap       MHA, SWA   HEAD_K_FULL                  write_token
+    swa_mapping           SWA        HEAD_K_SWA                   verify_position, verify_chain_hash
+    stale_reuse           MHA, SWA   HEAD_K_FULL                  verify_position, verify_chain_hash
+    page_shift            MHA, SWA   HEAD_K_FULL                  verify_position
+
+``<group>`` is the target group (FULL or SWA). What each mode needs besides the canary:
+real-KV fingerprints (``--kv-canary-real-data partial|all``) for the byte flips, a radix
+sweep and a prefix cache for ``real_kv_unused_cache``, the token oracle for
+``next_token_swap``, an SWA pool for ``swa_mapping``.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import NamedTuple
+
+from kvcanary.canary.perturb.config import BYTE_FLIP_MODES, PerturbMode
+
+
+class ExpectedDetection(NamedTuple):
+    tags: tuple[str, ...]  # fnmatch patterns of the launch tag
+    reasons: tuple[str, ...]  # a matching row carries at least one of them
+
+    def matches(self, launch_tag: str, fail_reasons: tuple[str, ...] | list[str]) -> bool:
+        return any(fnmatchcase(launch_tag, p) for p in self.tags) and any(
+            r in self.reasons for r in fail_reasons
+        )
+
+
+_POSITION_OR_CHAIN = ("verify_position", "verify_chain_hash")
+_TABLE: dict[PerturbMode, ExpectedDetection] = {
+    PerturbMode.REQ_TO_TOKEN: ExpectedDetection(("HEAD_K_FULL",), ("verify_chain_hash",)),
+    PerturbMode.REAL_KV_USED: ExpectedDetection(("TAIL_K_{G}",), ("verify_real_kv_hash",)),
+    PerturbMode.REAL_KV_UNUSED_CACHE: ExpectedDetection(("SWEEP_K_{G}",), ("verify_real_kv_hash",)),
+    PerturbMode.REAL_KV_POST_FORWARD: ExpectedDetection(("TAIL_K_{G}",), ("verify_real_kv_hash",)),
+    PerturbMode.NEXT_TOKEN_SWAP: ExpectedDetection(("HEAD_K_FULL",), ("write_token",)),
+    PerturbMode.SWA_MAPPING: ExpectedDetection(("HEAD_K_SWA",), _POSITION_OR_CHAIN),
+    PerturbMode.STALE_REUSE: ExpectedDetection(("HEAD_K_FULL",), _POSITION_OR_CHAIN),
+    PerturbMode.PAGE_SHIFT: ExpectedDetection(("HEAD_K_FULL",), ("verify_position",)),
+}
+
+
+def expected_detection(mode: str, target_group: str | None = None) -> ExpectedDetection:
+    """The expected report of ``mode``; byte-flip modes need ``target_group`` (full | swa)."""
+    mode = PerturbMode(mode)
+    exp = _TABLE[mode]
+    if mode in BYTE_FLIP_MODES:
+        if target_group not in ("full", "swa"):
+            raise ValueError(f"{mode.value}: target_group={target_group!r}; allowed 'full' or 'swa'")
+        exp = exp._replace(tags=tuple(t.format(G=target_group.upper()) for t in exp.tags))
+    return exp
+
+
+def applies_to(mode: str, has_swa_group: bool) -> bool:
+    """Whether ``mode`` is meaningful on a pool (``swa_mapping`` needs an SWA group)."""
+    return PerturbMode(mode) != PerturbMode.SWA_MAPPING or has_swa_group

@@ -1,0 +1,200 @@
+"""The faults themselves: each picks a target with the perturber's seeded RNG, corrupts it,
+logs one line (SGLang's format for its modes) and returns an :class:`Injection`, or None
+when the batch offers no target.
+
+Metadata faults (``req_to_token``, ``swa_mapping``, ``page_shift``, ``stale_reuse``) are
+transient: the injection carries an ``undo`` that the post-forward hook runs, so the
+engine's own bookkeeping (allocator, prefix cache) stays sound and the run can go on; what
+the forward did with the wrong metadata (KV read from or written to the wrong slot, records
+chained from a wrong seed) stays. Byte flips and token swaps are permanent.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcanary.canary.buffers import CanaryBufferGroup
+from kvcanary.canary.perturb.slots import prefix_entries, write_entries
+
+logger = logging.getLogger("kvcanary.canary")
+
+
+@dataclass
+class Injection:
+    mode: str
+    step: int  # index of the first forward that can see the fault
+    group: str | None  # target group of byte flips (full | swa)
+    detail: dict[str, int]
+    undo: Callable[[], None] | None = field(default=None, repr=False)
+
+
+def flip_byte(group: CanaryBufferGroup, slot: int, rng: random.Random, name: str) -> dict[str, int] | None:
+    """XOR 0xFF into byte 0 of ``slot``'s tile in a random K-half real-KV source of ``group``
+    (``slot`` in the group's own index space)."""
+    sources = group.real_kv_sources_k
+    if not sources or slot <= 0:
+        return None
+    source_idx = rng.randrange(len(sources))
+    src = sources[source_idx]
+    row, col = slot // src.page_size, (slot % src.page_size) * src.num_bytes_per_token
+    original = int(src.tensor[row, col])
+    src.tensor[row, col] = original ^ 0xFF
+    logger.warning(
+        "kv_canary perturb %s: group=%s source_idx=%d slot=%d row=%d col=%d "
+        "original_byte=0x%02X new_byte=0x%02X",
+        name, group.kind.name.lower(), source_idx, slot, row, col, original, original ^ 0xFF,
+    )  # fmt: skip
+    return {"source_idx": source_idx, "slot": slot, "row": row, "col": col,
+            "original_byte": original, "new_byte": original ^ 0xFF}  # fmt: skip
+
+
+def group_slot(group: CanaryBufferGroup, full_slot: int) -> int:
+    """``full_slot`` in the group's index space (0: not resident)."""
+    lut = group.swa_index_lut
+    return full_slot if lut is None else int(lut[full_slot])
+
+
+def req_to_token(fb: Any, r2t: torch.Tensor, rng: random.Random, step: int) -> Injection | None:
+    """Point one committed entry at another live slot of another position (a slot of the
+    same position may hold identical content under prefix sharing: no fault at all)."""
+    written = set(fb.out_cache_loc.tolist())
+    entries = [e for e in prefix_entries(fb, r2t) if e.slot not in written]
+    if not entries:
+        return None
+    victim = rng.choice(entries)
+    donors = [e for e in entries if e.position != victim.position and e.slot != victim.slot]
+    if not donors:
+        return None
+    new_slot = rng.choice(donors).slot
+    r2t[victim.req_pool_idx, victim.position] = new_slot
+    logger.warning(
+        "kv_canary perturb req_to_token: req_pool_idx=%d position=%d original_slot=%d new_slot=%d",
+        victim.req_pool_idx, victim.position, victim.slot, new_slot,
+    )  # fmt: skip
+
+    def undo() -> None:
+        r2t[victim.req_pool_idx, victim.position] = victim.slot
+
+    return Injection("req_to_token", step, None, {
+        "req_pool_idx": victim.req_pool_idx, "position": victim.position,
+        "original_slot": victim.slot, "new_slot": new_slot}, undo)  # fmt: skip
+
+
+def swa_mapping(fb: Any, r2t: torch.Tensor, group: CanaryBufferGroup, rng: random.Random,
+                step: int) -> Injection | None:  # fmt: skip
+    """Point a live in-window full slot's mapping entry at another live SWA slot."""
+    lut = group.swa_index_lut
+    assert lut is not None and group.window is not None
+    entries = [e for e in prefix_entries(fb, r2t, group.window) if int(lut[e.slot]) > 0]
+    if len(entries) < 2:
+        return None
+    victim = rng.choice(entries)
+    original = int(lut[victim.slot])
+    donors = [e for e in entries if int(lut[e.slot]) != original]
+    if not donors:
+        return None
+    new = int(lut[rng.choice(donors).slot])
+    lut[victim.slot] = new
+    logger.warning(
+        "kv_canary perturb swa_mapping: req_pool_idx=%d position=%d full_slot=%d "
+        "original_swa_slot=%d new_swa_slot=%d",
+        victim.req_pool_idx, victim.position, victim.slot, original, new,
+    )  # fmt: skip
+
+    def undo() -> None:
+        lut[victim.slot] = original
+
+    return Injection("swa_mapping", step, "swa", {
+        "req_pool_idx": victim.req_pool_idx, "position": victim.position,
+        "full_slot": victim.slot, "original_swa_slot": original, "new_swa_slot": new}, undo)  # fmt: skip
+
+
+def page_shift(fb: Any, r2t: torch.Tensor, page_size: int, num_slots: int, rng: random.Random,
+               step: int) -> Injection | None:  # fmt: skip
+    """Shift one request's committed page-table entries by one page (slot +/- page_size),
+    as an off-by-one page index would."""
+    rows = [(r, k) for r, k in zip(fb.req_pool_indices.tolist(), fb.prefix_lens.tolist(), strict=True)
+            if r != 0 and k > 0]  # fmt: skip
+    if not rows:
+        return None
+    row, k = rng.choice(rows)
+    original = r2t[row, :k].clone()
+    if int(original.max()) + page_size < num_slots:
+        shift = page_size
+    elif int(original.min()) - page_size >= page_size:  # never into the reserved sink page
+        shift = -page_size
+    else:
+        return None
+    r2t[row, :k] = original + shift
+    logger.warning(
+        "kv_canary perturb page_shift: req_pool_idx=%d positions=[0, %d) shift_slots=%+d "
+        "page_size=%d", row, k, shift, page_size,
+    )  # fmt: skip
+
+    def undo() -> None:
+        r2t[row, :k] = original
+
+    return Injection("page_shift", step, None, {
+        "req_pool_idx": row, "num_positions": k, "shift_slots": shift}, undo)  # fmt: skip
+
+
+def stale_reuse(fb: Any, r2t: torch.Tensor, rng: random.Random, step: int) -> Injection | None:
+    """One token this forward writes lands in a live slot of another request (as if that slot
+    had been freed and handed out again while still referenced); the writer's own slot is
+    lost. Another request's slot when the batch has one, else an earlier slot of its own."""
+    writes = write_entries(fb)
+    if not writes:
+        return None
+    w = rng.choice(writes)
+    written = set(fb.out_cache_loc.tolist())
+    entries = [e for e in prefix_entries(fb, r2t) if e.slot not in written]
+    others = [e for e in entries if e.req_pool_idx != w.req_pool_idx] or entries
+    if not others:
+        return None
+    victim = rng.choice(others)
+    fb.out_cache_loc[w.token_index] = victim.slot
+    r2t[w.req_pool_idx, w.position] = victim.slot
+    logger.warning(
+        "kv_canary perturb stale_reuse: slot=%d owner_req_pool_idx=%d owner_position=%d "
+        "reused_by_req_pool_idx=%d position=%d lost_slot=%d",
+        victim.slot, victim.req_pool_idx, victim.position, w.req_pool_idx, w.position, w.slot,
+    )  # fmt: skip
+
+    def undo() -> None:
+        fb.out_cache_loc[w.token_index] = w.slot
+        r2t[w.req_pool_idx, w.position] = w.slot
+
+    return Injection("stale_reuse", step, None, {
+        "slot": victim.slot, "owner_req_pool_idx": victim.req_pool_idx,
+        "owner_position": victim.position, "reused_by_req_pool_idx": w.req_pool_idx,
+        "position": w.position, "lost_slot": w.slot}, undo)  # fmt: skip
+
+
+def next_token_swap(running: list[Any], token_ids: torch.Tensor | None, rng: random.Random,
+                    step: int) -> Injection | None:  # fmt: skip
+    """Swap the freshly sampled (not yet fed) next tokens of two running requests, as a
+    sampler returning rows in the wrong order would. ``running``: requests with ``rid``,
+    ``req_pool_idx``, ``output_ids``, ``seq_len``, ``decode_ready``."""
+    ready = [r for r in running if r.decode_ready and r.output_ids]
+    pairs = [(a, b) for i, a in enumerate(ready) for b in ready[i + 1 :]
+             if a.output_ids[-1] != b.output_ids[-1]]  # fmt: skip
+    if not pairs:
+        return None
+    a, b = rng.choice(pairs)
+    ta, tb = a.output_ids[-1], b.output_ids[-1]
+    a.output_ids[-1], b.output_ids[-1] = tb, ta
+    if token_ids is not None:  # the row's token mirror follows what the sampler "returned"
+        token_ids[a.req_pool_idx, a.seq_len - 1] = tb
+        token_ids[b.req_pool_idx, b.seq_len - 1] = ta
+    logger.warning(
+        "kv_canary perturb next_token_swap: swapped rids=(%d, %d) req_pool_idx=(%d, %d) "
+        "tokens=(%d, %d) -> (%d, %d)", a.rid, b.rid, a.req_pool_idx, b.req_pool_idx, ta, tb, tb, ta,
+    )  # fmt: skip
+    return Injection("next_token_swap", step, None, {
+        "rid_a": a.rid, "rid_b": b.rid, "token_a": ta, "token_b": tb})  # fmt: skip

@@ -1,0 +1,265 @@
+"""``kvcanary selftest``: the fault-injection campaign behind the canary's detection matrix.
+
+For every pool kind (``builtin:tiny-mha``: FULL group; ``builtin:tiny-swa``: FULL + SWA) and
+every fault class that applies to it (byte flips once per target group; ``swa_mapping`` only
+with an SWA group), one fresh engine runs the same small workload with one injection::
+
+    wave 1   2 requests sharing a prefix, finished   -> the prefix cache holds unlocked nodes
+    wave 2   4 distinct requests of 40-56 prompt + 64 new tokens (the window is 32), chunked
+             prefill, graph-padded decode, an SWA pool 3/16 of the full one (so the window
+             slides and SWA slots stop mirroring full slots); the fault is injected
+             WARMUP_STEPS forward steps into wave 2
+
+The canary runs in log mode with everything a fault class needs (real-KV ``partial``, radix
+sweep every 4 steps, token check, the token oracle's write-input assertion) and its
+observability on (health check and SWA divergence every 8 steps). A class is *detected*
+when a reported row carries the expected tag and reason (see
+:mod:`kvcanary.canary.perturb.expectations`) after the injection. A clean run of each pool's
+workload (no injection) counts false positives. Every seed draws other prompts (so other
+chunk boundaries, cache hits, slots) and other injection targets; a class counts as detected
+only if it is detected under every seed. Exit status 1 if a class is missed or a clean run
+reports anything.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from kvcanary.canary.constants import PoolKind
+from kvcanary.canary.perturb import (
+    PERTURB_MODES,
+    PerturbConfig,
+    applies_to,
+    expected_detection,
+    install_perturbation,
+)
+from kvcanary.canary.perturb.config import BYTE_FLIP_MODES
+from kvcanary.config import EngineConfig, SamplingParams
+from kvcanary.engine.engine import Engine
+
+SELFTEST_MODELS = ("builtin:tiny-mha", "builtin:tiny-swa")
+WARMUP_STEPS = 6  # forward steps into wave 2 (prefill done, decoding) before the injection
+MAX_STEPS = 300  # per run; the workload needs ~70
+
+
+@dataclass(frozen=True)
+class FaultCase:
+    mode: str
+    model: str
+    target_group: str | None = None  # byte flips: full | swa
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode}[{self.target_group}]" if self.target_group else self.mode
+
+
+def engine_config(model: str, seed: int = 0) -> EngineConfig:
+    """Log mode with every check a fault class needs (see the module doc)."""
+    return EngineConfig(
+        model=model, page_size=4, max_total_tokens=2048, swa_full_tokens_ratio=0.1875,
+        max_context_len=512, chunked_prefill_size=64, seed=seed, token_oracle=True,
+        kv_canary="log", kv_canary_real_data="partial", kv_canary_verify_tokens=True,
+        kv_canary_sweep_interval=4, kv_canary_health_check_interval=8,
+        kv_canary_swa_divergence_interval=8,
+    )  # fmt: skip
+
+
+def workload(seed: int = 0) -> list[tuple[list[list[int]], int]]:
+    """``[(prompts, max_new_tokens)]`` per wave (see the module doc)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(256) for _ in range(16)]
+    wave1 = [shared + [rng.randrange(256) for _ in range(rng.randint(8, 12))] for _ in range(2)]
+    wave2 = [[rng.randrange(256) for _ in range(rng.randint(40, 56))] for _ in range(4)]
+    return [(wave1, 4), (wave2, 64)]
+
+
+def cases_for(model: str, group_kinds: set[PoolKind], modes: list[str]) -> list[FaultCase]:
+    has_swa = PoolKind.SWA in group_kinds
+    out = []
+    for mode in modes:
+        if not applies_to(mode, has_swa):
+            continue
+        if mode in BYTE_FLIP_MODES:
+            out += [FaultCase(mode, model, g) for g in ("full", "swa") if g != "swa" or has_swa]
+        else:
+            out.append(FaultCase(mode, model))
+    return out
+
+
+def _rows(engine: Engine, start: int) -> list[Any]:
+    return engine.canary.violations[start:]
+
+
+def run_case(model: str, case: FaultCase | None, seed: int = 0) -> tuple[dict[str, Any], Engine]:
+    """One run (``case`` None: the clean run); its result row and the engine."""
+    engine = Engine(engine_config(model, seed))
+    (wave1, new1), (wave2, new2) = workload(seed)
+    engine.generate(wave1, SamplingParams(max_new_tokens=new1, ignore_eos=True))
+    canary = engine.canary
+    first_row = 0 if case is None else len(canary.violations)
+    perturber = None
+    if case is not None:
+        config = PerturbConfig.single(case.mode, 1.0, target_group=case.target_group, seed=seed,
+                                      warmup_steps=canary.step + WARMUP_STEPS, max_injections=1)  # fmt: skip
+        perturber = install_perturbation(engine, config)
+        expected = expected_detection(case.mode, case.target_group)
+    params = SamplingParams(max_new_tokens=new2, ignore_eos=True)
+    for prompt in wave2:
+        engine.add_request(prompt, params)
+    error, detected_row, steps = None, None, 0
+    try:
+        while engine.has_unfinished() and steps < MAX_STEPS:
+            engine.step()
+            steps += 1
+            if perturber is not None and perturber.injections and detected_row is None:
+                injected_at = perturber.injections[0].step
+                detected_row = next((r for r in _rows(engine, first_row) if r.step > injected_at
+                                     and expected.matches(r.launch_tag, r.fail_reasons)), None)  # fmt: skip
+                if detected_row is not None:
+                    break  # the engine's state is corrupt on purpose: stop here
+        canary.flush()
+    except Exception as e:  # a fault may break the engine's bookkeeping before detection
+        error = f"{type(e).__name__}: {e}"
+    rows = _rows(engine, first_row)
+    common = {
+        "model": model, "forwards": canary.step, "violations": len(rows),
+        "tags_seen": sorted({r.launch_tag for r in rows}),
+        "reasons_seen": sorted({x for r in rows for x in r.fail_reasons}), "error": error,
+    }  # fmt: skip
+    if case is None:
+        stats = canary.stats()
+        result = {**common, "seed": seed, "protected_tokens": stats["protected_tokens"],
+                  "sweep_passes": stats["sweep_passes"], "swa_divergence": stats["swa_divergence"],
+                  "ok": not rows and error is None}  # fmt: skip
+        return result, engine
+    assert perturber is not None
+    injection = perturber.injections[0] if perturber.injections else None
+    detection_step = None
+    if detected_row is None and injection is not None:  # e.g. reported by the final flush
+        detected_row = next((r for r in rows if r.step > injection.step
+                             and expected.matches(r.launch_tag, r.fail_reasons)), None)  # fmt: skip
+    if detected_row is not None:
+        detection_step = detected_row.step - 1 - canary.pump.delay_steps  # forward that saw it
+    result = {
+        "fault": case.name, "mode": case.mode, "seed": seed, **common,
+        "target_group": case.target_group,
+        "injected": injection is not None,
+        "injection_step": None if injection is None else injection.step,
+        "injection": None if injection is None else injection.detail,
+        "detected": detected_row is not None,
+        "detection_step": detection_step,
+        "steps_to_detection": (None if detection_step is None or injection is None
+                               else detection_step - injection.step),  # fmt: skip
+        "expected_tags": list(expected.tags), "expected_reasons": list(expected.reasons),
+        "detected_tag": None if detected_row is None else detected_row.launch_tag,
+        "detected_reasons": [] if detected_row is None else list(detected_row.fail_reasons),
+    }  # fmt: skip
+    result["ok"] = result["detected"]
+    return result, engine
+
+
+def run_selftest(
+    models: tuple[str, ...] | list[str] = SELFTEST_MODELS,
+    modes: tuple[str, ...] | list[str] = PERTURB_MODES,
+    seeds: tuple[int, ...] | list[int] = (0, 1, 2),
+    progress: bool = True,
+) -> dict[str, Any]:
+    """The whole campaign; the summary (stable JSON keys, see README)."""
+    t0 = time.perf_counter()
+    bad = [m for m in modes if m not in PERTURB_MODES]
+    if bad or not modes:
+        raise ValueError(
+            f"--faults={','.join(modes)!r} is invalid: allowed a non-empty comma-separated "
+            f"subset of {', '.join(PERTURB_MODES)}"
+        )
+    if not models:
+        raise ValueError("--models='' is invalid: allowed a non-empty comma-separated list")
+    if not seeds:
+        raise ValueError("--num-seeds=0 is invalid: allowed an integer >= 1")
+    plans: list[tuple[FaultCase | None, str, int]] = []
+    for model in models:
+        kinds = {g.kind for g in Engine(engine_config(model)).canary.groups}  # which classes apply
+        plans += [(None, model, seed) for seed in seeds]
+        plans += [(case, model, seed) for case in cases_for(model, kinds, list(modes)) for seed in seeds]
+    clean: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
+    for case, model, seed in tqdm(plans, desc="selftest", unit="run", disable=not progress):
+        (clean if case is None else runs).append(run_case(model, case, seed)[0])
+    matrix = _matrix(runs)
+    missed = [f"{r['fault']}@{r['model']}" for r in matrix if not r["ok"]]
+    return {
+        "ok": not missed and all(r["ok"] for r in clean),
+        "seeds": list(seeds),
+        "models": list(models),
+        "fault_classes": len(matrix),
+        "detected_classes": sum(r["ok"] for r in matrix),
+        "missed": missed,
+        "false_positives": sum(r["violations"] for r in clean),
+        "wall_time_s": time.perf_counter() - t0,
+        "matrix": matrix,
+        "fault_runs": runs,
+        "clean_runs": clean,
+    }
+
+
+def _matrix(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (fault class, pool) over its seeds."""
+    by_class: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        by_class.setdefault((r["fault"], r["model"]), []).append(r)
+    out = []
+    for (fault, model), rs in by_class.items():
+        steps = [r["steps_to_detection"] for r in rs if r["steps_to_detection"] is not None]
+        out.append({
+            "fault": fault, "model": model, "target_group": rs[0]["target_group"],
+            "runs": len(rs), "detected_runs": sum(r["detected"] for r in rs),
+            "ok": all(r["detected"] for r in rs),
+            "max_steps_to_detection": max(steps) if steps else None,
+            "expected_tags": rs[0]["expected_tags"], "expected_reasons": rs[0]["expected_reasons"],
+            "detected_tags": sorted({r["detected_tag"] for r in rs if r["detected_tag"]}),
+            "detected_reasons": sorted({x for r in rs for x in r["detected_reasons"]}),
+            "tags_seen": sorted({t for r in rs for t in r["tags_seen"]}),
+            "reasons_seen": sorted({x for r in rs for x in r["reasons_seen"]}),
+            "errors": sorted({r["error"] for r in rs if r["error"]}),
+        })  # fmt: skip
+    return out
+
+
+def render_selftest(summary: dict[str, Any]) -> str:
+    from tabulate import tabulate
+
+    def short(model: str) -> str:
+        return model.removeprefix("builtin:")
+
+    matrix = [
+        [r["fault"], short(r["model"]), f"{r['detected_runs']}/{r['runs']}",
+         r["max_steps_to_detection"] if r["max_steps_to_detection"] is not None else "-",
+         f"{'|'.join(r['expected_tags'])} {'|'.join(r['expected_reasons'])}",
+         f"{','.join(r['detected_tags']) or '-'} {','.join(r['detected_reasons']) or '-'}",
+         ", ".join(r["tags_seen"]), "; ".join(r["errors"])]
+        for r in summary["matrix"]
+    ]  # fmt: skip
+    clean = [
+        [short(r["model"]), r["seed"], r["forwards"], r["protected_tokens"], r["sweep_passes"],
+         r["swa_divergence"].get("swa_out_of_window_tokens", "-"),
+         r["swa_divergence"].get("swa_full_idx_divergence", "-"),
+         r["violations"], "ok" if r["ok"] else "FALSE POSITIVE", r["error"] or ""]
+        for r in summary["clean_runs"]
+    ]  # fmt: skip
+    verdict = "PASS" if summary["ok"] else "FAIL"
+    return "\n\n".join([
+        "kvcanary selftest: injected faults (detected runs / seeds)\n" + tabulate(matrix, headers=[
+            "fault", "pool", "detected", "max steps", "expected (tag reason)",
+            "matched (tag reason)", "all tags seen", "errors"], tablefmt="simple"),
+        "clean runs (same workloads, no injection)\n" + tabulate(clean, headers=[
+            "pool", "seed", "forwards", "protected_tokens", "sweep_passes", "peak out-of-window",
+            "peak swa!=full", "violations", "verdict", "error"], tablefmt="simple"),
+        f"{verdict}: {summary['detected_classes']}/{summary['fault_classes']} fault classes "
+        f"detected under {len(summary['seeds'])} seed(s), {summary['false_positives']} false "
+        f"positive(s), {summary['wall_time_s']:.1f} s",
+    ])  # fmt: skip

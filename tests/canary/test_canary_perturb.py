@@ -1,0 +1,186 @@
+"""Fault injection: every fault class is reported with its expected tag and reason on every
+pool it applies to, the same workloads without injection report nothing, injections replay
+from the seed, and bad perturbation setups are refused with a clear message."""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+
+import pytest
+import torch
+from engine_utils import tiny_engine
+
+from kvcanary.canary.perturb import (
+    PERTURB_MODES,
+    PerturbConfig,
+    applies_to,
+    expected_detection,
+    install_perturbation,
+)
+from kvcanary.canary.token_oracle import TokenOracleExpectations, oracle_tokens_t
+from kvcanary.engine.forward_batch import ForwardBatch, ForwardMode
+from kvcanary.engine.sampling import oracle_token
+from kvcanary.selftest import FaultCase, run_case, run_selftest
+
+
+@pytest.fixture(autouse=True)
+def quiet_canary_log():
+    """The injected faults' reports are the expected outcome; keep pytest's output short."""
+    log = logging.getLogger("kvcanary.canary")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    yield
+    log.setLevel(level)
+
+
+def test_reduced_campaign_detects_every_class_on_every_pool_and_clean_runs_are_silent() -> None:
+    summary = run_selftest(seeds=[0], progress=False)
+    assert summary["ok"], summary["missed"]
+    classes = {(r["fault"], r["model"].removeprefix("builtin:")) for r in summary["matrix"]}
+    swa_only = {"swa_mapping"}
+    per_group = {"real_kv_used", "real_kv_unused_cache", "real_kv_post_forward"}
+    expected = set()
+    for pool in ("tiny-mha", "tiny-swa"):
+        for mode in PERTURB_MODES:
+            if mode in swa_only and pool == "tiny-mha":
+                continue
+            groups = (["full", "swa"] if pool == "tiny-swa" else ["full"]) if mode in per_group else [None]
+            expected |= {(f"{mode}[{g}]" if g else mode, pool) for g in groups}
+    assert classes == expected  # 7 on the MHA pool, 11 on the SWA pool
+    for row in summary["fault_runs"]:
+        exp = expected_detection(row["mode"], row["target_group"])
+        assert row["injected"] and row["detected"], row
+        assert exp.matches(row["detected_tag"], row["detected_reasons"])
+        assert row["steps_to_detection"] in (0, 1)  # the forward that reads the fault (or next)
+    for row in summary["clean_runs"]:
+        assert row["violations"] == 0 and row["ok"] and row["error"] is None
+        assert row["protected_tokens"] > 0 and row["sweep_passes"] > 0
+    swa_clean = next(r for r in summary["clean_runs"] if r["model"] == "builtin:tiny-swa")
+    assert swa_clean["swa_divergence"]["swa_out_of_window_tokens"] > 0  # the window slid
+
+
+def test_expected_table_and_where_classes_apply() -> None:
+    assert expected_detection("real_kv_used", "swa").tags == ("TAIL_K_SWA",)
+    assert expected_detection("real_kv_unused_cache", "full").tags == ("SWEEP_K_FULL",)
+    assert expected_detection("next_token_swap").reasons == ("write_token",)
+    assert expected_detection("swa_mapping").matches("HEAD_K_SWA", ("verify_position",))
+    assert not expected_detection("swa_mapping").matches("HEAD_K_FULL", ("verify_position",))
+    with pytest.raises(ValueError, match="target_group"):
+        expected_detection("real_kv_used")
+    assert not applies_to("swa_mapping", has_swa_group=False)
+    assert all(applies_to(m, has_swa_group=True) for m in PERTURB_MODES)
+
+
+def test_same_seed_injects_the_same_faults() -> None:
+    def injections(seed: int) -> list[object]:
+        engine = tiny_engine(model="builtin:tiny-swa", kv_canary="log", graph_batch_sizes=())
+        config = PerturbConfig(req_to_token_prob=0.5, page_shift_prob=0.3, stale_reuse_prob=0.3,
+                               warmup_steps=3, seed=seed)  # fmt: skip
+        perturber = install_perturbation(engine, config)
+        rng = random.Random(1)
+        prompts = [[rng.randrange(256) for _ in range(30)] for _ in range(3)]
+        engine.generate(prompts)
+        return [(i.mode, i.step, i.detail) for i in perturber.injections]
+
+    first = injections(7)
+    assert first and first == injections(7)
+    assert first != injections(8)
+    assert min(step for _, step, _ in first) >= 3  # nothing during the warm-up
+
+
+def test_warmup_and_enable_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    engine = tiny_engine(model="builtin:tiny-mha", kv_canary="log")
+    install_perturbation(engine, PerturbConfig(req_to_token_prob=0.2, warmup_steps=2))
+    with caplog.at_level(logging.INFO, "kvcanary.canary"):
+        engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]] * 2)
+    text = caplog.text
+    assert text.count("kv_canary perturb: disabled during warmup window (first 2 forward steps)") == 1
+    assert text.count("kv_canary perturb: enabled after warmup window at step=2") == 1
+
+
+def test_max_injections_caps_each_mode() -> None:
+    engine = tiny_engine(model="builtin:tiny-mha", kv_canary="log", kv_canary_real_data="partial")
+    perturber = install_perturbation(
+        engine, PerturbConfig(real_kv_used_prob=1.0, warmup_steps=0, max_injections=2)
+    )
+    engine.generate([[3] * 20, [4] * 24])
+    assert perturber.counts["real_kv_used"] == 2
+
+
+@pytest.mark.parametrize(
+    ("model", "engine_kw", "config", "message"),
+    [
+        ("builtin:tiny-swa", dict(kv_canary_real_data="partial"),
+         PerturbConfig(real_kv_used_prob=0.1), "target_group=None is invalid"),
+        ("builtin:tiny-mha", dict(kv_canary_real_data="partial"),
+         PerturbConfig(real_kv_used_prob=0.1, target_group="swa"), "target_group='swa' is invalid"),
+        ("builtin:tiny-mha", {}, PerturbConfig(real_kv_post_forward_prob=0.1),
+         "['real_kv_post_forward'] flips real KV bytes: --kv-canary-real-data=none"),
+        ("builtin:tiny-mha", dict(kv_canary_real_data="partial", kv_canary_sweep_interval=2,
+                                  enable_prefix_cache=False),
+         PerturbConfig(real_kv_unused_cache_prob=0.1), "needs a prefix cache"),
+        ("builtin:tiny-mha", dict(kv_canary_real_data="partial"),
+         PerturbConfig(real_kv_unused_cache_prob=0.1), "--kv-canary-sweep-interval=0"),
+        ("builtin:tiny-mha", {}, PerturbConfig(swa_mapping_prob=0.1), "needs a pool with an SWA group"),
+        ("builtin:tiny-mha", {}, PerturbConfig(next_token_swap_prob=0.1), "token_oracle=True"),
+    ],
+)  # fmt: skip
+def test_bad_perturbation_setups_are_refused(model: str, engine_kw: dict, config: PerturbConfig,
+                                             message: str) -> None:  # fmt: skip
+    engine = tiny_engine(model=model, kv_canary="log", **engine_kw)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        install_perturbation(engine, config)
+    assert engine.canary.perturber is None
+
+
+def test_perturb_config_validation_and_no_canary() -> None:
+    with pytest.raises(ValueError, match="PerturbConfig.req_to_token_prob=1.5 is invalid"):
+        PerturbConfig(req_to_token_prob=1.5)
+    with pytest.raises(ValueError, match="PerturbConfig.target_group='both'"):
+        PerturbConfig(target_group="both")
+    with pytest.raises(ValueError, match="PerturbConfig.mode='bogus'"):
+        PerturbConfig.single("bogus")
+    assert PerturbConfig.single("page_shift", 0.5).active_modes == ["page_shift"]
+    with pytest.raises(ValueError, match="--kv-canary is 'none'"):
+        install_perturbation(tiny_engine(model="builtin:tiny-mha"), PerturbConfig())
+
+
+def test_single_run_reports_injection_and_detection_steps() -> None:
+    row, engine = run_case("builtin:tiny-swa", FaultCase("swa_mapping", "builtin:tiny-swa"))
+    assert row["injected"] and row["detected"] and row["detected_tag"] == "HEAD_K_SWA"
+    assert row["injection"]["original_swa_slot"] != row["injection"]["new_swa_slot"]
+    assert row["detection_step"] == row["injection_step"]  # the HEAD verify of that forward
+    engine.check_integrity()  # transient metadata faults leave the engine's bookkeeping sound
+
+
+# ------------------------------------------------------------------ the token oracle's expectations
+
+
+def test_vectorised_oracle_matches_the_sampler() -> None:
+    rng = random.Random(0)
+    rids = [rng.randrange(1, 2**40) for _ in range(500)]
+    positions = [rng.randrange(0, 4096) for _ in range(500)]
+    got = oracle_tokens_t(torch.tensor(rids), torch.tensor(positions), 259).tolist()
+    assert got == [oracle_token(r, p, 259) for r, p in zip(rids, positions, strict=True)]
+
+
+def test_oracle_expectations_accept_prompt_tokens_fed_by_decode() -> None:
+    """Row 1 feeds the last prompt token by decode (its prompt has 5 tokens); row 2 an output
+    token; row 3 is graph padding."""
+
+    def t(v: list[int]) -> torch.Tensor:
+        return torch.tensor(v, dtype=torch.int64)
+
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.DECODE, req_pool_indices=t([1, 2, 0]), seq_lens=t([5, 9, 1]),
+        prefix_lens=t([4, 8, 0]), extend_seq_lens=t([1, 1, 1]),
+        input_ids=t([42, oracle_token(11, 8, 259), 0]), positions=t([4, 8, 0]),
+        out_cache_loc=t([17, 18, 0]), seq_lens_cpu=[5, 9, 1], prefix_lens_cpu=[4, 8, 0],
+        extend_seq_lens_cpu=[1, 1, 1], rids=[10, 11, 0],
+    )  # fmt: skip
+    expect = TokenOracleExpectations(259, lambda rids: [{10: 5, 11: 3}.get(r, 0) for r in rids])
+    tokens, positions = expect(fb)
+    assert tokens[:2].tolist() == [42, oracle_token(11, 8, 259)]
+    assert positions.tolist() == [4, 8, 0]
