@@ -11,6 +11,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvcanary.config import KV_CANARY_MODES, REAL_DATA_LAYERS, REAL_DATA_MODES, EngineConfig
@@ -142,11 +143,18 @@ def _cmd_run(a: argparse.Namespace) -> int:
     from kvcanary.run import run_workload
 
     spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
+    for flag, out in (("--json", a.json), ("--metrics-file", a.metrics_file)):
+        if out and not Path(out).resolve().parent.is_dir():
+            raise ValueError(f"{flag} {out!r}: directory {str(Path(out).parent)!r} does not exist")
     with _log_to_stderr(a.log_level):
-        summary, _ = run_workload(_engine_config(a), spec, progress=not a.no_progress)
+        summary, engine = run_workload(_engine_config(a), spec, progress=not a.no_progress)
     print(render_table("kvcanary run", summary))
     if a.json:
         write_json(a.json, summary)
+    if a.metrics_file:
+        from kvcanary.canary.metrics import write_metrics_file
+
+        write_metrics_file(engine.canary, a.metrics_file)
     return 0
 
 
@@ -246,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(run)
     _workload_flags(run)
     run.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
+    run.add_argument("--metrics-file", metavar="OUT",
+                     help="write the canary's Prometheus metrics (text exposition) to OUT")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     run.add_argument("--log-level", choices=("debug", "info", "warning"), default=None,
                      help="print kvcanary's log lines at this level to stderr (info: the "
