@@ -146,6 +146,17 @@ def _cmd_run(a: argparse.Namespace) -> int:
     for flag, out in (("--json", a.json), ("--metrics-file", a.metrics_file)):
         if out and not Path(out).resolve().parent.is_dir():
             raise ValueError(f"{flag} {out!r}: directory {str(Path(out).parent)!r} does not exist")
+    if a.disagg:
+        if a.metrics_file:
+            raise ValueError("--metrics-file is not available with --disagg (two engines)")
+        from kvcanary.disagg.cli_hooks import run_disagg
+
+        with _log_to_stderr(a.log_level):
+            summary = run_disagg(a)
+        print(render_table("kvcanary run --disagg", summary))
+        if a.json:
+            write_json(a.json, summary)
+        return 0
     with _log_to_stderr(a.log_level):
         summary, engine = run_workload(_engine_config(a), spec, progress=not a.no_progress)
     print(render_table("kvcanary run", summary))
@@ -247,6 +258,17 @@ def _cmd_explain(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_prealloc(a: argparse.Namespace) -> int:
+    from kvcanary.disagg.cli_hooks import cmd_bench_prealloc
+    from kvcanary.report import render_table, write_json
+
+    summary = cmd_bench_prealloc(a)
+    print(render_table("kvcanary bench prealloc", summary))
+    if a.json:
+        write_json(a.json, summary)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcanary", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -256,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
     run.add_argument("--metrics-file", metavar="OUT",
                      help="write the canary's Prometheus metrics (text exposition) to OUT")
+    from kvcanary.disagg.cli_hooks import add_bench_prealloc_flags, add_disagg_run_flags
+
+    add_disagg_run_flags(run)
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     run.add_argument("--log-level", choices=("debug", "info", "warning"), default=None,
                      help="print kvcanary's log lines at this level to stderr (info: the "
@@ -327,6 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
     engine.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     engine.set_defaults(func=_cmd_bench_engine)
+
+    prealloc = benches.add_parser(
+        "prealloc", help="disaggregated decode: admitted concurrency with vs without SWA tail pre-allocation"
+    )
+    add_bench_prealloc_flags(prealloc)
+    prealloc.set_defaults(func=_cmd_bench_prealloc)
     return parser
 
 
