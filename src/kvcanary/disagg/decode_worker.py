@@ -186,8 +186,8 @@ class DecodeWorker:
         req.num_cached_prompt_tokens = req.cache_protected_len
         sched.stats.num_prompt_tokens += len(req.prompt_ids)
         sched.stats.num_cached_prompt_tokens += req.cache_protected_len
-        if sched._check_finish(req, token):
-            sched._release(req, insert=True)
+        if sched.check_finish(req, token):
+            sched.release(req, insert=True)
             self._outputs[rid] = DisaggOutput(
                 rid, list(req.prompt_ids), list(req.output_ids), req.finish_reason or "",
                 None, req.num_cached_prompt_tokens, 0,

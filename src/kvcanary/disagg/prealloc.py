@@ -225,11 +225,11 @@ class DecodePreallocQueue:
             return 0, None, 0
         match = cache.match_prefix(req.prompt_ids[: fill_len - 1])
         before = cache.evictable_size()
-        self.scheduler._lock(req, match.last_node)
+        self.scheduler.lock_prefix(req, match.last_node)
         return match.num_tokens, match.device_indices, before - cache.evictable_size()
 
     def _unlock(self, req: Req) -> None:
-        self.scheduler._unlock(req.last_node, req.cache_lock)
+        self.scheduler.unlock_prefix(req.last_node, req.cache_lock)
         req.last_node = req.cache_lock = None
 
     def _pre_alloc(self, req: Req, plan: PreallocPlan, prefix_slots: torch.Tensor | None) -> bool:
@@ -245,7 +245,7 @@ class DecodePreallocQueue:
         last_loc = int(r2t_pool.req_to_token[row, plan.prefix_len - 1]) if plan.prefix_len else -1
         out = self._alloc(plan, last_loc)
         if out is None and sched.cache is not None:
-            sched._evict_cache(plan.num_full_pages * self.page_size)
+            sched.evict_cache(plan.num_full_pages * self.page_size)
             out = self._alloc(plan, last_loc)
         if out is None:
             r2t_pool.free(row)
@@ -273,4 +273,4 @@ class DecodePreallocQueue:
         """Give back everything a transferring request holds (its transfer failed)."""
         self.transferring.pop(req.rid, None)
         if req.has_row:
-            self.scheduler._release(req, insert=False)
+            self.scheduler.release(req, insert=False)

@@ -31,19 +31,6 @@ from kvcanary.utils import ceil_page
 logger = logging.getLogger("kvcanary.disagg")
 
 
-def _hook_before_release(scheduler: Any, callback: Any) -> None:
-    """Call ``callback(req)`` for every finished request before the scheduler releases its
-    KV (instance patch; the scheduler has no public hook for it yet)."""
-    release = scheduler._release
-
-    def _release(req: Req, insert: bool) -> None:
-        if req.finished:
-            callback(req)
-        release(req, insert)
-
-    scheduler._release = _release
-
-
 def _install_real_kv_post_forward(engine: Engine, seed: int) -> None:
     """Fault hook: the canary's ``real_kv_post_forward`` perturbation on every forward (byte 0
     of one written slot's real-KV source in the full-attention group, after TAIL)."""
@@ -85,7 +72,7 @@ class PrefillWorker:
         self.transfer_bytes = 0
         self.stopped = False
         self.link_error: str | None = None
-        _hook_before_release(self.engine.scheduler, self._on_prefilled)
+        self.engine.scheduler.before_release = self._on_prefilled
         if self.faults.real_kv_post_forward:
             _install_real_kv_post_forward(self.engine, config.seed)
         link.send({"type": "hello", "role": "prefill", "layout": self.layout})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +83,9 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._aborted: list[Req] = []  # reported by the next step()
+        # Called with a finished request just before its KV is released (e.g. a
+        # disaggregated prefill worker ships the KV from here).
+        self.before_release: Callable[[Req], None] | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
         self.eos_ids = set(runner.tokenizer.eos_token_ids)
@@ -126,7 +130,7 @@ class Scheduler:
         if swa_slots.numel():
             self.allocator.quarantine_swa(swa_slots)
         for req in hit:
-            self._release(req, insert=False)
+            self.release(req, insert=False)
             self.running.remove(req)
             req.finish_reason = "abort"
             self._aborted.append(req)
@@ -198,7 +202,7 @@ class Scheduler:
                 break
             end = min(req.seq_len, req.kv_len + budget)
             if not req.decode_ready and not self._alloc_extend(req, end):
-                self._release(req, insert=False)  # back to waiting, nothing held
+                self.release(req, insert=False)  # back to waiting, nothing held
                 break
             self.waiting.popleft()
             self.running.append(req)
@@ -215,7 +219,7 @@ class Scheduler:
         need = min(req.seq_len - req.kv_len, budget)
         headroom = self._headroom_tokens([req])
         if self.running and self._available() - need < headroom:
-            self._evict_cache(need + headroom - self._available())
+            self.evict_cache(need + headroom - self._available())
             if self._available() - need < headroom:
                 return False
         row = self.req_to_token_pool.alloc(1)[0]
@@ -234,7 +238,7 @@ class Scheduler:
             prefix_len = match.num_tokens
             if prefix_len:
                 self.req_to_token[row, :prefix_len] = match.device_indices.to(torch.int32)
-            self._lock(req, match.last_node)
+            self.lock_prefix(req, match.last_node)
             req.kv_len = req.cache_protected_len = prefix_len
             # SWA eviction of the tree-owned prefix is the tree's business.
             req.swa_evicted_seqlen = prefix_len if self.window is not None else 0
@@ -251,7 +255,7 @@ class Scheduler:
         last = self._last_locs([req])
         out = self.allocator.alloc_extend([start], [end], last)
         if out is None and self.cache is not None:
-            self._evict_cache(end - start + self.page_size)
+            self.evict_cache(end - start + self.page_size)
             out = self.allocator.alloc_extend([start], [end], last)
         if out is None:
             return False
@@ -264,7 +268,7 @@ class Scheduler:
             seq_lens = [r.kv_len + 1 for r in reqs]
             out = self.allocator.alloc_decode(seq_lens, self._last_locs(reqs))
             if out is None and self.cache is not None:
-                self._evict_cache(len(reqs) * self.page_size)
+                self.evict_cache(len(reqs) * self.page_size)
                 out = self.allocator.alloc_decode(seq_lens, self._last_locs(reqs))
             if out is not None:
                 rows = torch.tensor([r.req_pool_idx for r in reqs])
@@ -375,8 +379,8 @@ class Scheduler:
         finished = []
         for req, tok in zip(to_sample, tokens, strict=True):
             req.output_ids.append(tok)
-            if self._check_finish(req, tok):
-                self._release(req, insert=True)
+            if self.check_finish(req, tok):
+                self.release(req, insert=True)
                 self.running.remove(req)
                 finished.append(req)
         return finished
@@ -394,20 +398,20 @@ class Scheduler:
             return
         self.req_to_token[req.req_pool_idx, : match.num_tokens] = match.device_indices.to(torch.int32)
         old_node, old_lock = req.last_node, req.cache_lock
-        self._lock(req, match.last_node)
-        self._unlock(old_node, old_lock)
+        self.lock_prefix(req, match.last_node)
+        self.unlock_prefix(old_node, old_lock)
         req.cache_protected_len = match.num_tokens
 
-    def _lock(self, req: Req, node: object) -> None:
+    def lock_prefix(self, req: Req, node: object) -> None:
         assert self.cache is not None
         req.cache_lock = self.cache.inc_lock_ref(node)
         req.last_node = node
 
-    def _unlock(self, node: object, lock: object) -> None:
+    def unlock_prefix(self, node: object, lock: object) -> None:
         if self.cache is not None and node is not None:
             self.cache.dec_lock_ref(node, lock)
 
-    def _check_finish(self, req: Req, tok: int) -> bool:
+    def check_finish(self, req: Req, tok: int) -> bool:
         p = req.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
             req.finish_reason = "stop"
@@ -419,7 +423,7 @@ class Scheduler:
     def _available(self) -> int:
         return self.allocator.available_size()
 
-    def _evict_cache(self, num_tokens: int) -> int:
+    def evict_cache(self, num_tokens: int) -> int:
         if self.cache is None:
             return 0
         freed_full, freed_swa = self.cache.evict(num_tokens, num_tokens if self.runner.is_swa else 0)
@@ -430,9 +434,11 @@ class Scheduler:
         row = self.req_to_token[req.req_pool_idx]
         return row[req.cache_protected_len : req.kv_len].to(torch.int64)
 
-    def _release(self, req: Req, insert: bool) -> None:
+    def release(self, req: Req, insert: bool) -> None:
         """Give back everything ``req`` holds: its own slots go to the cache (finished) or
         the free lists, the protected prefix is unlocked, the row is freed."""
+        if req.finished and self.before_release is not None:
+            self.before_release(req)
         if self.cache is not None and insert:
             slots = self.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
             # The tree takes whole pages (duplicates of cached pages it frees itself);
@@ -441,7 +447,7 @@ class Scheduler:
             self.allocator.free(slots[floor_page(req.kv_len, self.page_size) :])
         else:
             self.allocator.free(self._own_slots(req))
-        self._unlock(req.last_node, req.cache_lock)
+        self.unlock_prefix(req.last_node, req.cache_lock)
         req.cache_lock = None
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = 0
@@ -453,7 +459,7 @@ class Scheduler:
             slots = self.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
             req.host_copy = host_pool.get_cpu_copy(self.runner.token_to_kv_pool, slots)
             req.host_kv_len = req.kv_len
-        self._release(req, insert=False)
+        self.release(req, insert=False)
         if req in self.running:
             self.running.remove(req)
         if requeue_front:
@@ -474,14 +480,14 @@ class Scheduler:
                 return True
             out = self.allocator.alloc_extend_swa_tail(0, n, -1, tail)
             if out is None and self.cache is not None:
-                self._evict_cache(n)
+                self.evict_cache(n)
                 out = self.allocator.alloc_extend_swa_tail(0, n, -1, tail)
             req.swa_evicted_seqlen = n - tail
         else:
             no_prefix = torch.full((1,), -1, dtype=torch.int64)
             out = self.allocator.alloc_extend([0], [n], no_prefix)
             if out is None and self.cache is not None:
-                self._evict_cache(n)
+                self.evict_cache(n)
                 out = self.allocator.alloc_extend([0], [n], no_prefix)
         if out is None:
             req.swa_evicted_seqlen = 0
