@@ -169,6 +169,21 @@ def _cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(a: argparse.Namespace) -> int:
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port={a.port!r} is invalid: allowed an integer in [0, 65535]")
+    import uvicorn
+
+    from kvcanary import Engine
+    from kvcanary.server import create_app
+
+    config = _engine_config(a)  # bad flags fail here, before anything starts
+    with _log_to_stderr(a.log_level):
+        app = create_app(Engine(config), served_model_name=a.served_model_name)
+        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level or "info")
+    return 0
+
+
 def _cmd_bench_overhead(a: argparse.Namespace) -> int:
     from kvcanary.bench.overhead import bench_overhead
     from kvcanary.report import render_matrix, render_table, write_json
@@ -286,6 +301,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print kvcanary's log lines at this level to stderr (info: the "
                           "canary's stats, sweep and SWA divergence lines)")
     run.set_defaults(func=_cmd_run)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
+                                         "/v1/chat/completions, /v1/models, /health, /metrics)")
+    _engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send and see (default: the --model value)")
+    serve.add_argument("--log-level", choices=("debug", "info", "warning"), default=None,
+                       help="kvcanary's and uvicorn's log level (default: uvicorn's info, "
+                            "kvcanary's own lines hidden)")
+    serve.set_defaults(func=_cmd_serve)
 
     from kvcanary.canary.perturb.config import PERTURB_MODES
     from kvcanary.selftest import SELFTEST_MODELS

@@ -40,8 +40,8 @@ def test_engine_matches_transformers(tmp_path: Path, family: str, page_size: int
     last_logits: dict[int, torch.Tensor] = {}
     forward = engine.runner.forward
 
-    def recording_forward(batch):  # type: ignore[no-untyped-def]
-        logits = forward(batch)
+    def recording_forward(batch, **kwargs):  # type: ignore[no-untyped-def]
+        logits = forward(batch, **kwargs)
         for i, rid in enumerate(batch.rids):
             last_logits[rid] = logits[i].clone()
         return logits

@@ -40,6 +40,30 @@ class _KeyView:
         return self._grouped[group]
 
 
+class StaticKeyBuffers:
+    """Persistent key tables for graph replay: a forward's tables are copied in (outside
+    the graph) and attention reads views of these, whose addresses never change."""
+
+    def __init__(self, max_bs: int, max_keys: int, device: torch.device):
+        # Flat storage, viewed as [n, width] per replay: contiguous, same address per bucket.
+        self.slots = torch.zeros(max_bs * max_keys, dtype=torch.int64, device=device)
+        self.mask = torch.zeros(max_bs * max_keys, dtype=torch.bool, device=device)
+        self.write_loc = torch.zeros(max_bs, dtype=torch.int64, device=device)
+
+    def fill(self, view: _KeyView, width: int) -> _KeyView:
+        """Copy a decode view (``[n, k]`` tables, ``k <= width``) in, padded to ``width``
+        (padding: slot 0, masked out)."""
+        n, k = view.slots.shape
+        slots = self.slots[: n * width].view(n, width)
+        mask = self.mask[: n * width].view(n, 1, width)
+        slots.zero_()
+        slots[:, :k].copy_(view.slots)
+        mask.fill_(False)
+        mask[:, :, :k].copy_(view.mask)
+        self.write_loc[:n].copy_(view.write_loc)
+        return _KeyView(slots, mask, self.write_loc[:n])
+
+
 class PagedAttentionBackend:
     def __init__(self, pool, req_to_token_pool, sliding_window: int | None):
         self.pool = pool
@@ -99,6 +123,19 @@ class PagedAttentionBackend:
                 write_loc = swa[: fb.num_tokens]
                 slots = swa[fb.num_tokens :].reshape(slots.shape)
             self._sliding = _KeyView(slots, mask, write_loc)
+
+    def make_static(
+        self, full: StaticKeyBuffers, sliding: StaticKeyBuffers | None, full_width: int
+    ) -> None:
+        """Decode only: move this forward's key tables into persistent buffers (full tables
+        ``full_width`` wide, sliding tables ``W`` wide) so a captured graph can replay it."""
+        if self._full is None or self._dense_q is False or self._q_index is None or self._q_index.shape[1] != 1:
+            raise RuntimeError("make_static: needs the metadata of a decode forward")
+        self._full = full.fill(self._full, full_width)
+        if self._sliding is not None:
+            if sliding is None or self.sliding_window is None:
+                raise RuntimeError("make_static: sliding layers need sliding buffers")
+            self._sliding = sliding.fill(self._sliding, self.sliding_window)
 
     # ----------------------------------------------------------- forward
     def forward(

@@ -1,4 +1,4 @@
-"""GraphRunner: static-shape decode with batch-size buckets and persistent input buffers.
+"""GraphRunner: static-shape decode with batch-size buckets and persistent buffers.
 
 A decode batch of ``bs`` requests runs as the smallest bucket ``B >= bs``; rows
 ``[bs, B)`` are padding::
@@ -9,19 +9,31 @@ A decode batch of ``bs`` requests runs as the smallest bucket ``B >= bs``; rows
     out_cache_loc  real slots               0   (writes land in the sink slot 0;
                                                  SWA: mapping[0] = 0 → SWA sink)
 
-Inputs are copied into buffers allocated once, so a captured CUDA graph (or the canary's
-in-graph part) always sees the same addresses. On CPU the bucket is replayed eagerly with
-the same buffer discipline, which exercises exactly the padding semantics a graph would.
+Inputs and the attention key tables live in buffers allocated once (full tables padded
+to a multiple of ``KEY_WIDTH_BUCKET`` keys, sliding tables ``W`` wide), so every replay of
+a bucket ``(B, key width)`` reads the same addresses. On CUDA, without a canary (its
+per-forward plans are host-driven), each bucket is captured once as a CUDA graph and
+replayed; a capture failure falls back to eager replay with a warning. Everywhere else the
+same buffers are used eagerly, so the padding and static-table semantics a graph relies
+on are exercised by the CPU tests.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
+from typing import Any
 
 import torch
 
+from kvcanary.engine.attention import StaticKeyBuffers
 from kvcanary.engine.forward_batch import ForwardBatch, ForwardMode
 from kvcanary.engine.model_runner import ModelRunner
+from kvcanary.utils import ceil_page
+
+logger = logging.getLogger("kvcanary.engine")
+
+KEY_WIDTH_BUCKET = 64
 
 
 class GraphRunner:
@@ -35,6 +47,12 @@ class GraphRunner:
         z = lambda: torch.zeros(self.max_bs, dtype=torch.int64, device=dev)  # noqa: E731
         self.input_ids, self.positions, self.req_pool_indices = z(), z(), z()
         self.seq_lens, self.out_cache_loc = z(), z()
+        self.max_keys = ceil_page(runner.max_context_len, KEY_WIDTH_BUCKET)
+        self.full_keys = StaticKeyBuffers(self.max_bs, self.max_keys, dev)
+        window = runner.attn_backend.sliding_window
+        self.sliding_keys = StaticKeyBuffers(self.max_bs, window, dev) if window else None
+        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self.capture_failed = False
         self.num_replays = 0
 
     def can_run(self, fb: ForwardBatch) -> bool:
@@ -43,7 +61,26 @@ class GraphRunner:
     def bucket_for(self, bs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
 
+    def key_width_for(self, seq_lens_cpu: list[int]) -> int:
+        return min(ceil_page(max(seq_lens_cpu), KEY_WIDTH_BUCKET), self.max_keys)
+
+    def _uses_cuda_graphs(self) -> bool:
+        r = self.runner
+        return r.device.type == "cuda" and r.canary is None and not self.capture_failed
+
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        bs = fb.batch_size
+        padded = self._pad(fb)
+        width = self.key_width_for(padded.seq_lens_cpu)
+        self.num_replays += 1
+        if self._uses_cuda_graphs():
+            return self._replay_cuda_graph(padded, width)[:bs]
+        return self.runner.forward(padded, static=lambda: self._make_static(width))[:bs]
+
+    def _make_static(self, width: int) -> None:
+        self.runner.attn_backend.make_static(self.full_keys, self.sliding_keys, width)
+
+    def _pad(self, fb: ForwardBatch) -> ForwardBatch:
         bs = fb.batch_size
         padded_bs = self.bucket_for(bs)
         pad = padded_bs - bs
@@ -56,7 +93,7 @@ class GraphRunner:
         ):
             buf[:bs].copy_(src)
             buf[bs:padded_bs].fill_(fill)
-        padded = ForwardBatch(
+        return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             req_pool_indices=self.req_pool_indices[:padded_bs],
             seq_lens=self.seq_lens[:padded_bs],
@@ -71,5 +108,38 @@ class GraphRunner:
             rids=fb.rids + [0] * pad,
             num_padding=pad,
         )
-        self.num_replays += 1
-        return self.runner.forward(padded)[:bs]
+
+    # ------------------------------------------------------------ CUDA graphs
+    @torch.inference_mode()
+    def _replay_cuda_graph(self, fb: ForwardBatch, width: int) -> torch.Tensor:
+        runner = self.runner
+        runner.begin_forward(fb)
+        runner.attn_backend.init_forward_metadata(fb)  # host work, outside the graph
+        self._make_static(width)
+        key = (fb.batch_size, width)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(fb)
+            except RuntimeError as e:  # pragma: no cover - needs a GPU
+                logger.warning("CUDA graph capture failed for bucket %s (%s); replaying eagerly", key, e)
+                self.capture_failed = True
+                return self._run_model(fb)
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits.clone()
+
+    def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
+        model = self.runner.model
+        return model.compute_logits(model(fb.input_ids, fb.positions, fb))  # one token per row
+
+    def _capture(self, fb: ForwardBatch) -> tuple[Any, torch.Tensor]:  # pragma: no cover
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels and the allocator off the capture
+                self._run_model(fb)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self._run_model(fb)
+        return graph, logits

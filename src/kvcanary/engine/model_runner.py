@@ -11,6 +11,7 @@ Who owns what:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -96,19 +97,26 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Run the model over ``fb``; returns float32 logits ``[bs, vocab]`` of each
-        request's last new token."""
+    def begin_forward(self, fb: ForwardBatch) -> None:
+        """Host work before any forward (or graph replay) of ``fb``."""
         self.forward_ct += 1
         # A new forward epoch: no SWA translation may be reused across forwards.
         self.token_to_kv_pool.begin_forward()
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, static: Callable[[], None] | None = None) -> torch.Tensor:
+        """Run the model over ``fb``; returns float32 logits ``[bs, vocab]`` of each
+        request's last new token. ``static`` (graph runner): called after the attention
+        metadata is built, to move it into persistent buffers."""
+        self.begin_forward(fb)
         with nullcontext() if self.canary is None else self.canary.forward_scope(fb):
             # Inside the scope: the canary's host pre-ops (fault injection included) run
             # before attention gathers its slot tables, as before a real forward.
             self.attn_backend.init_forward_metadata(fb)
+            if static is not None:
+                static()
             hidden = self.model(fb.input_ids, fb.positions, fb)
         return self.model.compute_logits(hidden[fb.last_token_indices()])

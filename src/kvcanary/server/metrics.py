@@ -1,0 +1,54 @@
+"""The server's Prometheus registry: the canary's collector plus engine gauges/counters.
+
+Every collector here reads engine state, so the registry is only ever rendered inside the
+engine loop's thread (``EngineLoop.call``), never concurrently with a step::
+
+    kvcanary_engine_running_requests        requests admitted and not finished
+    kvcanary_engine_waiting_requests        requests queued for admission
+    kvcanary_engine_prompt_tokens           prompt tokens of finished requests
+    kvcanary_engine_generated_tokens        output tokens of finished requests
+    kvcanary_engine_steps                   engine steps (forwards) run by the server
+    kvcanary_engine_requests_finished{finish_reason}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvcanary.canary.metrics import CanaryCollector
+from kvcanary.server.engine_loop import EngineLoop
+
+
+class EngineCollector(Collector):
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop = loop
+
+    def collect(self) -> Iterator[Metric]:
+        sched = self.loop.engine.scheduler
+        st = self.loop.stats
+        yield GaugeMetricFamily("kvcanary_engine_running_requests", "Requests admitted and not finished",
+                                value=len(sched.running))  # fmt: skip
+        yield GaugeMetricFamily("kvcanary_engine_waiting_requests", "Requests queued for admission",
+                                value=len(sched.waiting))  # fmt: skip
+        yield CounterMetricFamily("kvcanary_engine_prompt_tokens", "Prompt tokens of finished requests",
+                                  value=st.num_prompt_tokens)  # fmt: skip
+        yield CounterMetricFamily("kvcanary_engine_generated_tokens", "Output tokens of finished requests",
+                                  value=st.num_generated_tokens)  # fmt: skip
+        yield CounterMetricFamily("kvcanary_engine_steps", "Engine steps run by the server",
+                                  value=st.num_steps)  # fmt: skip
+        finished = CounterMetricFamily("kvcanary_engine_requests_finished", "Finished requests by reason",
+                                       labels=["finish_reason"])  # fmt: skip
+        for reason, n in sorted(st.num_finished_by_reason.items()):
+            finished.add_metric([reason], n)
+        yield finished
+
+
+def make_server_registry(loop: EngineLoop) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(CanaryCollector(loop.engine.canary))
+    registry.register(EngineCollector(loop))
+    return registry
