@@ -85,3 +85,19 @@ def test_window_eviction_frees_swa_slots(baseline: list[list[int]]) -> None:
     assert stats.num_swa_slots_evicted > 0
     assert stats.peak_swa_used < stats.peak_full_used / 2  # no prefix cache: all is active
     assert_all_memory_free(engine)
+
+
+def test_padded_static_key_tables_equal_eager(baseline: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key-table padding a captured CUDA graph uses (full tables rounded up to 64 keys,
+    padding masked out) changes nothing: run it eagerly on CPU."""
+    from kvcanary.engine import graph_runner
+
+    monkeypatch.setattr(
+        graph_runner.GraphRunner, "key_width_for",
+        lambda self, lens: min(-(-max(lens) // 64) * 64, self.max_keys),
+    )  # fmt: skip
+    outs, engine = _run(enable_prefix_cache=False, graph_batch_sizes=(2, 8))
+    assert outs == baseline
+    gr = engine.scheduler.graph_runner
+    assert gr is not None and gr.num_replays > 0
+    assert_all_memory_free(engine)

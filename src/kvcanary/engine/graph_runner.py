@@ -10,8 +10,9 @@ A decode batch of ``bs`` requests runs as the smallest bucket ``B >= bs``; rows
                                                  SWA: mapping[0] = 0 → SWA sink)
 
 Inputs and the attention key tables live in buffers allocated once (full tables padded
-to a multiple of ``KEY_WIDTH_BUCKET`` keys, sliding tables ``W`` wide), so every replay of
-a bucket ``(B, key width)`` reads the same addresses. On CUDA, without a canary (its
+to a multiple of ``KEY_WIDTH_BUCKET`` keys when graphs are captured — exact width on CPU,
+where padding would only cost — sliding tables ``W`` wide), so every replay of a bucket
+``(B, key width)`` reads the same addresses. On CUDA, without a canary (its
 per-forward plans are host-driven), each bucket is captured once as a CUDA graph and
 replayed; a capture failure falls back to eager replay with a warning. Everywhere else the
 same buffers are used eagerly, so the padding and static-table semantics a graph relies
@@ -62,7 +63,8 @@ class GraphRunner:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
 
     def key_width_for(self, seq_lens_cpu: list[int]) -> int:
-        return min(ceil_page(max(seq_lens_cpu), KEY_WIDTH_BUCKET), self.max_keys)
+        bucket = KEY_WIDTH_BUCKET if self.runner.device.type == "cuda" else 1
+        return min(ceil_page(max(seq_lens_cpu), bucket), self.max_keys)
 
     def _uses_cuda_graphs(self) -> bool:
         r = self.runner
