@@ -126,8 +126,9 @@ class MHAKVPool(BaseKVPool):
     def set_kv_buffer(
         self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        loc = loc.to(torch.int64)
+        self.k_buffer[layer_id].index_copy_(0, loc, k if k.dtype == self.dtype else k.to(self.dtype))
+        self.v_buffer[layer_id].index_copy_(0, loc, v if v.dtype == self.dtype else v.to(self.dtype))
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         for k, v in zip(self.k_buffer, self.v_buffer, strict=True):

@@ -43,6 +43,9 @@ class RMSNorm(nn.Module):
         self.weight_offset = weight_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.weight_offset and x.dtype == torch.float32:
+            # One fused kernel instead of ~8 small ops (same math in float32).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight_offset:
