@@ -33,6 +33,9 @@ Duplicate slots within one write keep the last token's record. Slots outside the
 raise. ``counters`` (optional) count one launch per call and the entries processed (verify:
 all entries of an enabled plan; write: tokens stored). A disabled verify plan does nothing
 but count the launch.
+
+Plans come materialised (:mod:`.plan`, any backend) or as CPU row plans (:mod:`.row_plan`,
+the numba backend only: the per-forward path on the CPU); both give the same result.
 """
 
 from __future__ import annotations
@@ -47,14 +50,20 @@ from kvcanary.canary import kernels_numba, kernels_torch
 from kvcanary.canary.plan import VerifyPlan, WritePlan
 from kvcanary.canary.real_kv import RealKvSource
 from kvcanary.canary.ring import RunCounters, ViolationRing
+from kvcanary.canary.row_plan import HostWritePlan, RowVerifyPlan
 
 Backend = Literal["auto", "numba", "torch"]
 BACKENDS: tuple[Backend, ...] = ("auto", "numba", "torch")
+_ROW_PLAN_BACKENDS = ("auto", "numba")
 
 
-def _module(records: torch.Tensor, backend: Backend) -> ModuleType:
+def _module(records: torch.Tensor, backend: Backend, plan: object) -> ModuleType:
     if backend not in BACKENDS:
         raise ValueError(f"canary kernel backend={backend!r}; allowed: {', '.join(BACKENDS)}")
+    if isinstance(plan, (RowVerifyPlan, HostWritePlan)):  # CPU row plans: numba only
+        if backend == "torch":
+            raise ValueError("canary kernel backend='torch' got a CPU row plan (numba only)")
+        return kernels_numba
     if backend == "numba" or (backend == "auto" and records.device.type == "cpu"):
         return kernels_numba
     return kernels_torch
@@ -62,7 +71,7 @@ def _module(records: torch.Tensor, backend: Backend) -> ModuleType:
 
 def verify(
     records: torch.Tensor,
-    plan: VerifyPlan,
+    plan: VerifyPlan | RowVerifyPlan,
     ring: ViolationRing,
     launch_tag: int,
     *,
@@ -72,7 +81,11 @@ def verify(
     backend: Backend = "auto",
 ) -> None:
     """Verify ``plan``'s entries against the canary buffer ``records`` (see module doc)."""
-    _module(records, backend).verify(
+    if type(plan) is RowVerifyPlan and backend in _ROW_PLAN_BACKENDS:  # the per-forward path
+        kernels_numba.verify_rows(records, plan, ring, launch_tag, real_kv_sources, check_token,
+                                  counters)  # fmt: skip
+        return
+    _module(records, backend, plan).verify(
         records, plan, ring, launch_tag,
         real_kv_sources=real_kv_sources, check_token=check_token, counters=counters,
     )  # fmt: skip
@@ -80,7 +93,7 @@ def verify(
 
 def write(
     records: torch.Tensor,
-    plan: WritePlan,
+    plan: WritePlan | HostWritePlan,
     ring: ViolationRing,
     launch_tag: int,
     *,
@@ -90,7 +103,7 @@ def write(
     backend: Backend = "auto",
 ) -> None:
     """Write this forward's records into ``records`` (see module doc)."""
-    _module(records, backend).write(
+    _module(records, backend, plan).write(
         records, plan, ring, launch_tag, real_kv_sources=real_kv_sources,
         chain_position_assert=chain_position_assert, counters=counters,
     )  # fmt: skip

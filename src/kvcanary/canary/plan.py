@@ -24,16 +24,18 @@ device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 
 from kvcanary.canary.constants import NO_SLOT, NO_TOKEN, REQ_POOL_IDX_PADDING
 
+if TYPE_CHECKING:
+    from kvcanary.canary.row_plan import HostWritePlan, RowVerifyPlan
 
-def _check_1d(
-    owner: str, length: int, tensors: dict[str, torch.Tensor | None], *, int64: bool
-) -> None:
+
+def _check_1d(owner: str, length: int, tensors: dict[str, Any], *, int64: bool) -> None:
+    """Each tensor (or numpy array) that is not None has shape ``(length,)``."""
     for name, t in tensors.items():
         if t is None:
             continue
@@ -139,27 +141,37 @@ class PlanInputs:
     expected_positions: torch.Tensor | None = None  # [num_tokens] write-input assertion
 
     def __post_init__(self) -> None:
-        if self.req_to_token.dim() != 2:
-            raise ValueError(
-                f"req_to_token must be 2-D, got shape {tuple(self.req_to_token.shape)}"
-            )
-        per_req = ("req_pool_indices", "prefix_lens", "extend_lens", "expected_token_lens")
-        per_token = (
-            "input_ids", "positions", "out_cache_loc", "expected_input_ids", "expected_positions",
-        )  # fmt: skip
-        bs, num_tokens = self.req_pool_indices.shape[0], self.input_ids.shape[0]
-        _check_1d("PlanInputs", bs, {f: getattr(self, f) for f in per_req}, int64=False)
-        _check_1d("PlanInputs", num_tokens, {f: getattr(self, f) for f in per_token}, int64=False)
-        if (self.expected_token_table is None) != (self.expected_token_lens is None):
-            raise ValueError("expected_token_table and expected_token_lens go together")
-        if (self.expected_input_ids is None) != (self.expected_positions is None):
-            raise ValueError("expected_input_ids and expected_positions go together")
+        check_plan_inputs(self)
 
 
-@dataclass(frozen=True, slots=True)
-class CanaryPlans:
-    verify: VerifyPlan
-    write: WritePlan
+PER_REQ_INPUTS = ("req_pool_indices", "prefix_lens", "extend_lens", "expected_token_lens")
+PER_TOKEN_INPUTS = (
+    "input_ids", "positions", "out_cache_loc", "expected_input_ids", "expected_positions",
+)  # fmt: skip
+
+
+def check_plan_inputs(inputs: Any) -> None:
+    """The shape contract of :class:`PlanInputs` on anything with its fields (tensors or
+    numpy arrays, e.g. :class:`.row_plan.HostInputs`)."""
+    r2t = inputs.req_to_token
+    if len(r2t.shape) != 2:
+        raise ValueError(f"req_to_token must be 2-D, got shape {tuple(r2t.shape)}")
+    bs, num_tokens = inputs.req_pool_indices.shape[0], inputs.input_ids.shape[0]
+    _check_1d("PlanInputs", bs, {f: getattr(inputs, f) for f in PER_REQ_INPUTS}, int64=False)
+    _check_1d("PlanInputs", num_tokens, {f: getattr(inputs, f) for f in PER_TOKEN_INPUTS},
+              int64=False)  # fmt: skip
+    if (inputs.expected_token_table is None) != (inputs.expected_token_lens is None):
+        raise ValueError("expected_token_table and expected_token_lens go together")
+    if (inputs.expected_input_ids is None) != (inputs.expected_positions is None):
+        raise ValueError("expected_input_ids and expected_positions go together")
+
+
+class CanaryPlans(NamedTuple):
+    """One group's plans of one forward: materialised (any device) or, on the CPU, the
+    compact row form of :mod:`.row_plan` (same entries; the kernels accept both)."""
+
+    verify: VerifyPlan | RowVerifyPlan
+    write: WritePlan | HostWritePlan
 
 
 def translate_slots(slots: torch.Tensor, lut: torch.Tensor | None) -> torch.Tensor:
@@ -171,6 +183,13 @@ def translate_slots(slots: torch.Tensor, lut: torch.Tensor | None) -> torch.Tens
 
 def long_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.long()
+
+
+def check_plan_args(verify_capacity: int, window: int | None) -> None:
+    if verify_capacity < 1:
+        raise ValueError(f"verify_capacity={verify_capacity}; allowed: >= 1")
+    if window is not None and window < 1:
+        raise ValueError(f"window={window}; allowed: None (full attention) or >= 1")
 
 
 PlanBackend = Literal["auto", "numba", "torch"]
@@ -193,10 +212,7 @@ def build_plans(
     ``kv_token_id_vs_position_offset``: 1 for draft pools whose slot ``p`` holds token ``p + 1``;
     ``backend``: auto = numba on CPU tensors, torch elsewhere.
     """
-    if verify_capacity < 1:
-        raise ValueError(f"verify_capacity={verify_capacity}; allowed: >= 1")
-    if window is not None and window < 1:
-        raise ValueError(f"window={window}; allowed: None (full attention) or >= 1")
+    check_plan_args(verify_capacity, window)
     if backend not in PLAN_BACKENDS:
         raise ValueError(f"plan backend={backend!r}; allowed: {', '.join(PLAN_BACKENDS)}")
     on_cpu = inputs.req_to_token.device.type == "cpu"

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcanary.canary.plan import PlanInputs
+from kvcanary.canary.row_plan import HostInputs
 
 
 def plan_inputs_from_batch(
@@ -55,6 +57,28 @@ def plan_inputs_from_batch(
         expected_input_ids=None if expected_inputs is None else expected_inputs[0],
         expected_positions=None if expected_inputs is None else expected_inputs[1],
     )
+
+
+def host_inputs_from_batch(
+    fb: Any,
+    req_to_token: np.ndarray,
+    token_table: tuple[np.ndarray, torch.Tensor] | None = None,
+    expected_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> HostInputs:
+    """:func:`plan_inputs_from_batch` as numpy views of the batch's (CPU) tensors, for the
+    row planner, which checks the shapes. ``req_to_token``: the pool's table as numpy;
+    ``token_table``: (the pool's token table as numpy, its per-row valid lengths) when
+    tokens are verified."""
+    table = lens = ids = positions = None
+    if token_table is not None:
+        table, lens = token_table[0], token_table[1][fb.req_pool_indices.long()].numpy()
+    if expected_inputs is not None:
+        ids, positions = expected_inputs[0].numpy(), expected_inputs[1].numpy()
+    return HostInputs(
+        req_to_token, fb.req_pool_indices.numpy(), fb.prefix_lens.numpy(),
+        fb.extend_seq_lens.numpy(), fb.input_ids.numpy(), fb.positions.numpy(),
+        fb.out_cache_loc.numpy(), table, lens, ids, positions,
+    )  # fmt: skip
 
 
 def compress_plan_inputs(inputs: PlanInputs, ratio: int) -> PlanInputs:

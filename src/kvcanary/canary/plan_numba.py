@@ -23,7 +23,7 @@ _EMPTY_LENS = np.zeros(1, dtype=np.int64)
 
 
 @numba.njit(cache=True, inline="always")
-def _tr(slot, lut, has_lut):
+def translate_slot(slot, lut, has_lut):
     """``(translated slot, out of range?)``; raising here would slow the loops ~15x, so
     callers collect the flag and the wrapper raises."""
     if not has_lut or slot < 0:
@@ -34,7 +34,7 @@ def _tr(slot, lut, has_lut):
 
 
 @numba.njit(cache=True)
-def _counts(rows, prefix, extend, window):
+def plan_counts(rows, prefix, extend, window):
     """(total_verify, total_extend, total_write, max_write) and each row's verify start."""
     bs = rows.shape[0]
     starts = np.zeros(bs, dtype=np.int64)
@@ -53,7 +53,7 @@ def _counts(rows, prefix, extend, window):
 
 
 @numba.njit(cache=True)
-def _rows_in_range(r2t, rows, prefix, table, has_table):
+def rows_in_range(r2t, rows, prefix, table, has_table):
     """Every req->token (and expected-token) read of :func:`_fill` is inside its table;
     checked once per row, so the loops need no bounds checks."""
     for r in range(rows.shape[0]):
@@ -72,7 +72,7 @@ def _fill(
     r2t, rows, prefix, extend, starts, lut, has_lut, table, table_lens, has_table, offset,
     fill_verify, total_verify, out_cache_loc,
 ):  # fmt: skip
-    """Plan arrays and whether a slot fell outside the LUT. Needs :func:`_rows_in_range`."""
+    """Plan arrays and whether a slot fell outside the LUT. Needs :func:`rows_in_range`."""
     bad = False
     bs = rows.shape[0]
     v_slots = np.empty(total_verify, dtype=np.int64)
@@ -94,16 +94,16 @@ def _fill(
             continue
         num_tokens[r] = ext
         if prefix[r] > 0 and ext > 0:
-            seeds[r], oob = _tr(r2t[row, prefix[r] - 1], lut, has_lut)
+            seeds[r], oob = translate_slot(r2t[row, prefix[r] - 1], lut, has_lut)
             bad |= oob
         if not fill_verify:
             continue
         for pos in range(starts[r], prefix[r]):
-            v_slots[i], oob = _tr(r2t[row, pos], lut, has_lut)
+            v_slots[i], oob = translate_slot(r2t[row, pos], lut, has_lut)
             bad |= oob
             v_prev[i] = NO_SLOT
             if pos > 0:
-                v_prev[i], oob = _tr(r2t[row, pos - 1], lut, has_lut)
+                v_prev[i], oob = translate_slot(r2t[row, pos - 1], lut, has_lut)
                 bad |= oob
             v_pos[i] = pos
             tok = NO_TOKEN
@@ -115,7 +115,7 @@ def _fill(
             i += 1
     write_slots = np.empty(out_cache_loc.shape[0], dtype=np.int64)
     for t in range(out_cache_loc.shape[0]):
-        write_slots[t], oob = _tr(out_cache_loc[t], lut, has_lut)
+        write_slots[t], oob = translate_slot(out_cache_loc[t], lut, has_lut)
         bad |= oob
     return (v_slots, v_prev, v_pos, v_tok, seeds, token_starts, num_tokens, write_slots), bad
 
@@ -145,7 +145,7 @@ def plan_arrays(
     write (seeds, token_starts, num_tokens, slots))``; all CPU int64 tensors."""
     rows, prefix = _np(req_pool_indices.long()), _np(prefix_lens.long())
     extend = _np(extend_lens.long())
-    total_verify, total_extend, total_write, max_write, starts = _counts(
+    total_verify, total_extend, total_write, max_write, starts = plan_counts(
         rows, prefix, extend, window or 0
     )
     if total_extend > out_cache_loc.shape[0]:
@@ -156,7 +156,7 @@ def plan_arrays(
     has_table = table is not None and table_lens is not None
     r2t = _np(req_to_token)
     table_np = _np(table) if has_table else _EMPTY_TABLE  # type: ignore[arg-type]
-    if not _rows_in_range(r2t, rows, prefix, table_np, has_table):
+    if not rows_in_range(r2t, rows, prefix, table_np, has_table):
         raise IndexError("kv-canary plan: req_to_token index out of range")
     out, bad = _fill(
         r2t, rows, prefix, extend, starts,

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
@@ -28,7 +29,7 @@ from kvcanary.canary.constants import (
     REAL_KV_PARTIAL_READ_BYTES,
     RealKvHashMode,
 )
-from kvcanary.canary.hashing import fold_real_kv_words_t, splitmix64_t
+from kvcanary.canary.hashing import fold_real_kv_words_t, splitmix64_nb, splitmix64_t
 
 if sys.byteorder != "little":  # records and word folds are little-endian on the wire
     raise ImportError("kvcanary.canary requires a little-endian host")
@@ -133,3 +134,57 @@ def numba_source_args(sources: Sequence[RealKvSource]) -> NumbaSourceArgs:
     for i, s in enumerate(sources):
         meta[i] = (s.page_size, s.num_bytes_per_token // 8, s.read_bytes // 8)
     return arrays[0], arrays[1], arrays[2], arrays[3], meta, len(sources)
+
+
+@numba.njit(cache=True)
+def _fold_source(acc, slots, words, page_size, words_per_token, read_words):
+    """``acc[i] = splitmix64(acc[i] ^ fold of slot i's read window)`` for slots >= 0.
+
+    Word-pair-major: each pass gathers two words of every slot, then hashes them across
+    slots in a loop that vectorises (a slot's fold is a serial chain; 10x faster than slot
+    by slot). ``read_words`` is even (read windows are multiples of 16 bytes).
+    """
+    n = slots.shape[0]
+    hi = np.int64(-1)
+    for i in range(n):
+        hi = max(hi, slots[i])
+    if hi >= 0 and hi // page_size >= words.shape[0]:
+        raise IndexError("kv-canary: slot out of range of a real-KV source")
+    lo_words = np.empty(n, dtype=np.uint64)
+    hi_words = np.empty(n, dtype=np.uint64)
+    h = np.zeros(n, dtype=np.uint64)
+    for w in range(0, read_words, 2):
+        if page_size == 1:  # the usual layout: no division
+            for i in range(n):
+                row = max(slots[i], 0)
+                lo_words[i], hi_words[i] = words[row, w], words[row, w + 1]
+        else:
+            for i in range(n):
+                slot = max(slots[i], 0)
+                row, col = slot // page_size, (slot % page_size) * words_per_token + w
+                lo_words[i], hi_words[i] = words[row, col], words[row, col + 1]
+        for i in range(n):
+            h[i] = splitmix64_nb(splitmix64_nb(h[i] ^ lo_words[i]) ^ hi_words[i])
+    for i in range(n):
+        folded = np.int64(splitmix64_nb(np.uint64(acc[i]) ^ h[i]))
+        acc[i] = folded if slots[i] >= 0 else acc[i]
+
+
+@numba.njit(cache=True)
+def real_kv_hashes_nb(slots, words0, words1, words2, words3, meta, num_sources):
+    """numba: field 3 for every slot (0 for negative slots), one pass per source (the
+    arguments of :func:`numba_source_args`).
+
+    Per-source passes keep array arguments out of the per-entry loop (a call per entry that
+    passes arrays costs reference-count traffic that dominated the kernel).
+    """
+    acc = np.zeros(slots.shape[0], dtype=np.int64)
+    if num_sources > 0:
+        _fold_source(acc, slots, words0, meta[0, 0], meta[0, 1], meta[0, 2])
+    if num_sources > 1:
+        _fold_source(acc, slots, words1, meta[1, 0], meta[1, 1], meta[1, 2])
+    if num_sources > 2:
+        _fold_source(acc, slots, words2, meta[2, 0], meta[2, 1], meta[2, 2])
+    if num_sources > 3:
+        _fold_source(acc, slots, words3, meta[3, 0], meta[3, 1], meta[3, 2])
+    return acc

@@ -32,6 +32,9 @@ class ViolationRing:
         )
         self.rows = self._storage[:capacity]
         self.write_index = torch.zeros(1, dtype=torch.int64, device=device)
+        # CPU: read the index through a numpy view of the same memory (``.item()`` costs
+        # microseconds per step once the forward has evicted torch's code from the caches).
+        self._host_index = self.write_index.numpy() if self.write_index.device.type == "cpu" else None
 
     @property
     def device(self) -> torch.device:
@@ -47,6 +50,8 @@ class ViolationRing:
 
     def num_recorded(self) -> int:
         """Violations ever recorded, including dropped ones (a host sync on accelerators)."""
+        if self._host_index is not None:
+            return int(self._host_index[0])
         return int(self.write_index.item())
 
     def read(self, start: int = 0) -> list[ViolationRecord]:
@@ -65,6 +70,7 @@ class RunCounters:
     ``kernel_runs[tag]`` grows by 1 on every kernel launch (even a disabled verify);
     ``slots_processed[tag]`` by the entries a launch processed (verify: every entry incl. slot 0;
     write: every token actually stored). Their sums feed the stats line and the health check.
+    The numba kernels bump them in place (numpy views of the same memory).
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:

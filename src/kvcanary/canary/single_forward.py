@@ -10,7 +10,10 @@
 The "maybe inside graph" part is pure tensor work on the forward batch's tensors (a
 static-shape replay canaries the current batch; padding rows and slot 0 contribute
 nothing). Each group is planned once per forward; HEAD and TAIL share the plan, so TAIL
-verifies exactly what HEAD verified, now against the post-forward KV.
+verifies exactly what HEAD verified, now against the post-forward KV. On the CPU (numba
+backend) the plans are row plans (:mod:`.row_plan`) in per-group scratch, read from numpy
+views of the batch: a decode step re-verifies every prefix, and the materialised plans'
+tensor work cost several times the checks themselves.
 """
 
 from __future__ import annotations
@@ -20,15 +23,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcanary.canary import kernels
 from kvcanary.canary.buffers import CanaryBufferGroup
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.constants import LaunchStage, launch_tag
-from kvcanary.canary.plan import CanaryPlans, build_plans
-from kvcanary.canary.plan_inputs import compress_plan_inputs, plan_inputs_from_batch
+from kvcanary.canary.plan import CanaryPlans, PlanInputs, build_plans
+from kvcanary.canary.plan_inputs import (
+    compress_plan_inputs,
+    host_inputs_from_batch,
+    plan_inputs_from_batch,
+)
 from kvcanary.canary.ring import RunCounters, ViolationRing
+from kvcanary.canary.row_plan import HostInputs, RowPlanner
 from kvcanary.canary.swa_divergence import VerifyTotals
 
 ExpectedInputs = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
@@ -61,40 +70,87 @@ class SingleForwardManager:
         self.index = index
         self.rt = runtime
         self._overflows: list[tuple[str, int, int]] = []  # (group kind, requested, capacity)
+        config, pool = runtime.config, runtime.req_to_token_pool
+        # (tag, records, real-KV sources) of each launch, per (group, stage), K then V.
+        self._launches = {
+            (id(g), stage): [
+                (int(launch_tag(g.kind, stage, half)), g.records(stage, half),
+                 g.real_kv_sources(stage, half))
+                for half in g.halves(config.v_half)
+            ]  # fmt: skip
+            for g in runtime.groups
+            for stage in (LaunchStage.HEAD, LaunchStage.TAIL)
+        }
+        # CPU canaries under the numba backend plan as row plans (:mod:`.row_plan`), in
+        # per-group scratch reused every forward; other devices materialise the plans.
+        tensors = [pool.req_to_token, *(t for g in runtime.groups for t in g.buffers())]
+        tensors += [g.swa_index_lut for g in runtime.groups if g.swa_index_lut is not None]
+        self._planners: list[RowPlanner] | None = None
+        if config.backend in ("auto", "numba") and all(t.device.type == "cpu" for t in tensors):
+            self._planners = [
+                RowPlanner(verify_capacity=capacity, window=g.window, lut=g.swa_index_lut,
+                           kv_token_id_vs_position_offset=g.kv_token_id_vs_position_offset)
+                for g, capacity in zip(runtime.groups, runtime.verify_capacities, strict=True)
+            ]  # fmt: skip
+        self._req_to_token: tuple[torch.Tensor, np.ndarray] | None = None
 
     def pre_ops_outside_graph(self, maybe_inaccurate_forward_batch: Any = None) -> None:
         self._overflows = []
 
     def pre_ops_maybe_inside_graph(self, fb: Any) -> list[CanaryPlans]:
         rt = self.rt
-        inputs = plan_inputs_from_batch(
-            fb, rt.req_to_token_pool, verify_tokens=rt.config.verify_tokens,
-            expected_inputs=None if rt.expected_inputs is None else rt.expected_inputs(fb),
-        )  # fmt: skip
+        expected_inputs = None if rt.expected_inputs is None else rt.expected_inputs(fb)
+        host: HostInputs | None = None  # row planners' view of the batch, made once
+        inputs: PlanInputs | None = None  # the others', made once
         all_plans = []
-        for group, capacity in zip(rt.groups, rt.verify_capacities, strict=True):
-            group_inputs = (
-                compress_plan_inputs(inputs, group.compression_ratio)
-                if group.compression_ratio > 1
-                else inputs
-            )
-            plans = build_plans(
-                group_inputs,
-                verify_capacity=capacity,
-                window=group.window,
-                lut=group.swa_index_lut,
-                kv_token_id_vs_position_offset=group.kv_token_id_vs_position_offset,
-                backend=rt.config.backend,  # type: ignore[arg-type]
-            )
+        for i, group in enumerate(rt.groups):
+            if self._planners is not None and group.compression_ratio == 1:
+                if host is None:
+                    host = self._host_inputs(fb, expected_inputs)
+                plans = self._planners[i].plan(host)
+            else:
+                if inputs is None:
+                    inputs = plan_inputs_from_batch(
+                        fb, rt.req_to_token_pool, verify_tokens=rt.config.verify_tokens,
+                        expected_inputs=expected_inputs,
+                    )  # fmt: skip
+                plans = self._plan_inputs(i, group, inputs)
             if not plans.verify.enabled:
                 self._overflows.append(
-                    (group.kind.name, plans.verify.num_requested_entries, capacity)
+                    (group.kind.name, plans.verify.num_requested_entries, rt.verify_capacities[i])
                 )
             if rt.verify_totals is not None:
                 rt.verify_totals.observe(group.kind, plans.verify.num_entries)
             self._launch(group, LaunchStage.HEAD, plans)
             all_plans.append(plans)
         return all_plans
+
+    def _plan_inputs(self, i: int, group: CanaryBufferGroup, inputs: PlanInputs) -> CanaryPlans:
+        """Plans of group ``i`` from PlanInputs: other devices, and compressed groups (whose
+        inputs are derived per forward)."""
+        if group.compression_ratio > 1:
+            inputs = compress_plan_inputs(inputs, group.compression_ratio)
+        if self._planners is not None:
+            return self._planners[i].plan(HostInputs.of(inputs))
+        return build_plans(
+            inputs, verify_capacity=self.rt.verify_capacities[i], window=group.window,
+            lut=group.swa_index_lut,
+            kv_token_id_vs_position_offset=group.kv_token_id_vs_position_offset,
+            backend=self.rt.config.backend,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    def _host_inputs(
+        self, fb: Any, expected_inputs: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> HostInputs:
+        """The batch as numpy views (the pool's tables: views made once)."""
+        pool = self.rt.req_to_token_pool
+        r2t = pool.req_to_token
+        if self._req_to_token is None or self._req_to_token[0] is not r2t:
+            self._req_to_token = (r2t, r2t.numpy())  # a view: the table mutates in place
+        token_table = None
+        if self.rt.config.verify_tokens:
+            token_table = (pool.token_ids.numpy(), pool.token_lens)
+        return host_inputs_from_batch(fb, self._req_to_token[1], token_table, expected_inputs)
 
     def post_ops_maybe_inside_graph(self, fb: Any, all_plans: list[CanaryPlans]) -> None:
         for group, plans in zip(self.rt.groups, all_plans, strict=True):
@@ -115,17 +171,15 @@ class SingleForwardManager:
 
     def _launch(self, group: CanaryBufferGroup, stage: LaunchStage, plans: CanaryPlans) -> None:
         rt = self.rt
-        for half in group.halves(rt.config.v_half):
-            tag = launch_tag(group.kind, stage, half)
-            records = group.records(stage, half)
-            sources = group.real_kv_sources(stage, half)
+        backend = rt.config.backend
+        for tag, records, sources in self._launches[id(group), stage]:
             kernels.verify(
                 records, plans.verify, rt.ring, tag, real_kv_sources=sources,
                 check_token=rt.config.verify_tokens, counters=rt.verify_counters,
-                backend=rt.config.backend,  # type: ignore[arg-type]
+                backend=backend,  # type: ignore[arg-type]
             )  # fmt: skip
             kernels.write(
                 records, plans.write, rt.ring, tag, real_kv_sources=sources,
                 chain_position_assert=rt.chain_position_assert, counters=rt.write_counters,
-                backend=rt.config.backend,  # type: ignore[arg-type]
+                backend=backend,  # type: ignore[arg-type]
             )  # fmt: skip
