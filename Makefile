@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests
 
 # The main job: the hybrid sliding-window preset with the canary on, prompts sharing a prefix

@@ -9,6 +9,8 @@ from tqdm import tqdm
 
 from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.engine.engine import Engine
+from kvcanary.memory.swa_allocator import SWAAllocator
+from kvcanary.memory.swa_pool import BaseSWAKVPool
 from kvcanary.workload import WorkloadSpec, make_prompts
 
 
@@ -33,9 +35,10 @@ def summarize(engine: Engine, outs: list, wall_s: float) -> dict[str, Any]:
     runner = engine.runner
     alloc = runner.allocator
     pool = runner.token_to_kv_pool
-    full_size = alloc.size_full if runner.is_swa else alloc.size
-    swa_size = alloc.size_swa if runner.is_swa else 0
-    gathers = pool.translation_stats["gathers"] if runner.is_swa else 0
+    is_swa = isinstance(alloc, SWAAllocator) and isinstance(pool, BaseSWAKVPool)
+    full_size = alloc.size_full if isinstance(alloc, SWAAllocator) else alloc.size
+    swa_size = alloc.size_swa if isinstance(alloc, SWAAllocator) else 0
+    gathers = pool.translation_stats["gathers"] if is_swa and isinstance(pool, BaseSWAKVPool) else 0
     return {
         "model": engine.config.model,
         "page_size": engine.config.page_size,

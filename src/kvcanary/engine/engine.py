@@ -126,12 +126,15 @@ class Engine:
         on_step: Callable[[list[RequestOutput]], None] | None = None,
     ) -> list[RequestOutput]:
         """Run ``prompts`` to completion; outputs in prompt order."""
+        batch: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"got {len(plist)} sampling params for {len(prompts)} prompts")
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+            batch = [prompts]  # type: ignore[list-item]  # one prompt
+        else:
+            batch = list(prompts)  # type: ignore[arg-type]
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(batch)
+        if len(plist) != len(batch):
+            raise ValueError(f"got {len(plist)} sampling params for {len(batch)} prompts")
+        rids = [self.add_request(p, sp) for p, sp in zip(batch, plist, strict=True)]
         done: dict[int, RequestOutput] = {}
         while self.has_unfinished():
             finished = self.step()

@@ -32,7 +32,8 @@ from kvcanary.engine.model_runner import ModelRunner
 from kvcanary.engine.request import Req
 from kvcanary.engine.sampling import oracle_token, sample_batch
 from kvcanary.memory import host_pool
-from kvcanary.memory.radix_cache import RadixCache
+from kvcanary.memory.radix_cache import RadixCache, RadixNode, SwaLock
+from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.utils import floor_page
 
 INIT_NEW_TOKEN_RATIO = 0.5
@@ -120,15 +121,15 @@ class Scheduler:
         hit = []
         for req in self.running:
             slots = self.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
-            bad = bool(torch.isin(slots, full_slots).any())
+            implicated = bool(torch.isin(slots, full_slots).any())
             if swa_slots.numel():
-                mapping = self.allocator.full_to_swa_index_mapping
-                bad = bad or bool(torch.isin(mapping[slots], swa_slots).any())
-            if bad:
+                mapping = self._swa().full_to_swa_index_mapping
+                implicated = implicated or bool(torch.isin(mapping[slots], swa_slots).any())
+            if implicated:
                 hit.append(req)
         self.allocator.quarantine(full_slots)
         if swa_slots.numel():
-            self.allocator.quarantine_swa(swa_slots)
+            self._swa().quarantine_swa(swa_slots)
         for req in hit:
             self.release(req, insert=False)
             self.running.remove(req)
@@ -136,11 +137,11 @@ class Scheduler:
             self._aborted.append(req)
         if self.cache is not None:
             # No later request may be served the corrupt KV from the prefix cache.
-            bad = full_slots
+            corrupt = full_slots
             if swa_slots.numel():
-                mapping = self.allocator.full_to_swa_index_mapping[:-1]
-                bad = torch.cat([bad, torch.nonzero(torch.isin(mapping, swa_slots)).reshape(-1)])
-            self.cache.invalidate(bad)
+                mapping = self._swa().full_to_swa_index_mapping[:-1]
+                corrupt = torch.cat([corrupt, torch.nonzero(torch.isin(mapping, swa_slots)).reshape(-1)])
+            self.cache.invalidate(corrupt)
         return [r.rid for r in hit]
 
     def step(self) -> list[Req]:
@@ -402,13 +403,13 @@ class Scheduler:
         self.unlock_prefix(old_node, old_lock)
         req.cache_protected_len = match.num_tokens
 
-    def lock_prefix(self, req: Req, node: object) -> None:
+    def lock_prefix(self, req: Req, node: RadixNode) -> None:
         assert self.cache is not None
         req.cache_lock = self.cache.inc_lock_ref(node)
         req.last_node = node
 
-    def unlock_prefix(self, node: object, lock: object) -> None:
-        if self.cache is not None and node is not None:
+    def unlock_prefix(self, node: RadixNode | None, lock: SwaLock | None) -> None:
+        if self.cache is not None and node is not None and lock is not None:
             self.cache.dec_lock_ref(node, lock)
 
     def check_finish(self, req: Req, tok: int) -> bool:
@@ -478,10 +479,10 @@ class Scheduler:
                 # The saved copy lacks part of the window: recompute instead.
                 req.host_copy = None
                 return True
-            out = self.allocator.alloc_extend_swa_tail(0, n, -1, tail)
+            out = self._swa().alloc_extend_swa_tail(0, n, -1, tail)
             if out is None and self.cache is not None:
                 self.evict_cache(n)
-                out = self.allocator.alloc_extend_swa_tail(0, n, -1, tail)
+                out = self._swa().alloc_extend_swa_tail(0, n, -1, tail)
             req.swa_evicted_seqlen = n - tail
         else:
             no_prefix = torch.full((1,), -1, dtype=torch.int64)
@@ -522,15 +523,15 @@ class Scheduler:
         if not spans:
             return
         slots = torch.cat(spans).to(torch.int64)
-        mapping = self.allocator.full_to_swa_index_mapping
-        self.stats.num_swa_slots_evicted += int((mapping[slots] > 0).sum())
-        self.allocator.free_swa(slots)
+        swa = self._swa()
+        self.stats.num_swa_slots_evicted += int((swa.full_to_swa_index_mapping[slots] > 0).sum())
+        swa.free_swa(slots)
 
     def _track_peak(self) -> None:
         """Peak slots allocated, and peak slots requests actually need ("active": minus
         what the prefix cache could give back right now)."""
         a, st = self.allocator, self.stats
-        if self.runner.is_swa:
+        if isinstance(a, SWAAllocator):
             full_used = a.size_full - a.full_available_size()
             swa_used = a.size_swa - a.swa_available_size()
         else:
@@ -541,6 +542,12 @@ class Scheduler:
         st.peak_swa_used = max(st.peak_swa_used, swa_used)
         st.peak_full_active = max(st.peak_full_active, full_used - full_idle)
         st.peak_swa_active = max(st.peak_swa_active, swa_used - swa_idle)
+
+    def _swa(self) -> SWAAllocator:
+        """The SWA allocator (only SWA code paths ask)."""
+        if not isinstance(self.allocator, SWAAllocator):
+            raise RuntimeError("scheduler: an SWA-only path ran on a pool without SWA layers")
+        return self.allocator
 
     def check_integrity(self) -> bool:
         self.allocator.check_integrity()

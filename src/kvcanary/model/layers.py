@@ -88,7 +88,7 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     weight = torch.cat([lin.weight.detach() for lin in linears])
     bias = None
     if linears[0].bias is not None:
-        bias = torch.cat([lin.bias.detach() for lin in linears])  # type: ignore[misc]
+        bias = torch.cat([lin.bias.detach() for lin in linears])
     row = 0
     for lin in linears:
         n = lin.weight.shape[0]
