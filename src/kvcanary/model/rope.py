@@ -113,6 +113,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq, attention_scaling = rope_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_positions, device=device).float()
         freqs = positions[:, None] * inv_freq.to(device=device)[None, :]
+        freqs = torch.cat((freqs, freqs), dim=-1)  # full head_dim, as transformers caches it
         self.cos_cached: torch.Tensor
         self.sin_cached: torch.Tensor
         self.register_buffer(
@@ -123,12 +124,13 @@ class RotaryEmbedding(nn.Module):
         )
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)``, each ``[num_tokens, 1, head_dim // 2]`` (broadcast over heads)."""
+        """``(cos, sin)``, each ``[num_tokens, 1, head_dim]`` (broadcast over heads)."""
         return self.cos_cached[positions].unsqueeze(1), self.sin_cached[positions].unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [num_tokens, num_heads, head_dim]`` (halves layout, as in transformers)."""
+    """Rotate ``x [num_tokens, num_heads, head_dim]`` (halves layout, transformers' formula
+    ``x * cos + rotate_half(x) * sin``: five ops instead of seven)."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
