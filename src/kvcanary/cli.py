@@ -1,4 +1,6 @@
-"""Command line: ``kvcanary run | bench | selftest | explain | serve``.
+"""kvcanary: a runtime KV-cache integrity canary, and the hybrid sliding-window engine it guards.
+
+Subcommands: run | serve | selftest | explain | bench (overhead, engine, prealloc).
 
 Defaults come from the config dataclasses; bad values are rejected before anything starts,
 with the flag, the value and what is allowed.
