@@ -141,7 +141,7 @@ def _log_to_stderr(level: str | None) -> Iterator[None]:
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
-    from kvcanary.report import render_table, write_json
+    from kvcanary.report import emit
     from kvcanary.run import run_workload
 
     spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
@@ -155,15 +155,11 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
         with _log_to_stderr(a.log_level):
             summary = run_disagg(a)
-        print(render_table("kvcanary run --disagg", summary))
-        if a.json:
-            write_json(a.json, summary)
+        emit("kvcanary run --disagg", summary, a.json)
         return 0
     with _log_to_stderr(a.log_level):
         summary, engine = run_workload(_engine_config(a), spec, progress=not a.no_progress)
-    print(render_table("kvcanary run", summary))
-    if a.json:
-        write_json(a.json, summary)
+    emit("kvcanary run", summary, a.json)
     if a.metrics_file:
         from kvcanary.canary.metrics import write_metrics_file
 
@@ -216,7 +212,7 @@ def _set_threads(threads: int | None) -> None:
 
 def _cmd_bench_engine(a: argparse.Namespace) -> int:
     from kvcanary.bench.engine_vs_hf import bench_engine
-    from kvcanary.report import render_table, write_json
+    from kvcanary.report import emit
 
     if a.repeats < 1:
         raise ValueError(f"--repeats={a.repeats!r} is invalid: allowed an integer >= 1")
@@ -224,9 +220,7 @@ def _cmd_bench_engine(a: argparse.Namespace) -> int:
     spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
     summary = bench_engine(a.model, spec, repeats=a.repeats, page_size=a.page_size,
                            progress=not a.no_progress)  # fmt: skip
-    print(render_table("kvcanary bench engine (vs transformers generate)", summary))
-    if a.json:
-        write_json(a.json, summary)
+    emit("kvcanary bench engine (vs transformers generate)", summary, a.json)
     return 0
 
 
@@ -256,8 +250,6 @@ def _cmd_selftest(a: argparse.Namespace) -> int:
 
 
 def _cmd_explain(a: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from kvcanary.canary.explain import explain, render_explain
     from kvcanary.report import write_json
 
@@ -277,12 +269,9 @@ def _cmd_explain(a: argparse.Namespace) -> int:
 
 def _cmd_bench_prealloc(a: argparse.Namespace) -> int:
     from kvcanary.disagg.cli_hooks import cmd_bench_prealloc
-    from kvcanary.report import render_table, write_json
+    from kvcanary.report import emit
 
-    summary = cmd_bench_prealloc(a)
-    print(render_table("kvcanary bench prealloc", summary))
-    if a.json:
-        write_json(a.json, summary)
+    emit("kvcanary bench prealloc", cmd_bench_prealloc(a), a.json)
     return 0
 
 

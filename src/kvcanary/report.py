@@ -30,11 +30,23 @@ def render_matrix(title: str, rows: list[dict[str, Any]]) -> str:
     return f"{title}\n{tabulate(table, headers=list(rows[0]), tablefmt='simple')}"
 
 
-def write_json(path: str | Path, data: dict[str, Any]) -> None:
-    """Write atomically (temp file + rename) so a reader never sees half a file."""
+def write_file_atomically(path: str | Path, data: bytes, flag: str = "--json") -> None:
+    """Write ``data`` to ``path`` through a temp file + rename, so a reader never sees half
+    a file; a missing directory is a ``ValueError`` naming ``flag``."""
     path = Path(path)
-    if path.parent and not path.parent.exists():
-        raise ValueError(f"--json {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    if not path.parent.exists():
+        raise ValueError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    tmp.write_bytes(data)
     tmp.replace(path)
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> None:
+    write_file_atomically(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
+
+
+def emit(title: str, summary: dict[str, Any], json_path: str | None) -> None:
+    """Print ``summary`` as a table and, with ``--json OUT``, write it as JSON."""
+    print(render_table(title, summary))
+    if json_path:
+        write_json(json_path, summary)

@@ -24,6 +24,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvcanary.report import write_file_atomically
+
 SWA_SIGNALS = ("swa_full_idx_divergence", "swa_out_of_window_tokens")
 
 
@@ -79,9 +81,4 @@ def make_registry(canary: Any | None) -> CollectorRegistry:
 
 def write_metrics_file(canary: Any | None, path: str | Path) -> None:
     """Write the text exposition (temp file + rename)."""
-    path = Path(path)
-    if not path.parent.exists():
-        raise ValueError(f"--metrics-file {str(path)!r}: directory {str(path.parent)!r} does not exist")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(generate_latest(make_registry(canary)))
-    tmp.replace(path)
+    write_file_atomically(path, generate_latest(make_registry(canary)), flag="--metrics-file")

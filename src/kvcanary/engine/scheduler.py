@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -254,10 +255,9 @@ class Scheduler:
         """Allocate and map slots for positions ``[kv_len, end)``."""
         start = req.kv_len
         last = self._last_locs([req])
-        out = self.allocator.alloc_extend([start], [end], last)
-        if out is None and self.cache is not None:
-            self.evict_cache(end - start + self.page_size)
-            out = self.allocator.alloc_extend([start], [end], last)
+        out = self._alloc_or_evict(
+            lambda: self.allocator.alloc_extend([start], [end], last), end - start + self.page_size
+        )
         if out is None:
             return False
         self.req_to_token[req.req_pool_idx, start:end] = out.to(torch.int32)
@@ -267,10 +267,10 @@ class Scheduler:
         reqs = [r for r in self.running if r.decode_ready]
         while reqs:
             seq_lens = [r.kv_len + 1 for r in reqs]
-            out = self.allocator.alloc_decode(seq_lens, self._last_locs(reqs))
-            if out is None and self.cache is not None:
-                self.evict_cache(len(reqs) * self.page_size)
-                out = self.allocator.alloc_decode(seq_lens, self._last_locs(reqs))
+            last_locs = self._last_locs(reqs)
+            out = self._alloc_or_evict(
+                partial(self.allocator.alloc_decode, seq_lens, last_locs), len(reqs) * self.page_size
+            )
             if out is not None:
                 rows = torch.tensor([r.req_pool_idx for r in reqs])
                 self.req_to_token[rows, torch.tensor([r.kv_len for r in reqs])] = out.to(torch.int32)
@@ -424,6 +424,17 @@ class Scheduler:
     def _available(self) -> int:
         return self.allocator.available_size()
 
+    def _alloc_or_evict(
+        self, alloc: Callable[[], torch.Tensor | None], num_tokens: int
+    ) -> torch.Tensor | None:
+        """``alloc()``; when it fails, evict ``num_tokens`` from the prefix cache and retry
+        once (allocators mutate nothing on failure, so the retry is clean)."""
+        out = alloc()
+        if out is None and self.cache is not None:
+            self.evict_cache(num_tokens)
+            out = alloc()
+        return out
+
     def evict_cache(self, num_tokens: int) -> int:
         if self.cache is None:
             return 0
@@ -479,17 +490,11 @@ class Scheduler:
                 # The saved copy lacks part of the window: recompute instead.
                 req.host_copy = None
                 return True
-            out = self._swa().alloc_extend_swa_tail(0, n, -1, tail)
-            if out is None and self.cache is not None:
-                self.evict_cache(n)
-                out = self._swa().alloc_extend_swa_tail(0, n, -1, tail)
+            out = self._alloc_or_evict(lambda: self._swa().alloc_extend_swa_tail(0, n, -1, tail), n)
             req.swa_evicted_seqlen = n - tail
         else:
             no_prefix = torch.full((1,), -1, dtype=torch.int64)
-            out = self.allocator.alloc_extend([0], [n], no_prefix)
-            if out is None and self.cache is not None:
-                self.evict_cache(n)
-                out = self.allocator.alloc_extend([0], [n], no_prefix)
+            out = self._alloc_or_evict(lambda: self.allocator.alloc_extend([0], [n], no_prefix), n)
         if out is None:
             req.swa_evicted_seqlen = 0
             return False
