@@ -102,7 +102,9 @@ def test_parse_log_keeps_line_numbers_and_ignores_the_report_body() -> None:
         ("builtin:tiny-mha", "real_kv_unused_cache", "full", {"cached_kv_byte_corruption"}, "only the radix sweep"),
         ("builtin:tiny-mha", "next_token_swap", None, {"wrong_input_token"}, "mirrored tokens"),
         ("builtin:tiny-swa", "swa_mapping", None, {"req_to_token_remap", "wrong_slot"}, "only on SWA tags"),
-        ("builtin:tiny-swa", "page_shift", None, {"position_shift", "unwritten_slot", "wrong_slot", "stale_seed"}, None),
+        # The shifted page table also points in-window positions at slots whose SWA was
+        # evicted: verify_not_resident (premature_window_eviction) since the residency check.
+        ("builtin:tiny-swa", "page_shift", None, {"position_shift", "unwritten_slot", "wrong_slot", "stale_seed", "premature_window_eviction"}, None),
     ],
 )  # fmt: skip
 def test_explain_on_our_engines_logs(caplog: pytest.LogCaptureFixture, model: str, mode: str,

@@ -59,7 +59,8 @@ def test_sglang_launch_tags_are_wire_exact() -> None:
 
 
 def test_fail_reason_bits_and_labels() -> None:
-    assert [int(r) for r in FailReason] == [1, 2, 4, 8, 16, 32]
+    # Bits 0..5 are SGLang's; 6 and 7 are kvcanary's own (never set by SGLang).
+    assert [int(r) for r in FailReason] == [1, 2, 4, 8, 16, 32, 64, 128]
     for reason in FailReason:
         assert reason.name is not None
         assert FAIL_REASON_LABELS[reason] == reason.name.lower().removesuffix("_mismatch")

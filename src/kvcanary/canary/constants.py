@@ -8,6 +8,18 @@ Slot record (one per KV-pool slot, 32 bytes, four little-endian int64 fields)::
 ``prev_hash`` is the chain hash *before* this slot (see :mod:`kvcanary.canary.hashing`);
 ``real_kv_hash`` is the fingerprint of the slot's real KV bytes (0 when disabled).
 
+Two fail reasons are kvcanary's own (bits 6 and 7; SGLang defines bits 0..5):
+
+* ``verify_not_resident``: a verify entry inside the range attention reads (FULL groups:
+  ``[0, prefix_len)``; SWA groups: ``[prefix_len - window + 1, prefix_len)``) has no slot:
+  its req->token entry is 0, or (SWA) the full->SWA mapping of its full slot is 0 (the
+  window was evicted early). The row names the *full* slot (``slot_idx``), the position,
+  ``stored_token = expected_token = -1``, ``stored_chain_hash = 0`` and ``expected_aux =
+  prefix_len`` (the sequence length whose window needed the position).
+* ``write_kv_store``: after the forward, a slot written this forward does not hold the K/V
+  bytes attention was given for its token (a lost or misdirected store). ``stored_chain_hash``
+  is the fingerprint of the pool's bytes, ``expected_aux`` that of the bytes attention stored.
+
 Launch tags are ``kind * 6 + stage * 2 + half``; SGLang defines kinds FULL and SWA (tags
 0..11). kvcanary adds the DeepSeek-V4-style compressed sub-pools as kinds 2..4 (tags 12..29),
 which never appear in SGLang logs and leave tags 0..11 untouched.
@@ -139,6 +151,9 @@ class FailReason(IntFlag):
     WRITE_TOKEN_MISMATCH = 1 << 3
     WRITE_POSITION_MISMATCH = 1 << 4
     VERIFY_TOKEN_MISMATCH = 1 << 5
+    # kvcanary extensions (SGLang never sets them; its parsers print them as labels below).
+    VERIFY_NOT_RESIDENT = 1 << 6  # a position attention reads has no slot (module doc)
+    WRITE_KV_STORE_MISMATCH = 1 << 7  # the pool does not hold the K/V attention stored
 
 
 WRITE_FAIL_REASONS = FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH
@@ -151,6 +166,8 @@ FAIL_REASON_LABELS: dict[FailReason, str] = {
     FailReason.WRITE_TOKEN_MISMATCH: "write_token",
     FailReason.WRITE_POSITION_MISMATCH: "write_position",
     FailReason.VERIFY_TOKEN_MISMATCH: "verify_token",
+    FailReason.VERIFY_NOT_RESIDENT: "verify_not_resident",
+    FailReason.WRITE_KV_STORE_MISMATCH: "write_kv_store",
 }
 # ... and the labels of older SGLang logs (`CHAIN_HASH`, `POSITION`, `REAL_KV_HASH`), parse-only.
 LEGACY_FAIL_REASON_LABELS: dict[FailReason, str] = {

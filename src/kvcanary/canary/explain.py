@@ -23,6 +23,9 @@ and fail reasons and by slot, and each row is matched to the cause its signature
                                                            onto another self-consistent run of
                                                            slots, or KV written at a wrong position)
     verify_token                                           wrong_token
+    verify_not_resident, SWA tags                          premature_window_eviction
+    verify_not_resident, FULL tags                         missing_slot
+    write_kv_store                                         lost_kv_store
 """
 
 from __future__ import annotations
@@ -49,8 +52,19 @@ _REAL_KV = FailReason.VERIFY_REAL_KV_HASH_MISMATCH
 _TOKEN = FailReason.VERIFY_TOKEN_MISMATCH
 _WRITE_TOKEN = FailReason.WRITE_TOKEN_MISMATCH
 _WRITE_POSITION = FailReason.WRITE_POSITION_MISMATCH
+_NOT_RESIDENT = FailReason.VERIFY_NOT_RESIDENT
+_KV_STORE = FailReason.WRITE_KV_STORE_MISMATCH
 
 CAUSES: dict[str, str] = {
+    "premature_window_eviction": "a position inside the sliding window (which attention "
+    "reads) has no SWA slot: the full->SWA mapping of its full slot is 0, so its SWA KV was "
+    "freed while still in the window (an eviction frontier off by some pages, or a free_swa "
+    "of an in-window page); attention read a freed or reused slot",
+    "missing_slot": "a position attention reads has no slot at all: its req->token entry "
+    "is 0 (a table row truncated or zeroed while the request runs)",
+    "lost_kv_store": "a slot written this forward does not hold the K/V bytes attention was "
+    "given for its token: the store was skipped or went to another slot (a wrong "
+    "out_cache_loc / slot mapping inside the attention kernel), while the records look right",
     "stale_seed": "a write was chained from a seed slot holding another position: the "
     "predecessor slot (req->token[pos - 1], SWA-translated on SWA tags) is stale. On SWA tags "
     "a stale full->SWA mapping (the SWA slot was freed and reused, e.g. after a restore or "
@@ -135,6 +149,21 @@ def _hex(v: int) -> str:
 def classify(v: ParsedViolation) -> tuple[str, str]:
     """``(cause, evidence)`` of one row (see the module table)."""
     r, bits = v.record, v.record.fail_reason
+    if bits & _NOT_RESIDENT:
+        if "_SWA" in v.tag:
+            return "premature_window_eviction", (
+                f"{v.tag}: position {r.position} (full slot {r.slot_idx}) is inside the window "
+                f"of sequence length {r.expected_aux} but maps to no SWA slot"
+            )
+        return "missing_slot", (
+            f"{v.tag}: position {r.position} of a sequence of length {r.expected_aux} has "
+            f"req->token entry {r.slot_idx}"
+        )
+    if bits & _KV_STORE:
+        return "lost_kv_store", (
+            f"{v.tag}: slot {r.slot_idx} (position {r.position}) holds KV fingerprint "
+            f"{_hex(r.stored_chain_hash)}, attention stored {_hex(r.expected_aux)}"
+        )
     if bits & _WRITE_POSITION and not bits & _WRITE_TOKEN and r.expected_aux != r.position:
         seed_pos = r.expected_aux - 1
         return "stale_seed", (

@@ -50,6 +50,7 @@ def install_canary(
         num_single_forward_managers=num_single_forward_managers,
     )  # fmt: skip
     patch_model_forward(runner.model, manager)
+    manager.attach_store_check(runner.token_to_kv_pool)
     runner.canary = manager
     logger.info(
         "install_canary: pool=%s config=%s n_buffer_groups=%d buffer_group_kinds=%s "

@@ -52,6 +52,7 @@ from kvcanary.canary.reporter import CanaryViolationRow, ImplicatedSlots, Violat
 from kvcanary.canary.ring import RunCounters, ViolationRing
 from kvcanary.canary.single_forward import CanaryRuntime, ExpectedInputs, SingleForwardManager
 from kvcanary.canary.stats_logger import PeriodicStatsLogger
+from kvcanary.canary.store_check import StoreChecker
 from kvcanary.canary.swa_divergence import SwaDivergenceReporter, VerifyTotals
 from kvcanary.canary.sweep import SweepOrchestrator
 
@@ -236,6 +237,19 @@ class CanaryManager:
         """Warm-up / capture is over: arm the write kernels' chain-position assert."""
         self.runtime.chain_position_assert = True
         self.init_finished = True
+
+    def attach_store_check(self, pool: Any) -> bool:
+        """Watch the stores of ``pool``'s fingerprinted buffers (:mod:`.store_check`);
+        False when nothing could be watched (no real-KV sources, or no patchable store)."""
+        checker = StoreChecker.for_groups(self.groups, self.config.v_half)
+        if checker.active:
+            checker.attach(pool)
+        if not checker.active:
+            return False
+        self.runtime.store_checker = checker
+        for sfm in self.single_forward_managers:
+            sfm.bind_store_checker()
+        return True
 
     def set_abort_handler(self, handler: AbortHandler) -> None:
         """``handler(full_slots, swa_slots) -> aborted request ids`` (abort mode)."""

@@ -11,7 +11,10 @@ For batch row ``r`` (req_to_token row ``rp``, ``K = prefix_len``, ``E = extend_l
   Windows do not restart the chain: the first in-window entry names its real predecessor.
 * write: this forward's tokens, chained from the seed ``req_to_token[rp, K - 1]`` (-1 if K = 0).
 * SWA groups translate every slot through the full→SWA ``lut`` (0 = not resident: a verify
-  slot 0 is skipped, a predecessor 0 disables that entry's chain check).
+  slot 0 is skipped, a predecessor 0 disables that entry's chain check). A slot 0 where
+  attention reads (FULL: ``[0, K)``; SWA: ``[K - W + 1, K)``) is a *hole*: the kernels skip
+  it, the plan lists it (:class:`CanaryPlans`) and the canary reports it
+  (``verify_not_resident``), since the window invariant says it must be resident.
 * Rows with ``req_pool_idx == 0`` (padding) contribute no entries and write nothing.
 
 Plans are exact-sized int64 tensors on the inputs' device; building one costs a single
@@ -26,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
+import numpy as np
 import torch
 
 from kvcanary.canary.constants import NO_SLOT, NO_TOKEN, REQ_POOL_IDX_PADDING
@@ -168,10 +172,17 @@ def check_plan_inputs(inputs: Any) -> None:
 
 class CanaryPlans(NamedTuple):
     """One group's plans of one forward: materialised (any device) or, on the CPU, the
-    compact row form of :mod:`.row_plan` (same entries; the kernels accept both)."""
+    compact row form of :mod:`.row_plan` (same entries; the kernels accept both).
+
+    ``holes``: int64 ``[3, n]`` (full slot, position, prefix_len) of the verify entries
+    attention reads that have no slot (FULL: req->token entry 0; SWA: full->SWA mapping 0
+    inside ``[prefix_len - window + 1, prefix_len)``), each a ``verify_not_resident``
+    violation; None when there are none (or the check is off, e.g. compressed groups).
+    """
 
     verify: VerifyPlan | RowVerifyPlan
     write: WritePlan | HostWritePlan
+    holes: torch.Tensor | np.ndarray | None = None
 
 
 def translate_slots(slots: torch.Tensor, lut: torch.Tensor | None) -> torch.Tensor:
@@ -204,13 +215,15 @@ def build_plans(
     lut: torch.Tensor | None = None,
     kv_token_id_vs_position_offset: int = 0,
     backend: PlanBackend = "auto",
+    check_residency: bool = True,
 ) -> CanaryPlans:
     """Verify and write plans of one buffer group for one forward.
 
     ``window``: the SWA window (None: full attention); ``lut``: full→SWA slot mapping for SWA
     groups; ``verify_capacity``: most verify entries per forward (more ⇒ verify disabled);
     ``kv_token_id_vs_position_offset``: 1 for draft pools whose slot ``p`` holds token ``p + 1``;
-    ``backend``: auto = numba on CPU tensors, torch elsewhere.
+    ``backend``: auto = numba on CPU tensors, torch elsewhere; ``check_residency``: list the
+    plan's holes (:class:`CanaryPlans`).
     """
     check_plan_args(verify_capacity, window)
     if backend not in PLAN_BACKENDS:
@@ -222,8 +235,9 @@ def build_plans(
         from kvcanary.canary.plan_numba import build_plans_numba  # imports this module
 
         return build_plans_numba(inputs, verify_capacity, window, lut,
-                                 kv_token_id_vs_position_offset)  # fmt: skip
-    return _build_plans_torch(inputs, verify_capacity, window, lut, kv_token_id_vs_position_offset)
+                                 kv_token_id_vs_position_offset, check_residency)  # fmt: skip
+    return _build_plans_torch(inputs, verify_capacity, window, lut, kv_token_id_vs_position_offset,
+                              check_residency)  # fmt: skip
 
 
 def _build_plans_torch(
@@ -232,6 +246,7 @@ def _build_plans_torch(
     window: int | None,
     lut: torch.Tensor | None,
     kv_token_id_vs_position_offset: int,
+    check_residency: bool,
 ) -> CanaryPlans:
     r2t = inputs.req_to_token
     device = r2t.device
@@ -259,6 +274,7 @@ def _build_plans_torch(
         )
 
     # ---- verify entries
+    holes = None
     if total_verify > verify_capacity:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         verify = VerifyPlan(empty, empty, empty, empty, False, total_verify)
@@ -277,9 +293,17 @@ def _build_plans_torch(
             ok = (idx >= 0) & (idx < table_lens.long()[entry_req]) & (idx < table.shape[1])
             gathered = table[row, torch.where(ok, idx, 0)].long()
             expected = torch.where(ok, gathered, NO_TOKEN)
+        translated = translate_slots(slots, lut)
         verify = VerifyPlan(
-            translate_slots(slots, lut), translate_slots(prev, lut), pos, expected, True, total_verify
+            translated, translate_slots(prev, lut), pos, expected, True, total_verify
         )
+        if check_residency and total_verify:
+            needed_from = (
+                (prefix - window + 1).clamp(min=0) if window is not None else torch.zeros_like(prefix)
+            )
+            is_hole = (translated == 0) & (pos >= needed_from[entry_req])
+            if bool(is_hole.any()):  # a host read, like the totals above
+                holes = torch.stack((slots, pos, prefix[entry_req]))[:, is_hole]
 
     # ---- write metadata
     token_starts = torch.cumsum(extend, 0) - extend
@@ -298,4 +322,4 @@ def _build_plans_torch(
         expected_token_ids=long_or_none(inputs.expected_input_ids),
         expected_positions=long_or_none(inputs.expected_positions),
     )
-    return CanaryPlans(verify, write)
+    return CanaryPlans(verify, write, holes)

@@ -70,10 +70,13 @@ def rows_in_range(r2t, rows, prefix, table, has_table):
 @numba.njit(cache=True)
 def _fill(
     r2t, rows, prefix, extend, starts, lut, has_lut, table, table_lens, has_table, offset,
-    fill_verify, total_verify, out_cache_loc,
+    fill_verify, total_verify, out_cache_loc, window, check_holes,
 ):  # fmt: skip
-    """Plan arrays and whether a slot fell outside the LUT. Needs :func:`rows_in_range`."""
+    """Plan arrays, the holes (full slot, position, prefix of entries attention needs that
+    have no slot) and whether a slot fell outside the LUT. Needs :func:`rows_in_range`."""
     bad = False
+    holes = np.empty((3, total_verify), dtype=np.int64)
+    num_holes = 0
     bs = rows.shape[0]
     v_slots = np.empty(total_verify, dtype=np.int64)
     v_prev = np.empty(total_verify, dtype=np.int64)
@@ -98,9 +101,15 @@ def _fill(
             bad |= oob
         if not fill_verify:
             continue
+        needed_from = max(prefix[r] - window + 1, 0) if window > 0 else 0
         for pos in range(starts[r], prefix[r]):
             v_slots[i], oob = translate_slot(r2t[row, pos], lut, has_lut)
             bad |= oob
+            if check_holes and v_slots[i] == 0 and pos >= needed_from:
+                holes[0, num_holes] = r2t[row, pos]
+                holes[1, num_holes] = pos
+                holes[2, num_holes] = prefix[r]
+                num_holes += 1
             v_prev[i] = NO_SLOT
             if pos > 0:
                 v_prev[i], oob = translate_slot(r2t[row, pos - 1], lut, has_lut)
@@ -117,7 +126,8 @@ def _fill(
     for t in range(out_cache_loc.shape[0]):
         write_slots[t], oob = translate_slot(out_cache_loc[t], lut, has_lut)
         bad |= oob
-    return (v_slots, v_prev, v_pos, v_tok, seeds, token_starts, num_tokens, write_slots), bad
+    arrays = (v_slots, v_prev, v_pos, v_tok, seeds, token_starts, num_tokens, write_slots)
+    return arrays, holes[:, :num_holes], bad
 
 
 Arrays4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -140,9 +150,11 @@ def plan_arrays(
     table: torch.Tensor | None,
     table_lens: torch.Tensor | None,
     offset: int,
-) -> tuple[tuple[int, int, int, int], Arrays4 | None, Arrays4]:
+    check_residency: bool = True,
+) -> tuple[tuple[int, int, int, int], Arrays4 | None, Arrays4, torch.Tensor | None]:
     """``(totals, verify (slots, prev, positions, tokens) or None when over capacity,
-    write (seeds, token_starts, num_tokens, slots))``; all CPU int64 tensors."""
+    write (seeds, token_starts, num_tokens, slots), holes or None)``; all CPU int64
+    tensors."""
     rows, prefix = _np(req_pool_indices.long()), _np(prefix_lens.long())
     extend = _np(extend_lens.long())
     total_verify, total_extend, total_write, max_write, starts = plan_counts(
@@ -158,18 +170,19 @@ def plan_arrays(
     table_np = _np(table) if has_table else _EMPTY_TABLE  # type: ignore[arg-type]
     if not rows_in_range(r2t, rows, prefix, table_np, has_table):
         raise IndexError("kv-canary plan: req_to_token index out of range")
-    out, bad = _fill(
+    out, holes, bad = _fill(
         r2t, rows, prefix, extend, starts,
         _np(lut.long()) if lut is not None else _EMPTY_LUT, lut is not None,
         table_np, _np(table_lens.long()) if has_table else _EMPTY_LENS,  # type: ignore[union-attr]
         has_table, offset, fill_verify, total_verify if fill_verify else 0,
-        _np(out_cache_loc.long()),
+        _np(out_cache_loc.long()), window or 0, check_residency,
     )  # fmt: skip
     if bad:
         raise IndexError("kv-canary plan: slot out of range of the LUT")
     t = [torch.from_numpy(a) for a in out]
     totals = (int(total_verify), int(total_extend), int(total_write), int(max_write))
-    return totals, ((t[0], t[1], t[2], t[3]) if fill_verify else None), (t[4], t[5], t[6], t[7])
+    verify = (t[0], t[1], t[2], t[3]) if fill_verify else None
+    return totals, verify, (t[4], t[5], t[6], t[7]), torch.from_numpy(holes) if holes.shape[1] else None
 
 
 def build_plans_numba(
@@ -178,12 +191,14 @@ def build_plans_numba(
     window: int | None,
     lut: torch.Tensor | None,
     offset: int,
+    check_residency: bool = True,
 ) -> CanaryPlans:
     """:func:`kvcanary.canary.plan.build_plans` for CPU tensors (arguments checked there)."""
-    totals, verify_arrays, (seeds, starts, counts, slots) = plan_arrays(
+    totals, verify_arrays, (seeds, starts, counts, slots), holes = plan_arrays(
         inputs.req_to_token, inputs.req_pool_indices, inputs.prefix_lens, inputs.extend_lens,
         inputs.out_cache_loc, verify_capacity=verify_capacity, window=window, lut=lut,
         table=inputs.expected_token_table, table_lens=inputs.expected_token_lens, offset=offset,
+        check_residency=check_residency,
     )  # fmt: skip
     total_verify, _, total_write, max_write = totals
     if verify_arrays is None:
@@ -204,4 +219,4 @@ def build_plans_numba(
         expected_token_ids=long_or_none(inputs.expected_input_ids),
         expected_positions=long_or_none(inputs.expected_positions),
     )
-    return CanaryPlans(verify, write)
+    return CanaryPlans(verify, write, holes)

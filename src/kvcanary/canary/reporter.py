@@ -9,7 +9,7 @@
                  engine calls :meth:`take_implicated_slots` between steps
 
 Compressed-group slots (DSV4 C4/C128/indexer rows) implicate the ``ratio`` full slots the
-row summarises.
+row summarises; ``verify_not_resident`` rows name a full slot whatever their tag.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcanary.canary.constants import PoolKind, split_launch_tag
+from kvcanary.canary.constants import FailReason, PoolKind, split_launch_tag
 from kvcanary.canary.errors import KVCanaryViolation
 from kvcanary.canary.violation import (
     ViolationRecord,
@@ -92,7 +92,9 @@ class ViolationReporter:
             kind = split_launch_tag(r.launch_tag)[0]
         except ValueError:
             return
-        if kind == PoolKind.SWA:
+        if r.fail_reason & FailReason.VERIFY_NOT_RESIDENT:  # names the full slot (no SWA slot)
+            self._full.add(r.slot_idx)
+        elif kind == PoolKind.SWA:
             self._swa.add(r.slot_idx)
         elif kind == PoolKind.FULL:
             self._full.add(r.slot_idx)

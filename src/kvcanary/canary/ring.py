@@ -12,9 +12,22 @@ A violation with sequence number ``seq >= capacity`` is dropped but still counte
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from kvcanary.canary.constants import NUM_LAUNCH_TAGS, VIOLATION_ROW_FIELDS
+from kvcanary.canary.constants import (
+    NO_TOKEN,
+    NUM_LAUNCH_TAGS,
+    RING_COL_EXPECTED_AUX,
+    RING_COL_EXPECTED_TOKEN,
+    RING_COL_FAIL_REASON,
+    RING_COL_LAUNCH_TAG,
+    RING_COL_POSITION,
+    RING_COL_SLOT_IDX,
+    RING_COL_STORED_TOKEN,
+    VIOLATION_ROW_FIELDS,
+    FailReason,
+)
 from kvcanary.canary.violation import ViolationRecord
 
 
@@ -47,6 +60,21 @@ class ViolationRing:
         target = torch.where(is_violation & (seq < self.capacity), seq, self.capacity)
         self._storage.index_copy_(0, target, candidates)
         self.write_index += flags.sum()
+
+    def append_holes(self, tag: int, holes: torch.Tensor | np.ndarray) -> None:
+        """Record a ``verify_not_resident`` row per hole (int64 ``[3, n]``: full slot,
+        position, prefix_len; see :class:`.plan.CanaryPlans`)."""
+        h = torch.as_tensor(holes, device=self.device)
+        n = h.shape[1]
+        rows = torch.zeros(n, VIOLATION_ROW_FIELDS, dtype=torch.int64, device=self.device)
+        rows[:, RING_COL_LAUNCH_TAG] = tag
+        rows[:, RING_COL_SLOT_IDX] = h[0]
+        rows[:, RING_COL_POSITION] = h[1]
+        rows[:, RING_COL_STORED_TOKEN] = NO_TOKEN
+        rows[:, RING_COL_EXPECTED_TOKEN] = NO_TOKEN
+        rows[:, RING_COL_EXPECTED_AUX] = h[2]
+        rows[:, RING_COL_FAIL_REASON] = int(FailReason.VERIFY_NOT_RESIDENT)
+        self.append_t(rows, torch.ones(n, dtype=torch.bool, device=self.device))
 
     def num_recorded(self) -> int:
         """Violations ever recorded, including dropped ones (a host sync on accelerators)."""

@@ -13,6 +13,9 @@ batch row ``r`` (columns of ``requests``, int64 ``[7, >= bs]``)::
         expected token = entries[1, e]              (when the plan has a token table)
     requests[SEED..NUM_TOKENS, r]          the write plan: seed slot, first flat token, count
 
+Entries attention needs that have no slot (``verify_not_resident``) are collected as the
+plan's ``holes`` while the entries are filled (see :class:`.plan.CanaryPlans`).
+
 These are exactly the entries of :class:`.plan.VerifyPlan`, in the same order (rows, then
 positions), and the write plan is :class:`.plan.WritePlan`'s, so the CPU kernels
 (:mod:`.kernels_numba`) give the same records, ring rows and counters for either form
@@ -118,10 +121,11 @@ _OK, _ERR_SHAPE, _ERR_EXTEND, _ERR_ROW, _ERR_LUT, _NEED_SCRATCH = range(6)
 def _plan_rows(
     r2t, rows, prefix, extend, out_cache_loc, num_token_ids, num_positions,
     num_expected_ids, num_expected_positions, window, lut, has_lut, table, table_lens,
-    has_table, offset, capacity, requests, entries, write_slots,
+    has_table, offset, capacity, check_holes, requests, entries, write_slots, holes,
 ):  # fmt: skip
-    """Fill the scratch; ``(status, total_verify, total_extend, total_write, max_write)``.
-    Nothing is filled unless the status is OK; same walk as :func:`.plan_numba._fill`."""
+    """Fill the scratch; ``(status, total_verify, total_extend, total_write, max_write,
+    num_holes)``. Nothing is filled unless the status is OK; same walk as
+    :func:`.plan_numba._fill`."""
     bs, num_tokens = rows.shape[0], out_cache_loc.shape[0]
     if (
         prefix.shape[0] != bs or extend.shape[0] != bs
@@ -129,22 +133,23 @@ def _plan_rows(
         or num_token_ids != num_tokens or num_positions != num_tokens
         or num_expected_ids != num_tokens or num_expected_positions != num_tokens
     ):  # fmt: skip
-        return _ERR_SHAPE, 0, 0, 0, 0
+        return _ERR_SHAPE, 0, 0, 0, 0, 0
     total_verify, total_extend, total_write, max_write, starts = plan_counts(
         rows, prefix, extend, window
     )
-    totals = (total_verify, total_extend, total_write, max_write)
+    totals = (total_verify, total_extend, total_write, max_write, 0)
     if total_extend > num_tokens:
         return (_ERR_EXTEND,) + totals
     if not rows_in_range(r2t, rows, prefix, table, has_table):
         return (_ERR_ROW,) + totals
     fill_verify = total_verify <= capacity
     if requests.shape[1] < bs or write_slots.shape[0] < num_tokens or (
-        fill_verify and entries.shape[1] < total_verify
+        fill_verify and (entries.shape[1] < total_verify or holes.shape[1] < total_verify)
     ):
         return (_NEED_SCRATCH,) + totals
     bad = False
     i = 0
+    num_holes = 0
     token_start = 0
     for r in range(bs):
         ext = max(extend[r], 0)
@@ -173,9 +178,16 @@ def _plan_rows(
             requests[FIRST_PREV, r], oob = translate_slot(r2t[row, start - 1], lut, has_lut)
             bad |= oob
         first = i
+        needed_from = max(p - window + 1, 0) if window > 0 else 0
         for pos in range(start, p):
-            entries[0, i], oob = translate_slot(r2t[row, pos], lut, has_lut)
+            raw = r2t[row, pos]
+            entries[0, i], oob = translate_slot(raw, lut, has_lut)
             bad |= oob
+            if check_holes and entries[0, i] == 0 and pos >= needed_from:
+                holes[0, num_holes] = raw
+                holes[1, num_holes] = pos
+                holes[2, num_holes] = p
+                num_holes += 1
             i += 1
         if has_table:
             limit = min(table_lens[r], table.shape[1])
@@ -187,7 +199,7 @@ def _plan_rows(
     for t in range(num_tokens):
         write_slots[t], oob = translate_slot(out_cache_loc[t], lut, has_lut)
         bad |= oob
-    return ((_ERR_LUT if bad else _OK),) + totals
+    return (_ERR_LUT if bad else _OK), total_verify, total_extend, total_write, max_write, num_holes
 
 
 class RowPlanner:
@@ -195,9 +207,11 @@ class RowPlanner:
     reused every forward."""
 
     def __init__(self, *, verify_capacity: int, window: int | None, lut: torch.Tensor | None,
-                 kv_token_id_vs_position_offset: int = 0):  # fmt: skip
+                 kv_token_id_vs_position_offset: int = 0,
+                 check_residency: bool = True):  # fmt: skip
         check_plan_args(verify_capacity, window)
         self.verify_capacity = verify_capacity
+        self._check_residency = check_residency
         self._window = window or 0
         self._lut = lut
         self._lut_np = _EMPTY_LUT if lut is None else lut.numpy()  # a view: the LUT mutates
@@ -205,6 +219,7 @@ class RowPlanner:
         self._requests = np.zeros((7, 64), dtype=np.int64)
         self._entries = np.zeros((2, 1024), dtype=np.int64)
         self._write_slots = np.zeros(256, dtype=np.int64)
+        self._holes = np.zeros((3, 1024), dtype=np.int64)
 
     def plan(self, host: HostInputs) -> CanaryPlans:
         """:func:`.plan.build_plans` (numba backend) as a row plan: same entries, same
@@ -214,14 +229,15 @@ class RowPlanner:
         num_tokens = host.input_ids.shape[0]
         ids, positions = host.expected_input_ids, host.expected_positions
         while True:
-            status, total_verify, total_extend, total_write, max_write = _plan_rows(
+            status, total_verify, total_extend, total_write, max_write, num_holes = _plan_rows(
                 host.req_to_token, host.req_pool_indices, host.prefix_lens, host.extend_lens,
                 host.out_cache_loc, num_tokens, host.positions.shape[0],
                 num_tokens if ids is None else ids.shape[0],
                 num_tokens if positions is None else positions.shape[0], self._window,
                 self._lut_np, self._lut is not None, table if has_table else _EMPTY_TABLE,
                 lens if has_table else _EMPTY_LENS, has_table, self._offset,
-                self.verify_capacity, self._requests, self._entries, self._write_slots,
+                self.verify_capacity, self._check_residency, self._requests, self._entries,
+                self._write_slots, self._holes,
             )  # fmt: skip
             if status != _NEED_SCRATCH:
                 break
@@ -235,6 +251,7 @@ class RowPlanner:
                           total_verify <= self.verify_capacity, total_verify),
             HostWritePlan(self._requests, bs, host.input_ids, host.positions,
                           self._write_slots, max_write, total_write, ids, positions),
+            self._holes[:, :num_holes] if num_holes else None,
         )  # fmt: skip
 
     def _grow(self, bs: int, num_tokens: int, num_entries: int) -> None:
@@ -246,6 +263,7 @@ class RowPlanner:
         if self._entries.shape[1] < num_entries:  # num_entries <= the verify capacity
             n = min(max(num_entries, 2 * self._entries.shape[1]), self.verify_capacity)
             self._entries = np.zeros((2, n), dtype=np.int64)
+            self._holes = np.zeros((3, n), dtype=np.int64)
 
     @staticmethod
     def _raise(status: int, host: HostInputs, total_extend: int) -> None:

@@ -1,7 +1,8 @@
 """SingleForwardManager: the canary work of one model forward, over every buffer group.
 
     pre_ops_outside_graph      host only: reset the step's overflow notes
-    pre_ops_maybe_inside_graph  per group: plan -> verify HEAD -> write HEAD   (K, then V)
+    pre_ops_maybe_inside_graph  per group: plan -> holes -> verify HEAD -> write HEAD   (K, V)
+                                (holes: positions attention reads that have no slot)
     -- the model forward: attention reads the verified prefix, writes this forward's KV --
     post_ops_maybe_inside_graph per group: verify TAIL -> write TAIL           (K, then V)
                                 (TAIL fingerprints the live KV: real-data modes)
@@ -38,6 +39,7 @@ from kvcanary.canary.plan_inputs import (
 )
 from kvcanary.canary.ring import RunCounters, ViolationRing
 from kvcanary.canary.row_plan import HostInputs, RowPlanner
+from kvcanary.canary.store_check import StoreChecker, StoreWatch
 from kvcanary.canary.swa_divergence import VerifyTotals
 
 ExpectedInputs = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
@@ -63,6 +65,9 @@ class CanaryRuntime:
     expected_inputs: ExpectedInputs | None = None
     # Verify entries per FULL/SWA group, for the SWA divergence reporter (None: off).
     verify_totals: VerifyTotals | None = None
+    # The TAIL store check (:mod:`.store_check`); set by install_canary when it could patch
+    # the pool's stores (None: off).
+    store_checker: StoreChecker | None = None
 
 
 class SingleForwardManager:
@@ -71,11 +76,13 @@ class SingleForwardManager:
         self.rt = runtime
         self._overflows: list[tuple[str, int, int]] = []  # (group kind, requested, capacity)
         config, pool = runtime.config, runtime.req_to_token_pool
-        # (tag, records, real-KV sources) of each launch, per (group, stage), K then V.
+        # (tag, records, real-KV sources, store watch) of each launch, per (group, stage),
+        # K then V.
+        self._launches: dict[tuple[int, LaunchStage], list[tuple[int, Any, Any, StoreWatch | None]]]
         self._launches = {
             (id(g), stage): [
                 (int(launch_tag(g.kind, stage, half)), g.records(stage, half),
-                 g.real_kv_sources(stage, half))
+                 g.real_kv_sources(stage, half), None)
                 for half in g.halves(config.v_half)
             ]  # fmt: skip
             for g in runtime.groups
@@ -89,16 +96,29 @@ class SingleForwardManager:
         if config.backend in ("auto", "numba") and all(t.device.type == "cpu" for t in tensors):
             self._planners = [
                 RowPlanner(verify_capacity=capacity, window=g.window, lut=g.swa_index_lut,
-                           kv_token_id_vs_position_offset=g.kv_token_id_vs_position_offset)
+                           kv_token_id_vs_position_offset=g.kv_token_id_vs_position_offset,
+                           check_residency=g.compression_ratio == 1)
                 for g, capacity in zip(runtime.groups, runtime.verify_capacities, strict=True)
             ]  # fmt: skip
         self._req_to_token: tuple[torch.Tensor, np.ndarray] | None = None
+
+    def bind_store_checker(self) -> None:
+        """Point each TAIL launch at its store watch (after ``rt.store_checker`` is set)."""
+        checker = self.rt.store_checker
+        for (gid, stage), launches in self._launches.items():
+            if stage == LaunchStage.TAIL:
+                self._launches[gid, stage] = [
+                    (tag, rec, src, None if checker is None else checker.watch_for(tag))
+                    for tag, rec, src, _ in launches
+                ]
 
     def pre_ops_outside_graph(self, maybe_inaccurate_forward_batch: Any = None) -> None:
         self._overflows = []
 
     def pre_ops_maybe_inside_graph(self, fb: Any) -> list[CanaryPlans]:
         rt = self.rt
+        if rt.store_checker is not None:
+            rt.store_checker.begin_forward(int(fb.out_cache_loc.shape[0]))
         expected_inputs = None if rt.expected_inputs is None else rt.expected_inputs(fb)
         host: HostInputs | None = None  # row planners' view of the batch, made once
         inputs: PlanInputs | None = None  # the others', made once
@@ -121,6 +141,8 @@ class SingleForwardManager:
                 )
             if rt.verify_totals is not None:
                 rt.verify_totals.observe(group.kind, plans.verify.num_entries)
+            if plans.holes is not None:  # once per forward, under the group's HEAD K tag
+                rt.ring.append_holes(self._launches[id(group), LaunchStage.HEAD][0][0], plans.holes)
             self._launch(group, LaunchStage.HEAD, plans)
             all_plans.append(plans)
         return all_plans
@@ -137,6 +159,7 @@ class SingleForwardManager:
             lut=group.swa_index_lut,
             kv_token_id_vs_position_offset=group.kv_token_id_vs_position_offset,
             backend=self.rt.config.backend,  # type: ignore[arg-type]
+            check_residency=group.compression_ratio == 1,
         )  # fmt: skip
 
     def _host_inputs(
@@ -172,7 +195,7 @@ class SingleForwardManager:
     def _launch(self, group: CanaryBufferGroup, stage: LaunchStage, plans: CanaryPlans) -> None:
         rt = self.rt
         backend = rt.config.backend
-        for tag, records, sources in self._launches[id(group), stage]:
+        for tag, records, sources, watch in self._launches[id(group), stage]:
             kernels.verify(
                 records, plans.verify, rt.ring, tag, real_kv_sources=sources,
                 check_token=rt.config.verify_tokens, counters=rt.verify_counters,
@@ -183,3 +206,5 @@ class SingleForwardManager:
                 chain_position_assert=rt.chain_position_assert, counters=rt.write_counters,
                 backend=backend,  # type: ignore[arg-type]
             )  # fmt: skip
+            if watch is not None and rt.store_checker is not None:
+                rt.store_checker.check(watch, plans.write, rt.ring)

@@ -94,7 +94,18 @@ def format_violation_message(
         f"canary_kind:       {_canary_kind(r.launch_tag)}",
         f"  fail_reasons: {' '.join(fail_reason_labels(r.fail_reason)) or 'none'}",
     ]
-    if r.is_write:
+    if r.fail_reason & FailReason.VERIFY_NOT_RESIDENT:
+        lines.append(
+            f"  missing:  full_slot={r.slot_idx} position={r.position} has no slot, but "
+            f"attention reads it at sequence length {r.expected_aux}"
+        )
+    elif r.fail_reason & FailReason.WRITE_KV_STORE_MISMATCH:
+        lines += [
+            f"  actual:   token_id={r.stored_token}   position={r.position} "
+            f"pool_kv_hash={_hex(r.stored_chain_hash)}",
+            f"  expected: stored_kv_hash={_hex(r.expected_aux)}",
+        ]
+    elif r.is_write:
         lines += [
             f"  actual:   token_id={r.stored_token}   position={r.position} "
             f"prev_hash={_hex(r.stored_chain_hash)}",

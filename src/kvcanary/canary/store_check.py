@@ -1,0 +1,237 @@
+"""The store check: does the pool hold the K/V bytes attention handed to it this forward?
+
+TAIL fingerprints each written slot's live bytes (record field 3). A store that never
+happened (or went to another slot) leaves stale bytes there, which TAIL would fingerprint
+and bless. So the canary also watches the stores themselves::
+
+    attention: pool.set_kv_buffer(layer, loc, k, v)       (patched on the sub-pool instance)
+        └─ for each fingerprinted (layer, half) buffer, token i of the forward (flat order):
+           intended[source, i] = fold of the first read_bytes of k[i] / v[i] (the fold of
+           record field 3), target[source, i] = loc[i]; a store whose row count is not the
+           forward's token count cannot be aligned: every target becomes -2
+    TAIL, after the write, for every token i written this forward to slot s:
+        stored = every source was stored this forward, to target s
+        want   = combine(intended[j, i] for every source j)
+        not stored, or the pool's fingerprint (the record TAIL just wrote) != want
+            → ring row (TAIL tag, s, position, token, token, pool fingerprint, want or 0,
+                        write_kv_store); the record keeps ``want`` (0 when not stored), so
+              every later verify of the slot fails too (real_kv_hash)
+
+Keyed by token, not slot: a misdirected store (two tokens' slots swapped) stores
+self-consistent bytes at each slot, but not the token's own. Scratch: int64
+``[num_sources, num_tokens]`` twice per launched (group, half) with sources. Without
+real-KV sources (``--kv-canary-real-data none``) nothing is watched.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numba
+import numpy as np
+import torch
+
+from kvcanary.canary.constants import (
+    FailReason,
+    KvHalf,
+    LaunchStage,
+    launch_tag,
+)
+from kvcanary.canary.hashing import fold_real_kv_words_t, splitmix64_nb, splitmix64_t
+from kvcanary.canary.kernels_numba import _record
+from kvcanary.canary.plan import WritePlan
+from kvcanary.canary.real_kv import RealKvSource
+from kvcanary.canary.ring import ViolationRing
+from kvcanary.canary.row_plan import HostWritePlan
+
+_KV_STORE = int(FailReason.WRITE_KV_STORE_MISMATCH)
+_UNALIGNED = -2  # target of a store that did not cover the forward's tokens one to one
+
+
+class StoreWatch:
+    """The stores seen this forward for one (group, half): per source, the fold of the
+    bytes handed over for each token, the slot they went to, the epoch of the last store."""
+
+    def __init__(self, tag: int, records: torch.Tensor, sources: tuple[RealKvSource, ...]):
+        self.tag = tag
+        self.records = records
+        self.sources = sources
+        self.stamp = np.full(len(sources), -1, dtype=np.int64)  # host side: epochs
+        self._alloc(256)
+
+    def _alloc(self, num_tokens: int) -> None:
+        shape, device = (len(self.sources), num_tokens), self.records.device
+        self.intended = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.target = torch.full(shape, _UNALIGNED, dtype=torch.int64, device=device)
+        self._np = (
+            (self.intended.numpy(), self.target.numpy()) if device.type == "cpu" else None
+        )
+
+    def reserve(self, num_tokens: int) -> None:
+        if self.intended.shape[1] < num_tokens:
+            self._alloc(max(num_tokens, 2 * self.intended.shape[1]))
+
+
+@numba.njit(cache=True)
+def _observe_nb(words, num_words, loc, intended, target):
+    for t in range(loc.shape[0]):
+        h = np.uint64(0)
+        for w in range(num_words):
+            h = splitmix64_nb(h ^ np.uint64(words[t, w]))
+        intended[t] = np.int64(h)
+        target[t] = loc[t]
+
+
+@numba.njit(cache=True)
+def _check_nb(requests, num_reqs, slots, token_ids, positions, intended, target, stored, rec,
+              ring, ring_index, tag):  # fmt: skip
+    num_sources = intended.shape[0]
+    num_bad = 0
+    for r in range(num_reqs):
+        start = requests[-2, r]
+        for i in range(start, start + requests[-1, r]):
+            s = slots[i]
+            if s <= 0:
+                continue
+            acc = np.uint64(0)
+            ok = stored
+            for j in range(num_sources):
+                ok &= target[j, i] == s
+                acc = splitmix64_nb(acc ^ np.uint64(intended[j, i]))
+            want = np.int64(acc) if ok else np.int64(0)
+            if not ok or rec[s, 3] != want:
+                _record(ring, ring_index, tag, s, positions[i], token_ids[i], token_ids[i],
+                        rec[s, 3], want, _KV_STORE)  # fmt: skip
+                rec[s, 3] = want
+                num_bad += 1
+    return num_bad
+
+
+class StoreChecker:
+    """Watches the stores of every fingerprinted layer buffer of one canary."""
+
+    def __init__(self, watches: list[StoreWatch]):
+        self.watches = watches
+        self.epoch = 0
+        self.num_tokens = 0  # of the current forward
+        # id(sub-pool) -> layer -> [(watch, source index, half)]
+        self._targets: dict[int, dict[int, list[tuple[StoreWatch, int, KvHalf]]]] = {}
+
+    @staticmethod
+    def for_groups(groups: Sequence[Any], v_half: bool) -> StoreChecker:
+        watches = [
+            StoreWatch(int(launch_tag(g.kind, LaunchStage.TAIL, half)),
+                       g.records(LaunchStage.TAIL, half), g.real_kv_sources(LaunchStage.TAIL, half))
+            for g in groups if g.compression_ratio == 1
+            for half in g.halves(v_half) if g.real_kv_sources(LaunchStage.TAIL, half)
+        ]  # fmt: skip
+        return StoreChecker(watches)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.watches)
+
+    def attach(self, pool: Any) -> None:
+        """Patch ``set_kv_buffer`` on every sub-pool (``pool`` itself, ``full_kv_pool``,
+        ``swa_kv_pool``) that owns a fingerprinted buffer (matched by data pointer)."""
+        by_ptr = {s.tensor.data_ptr(): (w, j) for w in self.watches for j, s in enumerate(w.sources)}
+        subs = [pool] + [getattr(pool, n) for n in ("full_kv_pool", "swa_kv_pool") if hasattr(pool, n)]
+        for sub in subs:
+            targets: dict[int, list[tuple[StoreWatch, int, KvHalf]]] = defaultdict(list)
+            for half, bufs in ((KvHalf.K, getattr(sub, "k_buffer", None)),
+                               (KvHalf.V, getattr(sub, "v_buffer", None))):  # fmt: skip
+                for layer, buf in enumerate(bufs or []):
+                    if buf.data_ptr() in by_ptr:
+                        w, j = by_ptr[buf.data_ptr()]
+                        targets[layer].append((w, j, half))
+            if targets and id(sub) not in self._targets:
+                self._targets[id(sub)] = dict(targets)
+                self._patch(sub, self._targets[id(sub)])
+        # A buffer no patched set_kv_buffer writes (a pool that stores another way) is not
+        # store-checked; TAIL still fingerprints it.
+        watched = {id(w) for t in self._targets.values() for ts in t.values() for w, _, _ in ts}
+        self.watches = [w for w in self.watches if id(w) in watched]
+
+    def _patch(self, sub: Any, targets: dict[int, list[tuple[StoreWatch, int, KvHalf]]]) -> None:
+        original = sub.set_kv_buffer
+
+        @functools.wraps(original)
+        def set_kv_buffer(layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: Any,
+                          *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+            for watch, j, half in targets.get(layer_id, ()):
+                self._observe(watch, j, loc, k if half == KvHalf.K else v,
+                              sub.k_buffer[layer_id].dtype)  # fmt: skip
+            return original(layer_id, loc, k, v, *args, **kwargs)
+
+        sub.set_kv_buffer = set_kv_buffer
+
+    def begin_forward(self, num_tokens: int) -> None:
+        self.epoch += 1
+        self.num_tokens = num_tokens
+        for w in self.watches:
+            w.reserve(num_tokens)
+
+    def _observe(self, watch: StoreWatch, j: int, loc: torch.Tensor, kv: torch.Tensor,
+                 dtype: torch.dtype) -> None:  # fmt: skip
+        watch.stamp[j] = self.epoch
+        n = int(loc.shape[0])
+        if n != self.num_tokens:
+            watch.target[j].fill_(_UNALIGNED)
+            return
+        if n == 0:
+            return
+        rows = kv.to(dtype).reshape(n, -1)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        words = rows.view(torch.int64)
+        num_words = watch.sources[j].read_bytes // 8
+        loc = loc.to(torch.int64)
+        if watch._np is not None:
+            intended, target = watch._np
+            _observe_nb(words.numpy(), num_words, loc.numpy(), intended[j], target[j])
+            return
+        watch.intended[j, :n] = fold_real_kv_words_t(words[:, :num_words])
+        watch.target[j, :n] = loc
+
+    def watch_for(self, tag: int) -> StoreWatch | None:
+        return next((w for w in self.watches if w.tag == tag), None)
+
+    def check(self, watch: StoreWatch, plan: WritePlan | HostWritePlan, ring: ViolationRing) -> None:
+        """After the TAIL write of ``watch``'s (group, half): the module doc's check."""
+        if not plan.max_num_tokens:
+            return
+        stored = bool((watch.stamp == self.epoch).all())
+        if isinstance(plan, HostWritePlan) and watch._np is not None:
+            _check_nb(plan.requests, plan.bs, plan.slots, plan.token_ids, plan.positions,
+                      watch._np[0], watch._np[1], stored,
+                      watch.records.view(torch.int64).numpy(), ring.rows.numpy(),
+                      ring.write_index.numpy(), watch.tag)  # fmt: skip
+            return
+        if isinstance(plan, WritePlan):
+            self._check_t(watch, plan, ring, stored)
+
+    def _check_t(self, watch: StoreWatch, plan: WritePlan, ring: ViolationRing, stored: bool) -> None:
+        counts, device = plan.num_tokens, plan.num_tokens.device
+        bs, total = counts.shape[0], plan.total_num_tokens
+        req = torch.repeat_interleave(torch.arange(bs, device=device), counts, output_size=total)
+        first = torch.cumsum(counts, 0) - counts
+        tok = plan.token_starts[req] + torch.arange(total, device=device) - first[req]
+        slots = plan.slots[tok]
+        s = slots.clamp(min=0)
+        acc = torch.zeros(total, dtype=torch.int64, device=device)
+        ok = torch.full((total,), stored, dtype=torch.bool, device=device)
+        for j in range(watch.intended.shape[0]):
+            ok &= watch.target[j, tok] == slots
+            acc = splitmix64_t(acc ^ watch.intended[j, tok])
+        want = torch.where(ok, acc, 0)
+        rec = watch.records.view(torch.int64)
+        pool_fp = rec[s, 3]
+        bad = (slots > 0) & (~ok | (pool_fp != want))
+        ids = plan.token_ids[tok]
+        rows = torch.stack((torch.full_like(s, watch.tag), s, plan.positions[tok], ids, ids,
+                            pool_fp, want, torch.full_like(s, _KV_STORE)), 1)  # fmt: skip
+        ring.append_t(rows, bad)
+        rec[:, 3].index_put_((s,), torch.where(bad, want, pool_fp))

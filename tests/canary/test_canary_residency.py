@@ -1,0 +1,113 @@
+"""Premature sliding-window eviction (item 2 of the detection-gap campaign): a position
+attention reads must hold a slot. Faults are written straight into engine state (the SWA
+allocator, the scheduler's eviction policy, the req->token table), not through perturb."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_utils import make_prompts, tiny_engine
+
+from kvcanary import Engine, SamplingParams
+from kvcanary.canary.explain import explain
+
+PROMPTS = make_prompts(3, 44, 60, seed=5)
+WINDOW = 32  # builtin:tiny-swa
+
+
+def _decode_all(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 24) -> None:
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    while not (engine.running_requests() and all(
+        r.kv_len == len(r.prompt_ids) + len(r.output_ids) - 1 for r in engine.running_requests()
+    )):  # fmt: skip
+        assert engine.step() == []
+
+
+def _finish(engine: Engine) -> dict[int, list[int]]:
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.rid: o.output_ids for o in engine.step()})
+    return outs
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_raw_free_swa_of_an_in_window_page_is_not_resident(page_size: int) -> None:
+    engine = tiny_engine(kv_canary="log", page_size=page_size, graph_batch_sizes=())
+    _decode_all(engine, PROMPTS)
+    a = engine.running_requests()[0]
+    row = engine.runner.req_to_token_pool.req_to_token[a.req_pool_idx]
+    positions = list(range(a.kv_len - 12, a.kv_len - 12 + max(page_size, 2)))  # in the window
+    full = row[positions].to(torch.int64)
+    prefix_len = a.kv_len  # the next decode verifies [prefix_len - W, prefix_len)
+    engine.runner.allocator.free_swa(full)  # the SWA KV of in-window tokens is gone
+    engine.step()
+    rows = [r for r in engine.canary.violations if "verify_not_resident" in r.fail_reasons]
+    assert rows, engine.canary.violations
+    assert {r.launch_tag for r in rows} == {"HEAD_K_SWA"}  # reported once per forward
+    assert {r.slot_idx for r in rows} == set(full.tolist())  # names the full slots
+    assert {r.position for r in rows} == set(positions)
+    assert all(r.expected_aux == prefix_len for r in rows)
+
+
+NO_CACHE = dict(graph_batch_sizes=(), enable_prefix_cache=False)  # requests own their prompts
+
+
+def test_eviction_frontier_off_by_pages_is_detected_and_explained() -> None:
+    engine = tiny_engine(kv_canary="log", **NO_CACHE)
+    clean = _finish_clean()
+    _decode_all(engine, PROMPTS)
+    engine.scheduler.window = WINDOW - 12  # the policy evicts 3 pages too early
+    outs = _finish(engine)
+    rows = [r for r in engine.canary.violations if "verify_not_resident" in r.fail_reasons]
+    assert rows and all(r.launch_tag == "HEAD_K_SWA" for r in rows)
+    # Every reported position was inside its window: [len - W + 1, len).
+    assert all(r.expected_aux - WINDOW + 1 <= r.position < r.expected_aux for r in rows)
+    assert outs != clean  # the fault really changed what attention read
+    lines = "\n".join(
+        f"kv_canary violation: launch_tag={r.launch_tag} fail_reason={'+'.join(r.fail_reasons)} "
+        f"slot_idx={r.slot_idx} position={r.position} stored_token={r.stored_token} "
+        f"expected_token={r.expected_token} stored_chain_hash=0x0 expected_aux={r.expected_aux}"
+        for r in rows
+    )
+    causes = {c["cause"] for c in explain(lines)["causes"]}
+    assert causes == {"premature_window_eviction"}
+
+
+def _finish_clean() -> dict[int, list[int]]:
+    engine = tiny_engine(kv_canary="log", **NO_CACHE)
+    _decode_all(engine, PROMPTS)
+    outs = _finish(engine)
+    assert engine.canary.violations == []
+    return outs
+
+
+@pytest.mark.parametrize(("policy_window", "violates"), [(WINDOW - 2, False), (WINDOW - 3, True)])
+def test_the_position_just_outside_what_attention_reads_may_be_evicted(
+    policy_window: int, violates: bool
+) -> None:
+    """Position len - W is verified when resident but attention never reads it. Page 1:
+    frontier = kv_len - policy_window - 1, so W - 2 frees exactly up to len - W (legal:
+    silent, same tokens) and W - 3 one position more (read by attention: reported)."""
+    engine = tiny_engine(kv_canary="log", page_size=1, **NO_CACHE)
+    _decode_all(engine, PROMPTS)
+    engine.scheduler.window = policy_window
+    outs = _finish(engine)
+    rows = engine.canary.violations
+    assert bool(rows) == violates
+    assert all(r.fail_reasons == ("verify_not_resident",) for r in rows)
+    assert all(r.position == r.expected_aux - WINDOW + 1 for r in rows)  # the one extra position
+    if not violates:
+        assert outs == _finish_clean()
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny-mha", "builtin:tiny-swa"])
+def test_a_zeroed_req_to_token_entry_is_a_missing_slot(model: str) -> None:
+    engine = tiny_engine(model=model, kv_canary="log", graph_batch_sizes=())
+    _decode_all(engine, PROMPTS)
+    a = engine.running_requests()[1]
+    engine.runner.req_to_token_pool.req_to_token[a.req_pool_idx, 7] = 0
+    engine.step()
+    rows = [r for r in engine.canary.violations if "verify_not_resident" in r.fail_reasons]
+    assert [(r.launch_tag, r.slot_idx, r.position) for r in rows] == [("HEAD_K_FULL", 0, 7)]

@@ -1,0 +1,136 @@
+"""Lost and misdirected KV stores (item 3 of the detection-gap campaign): TAIL used to
+fingerprint the pool after the forward, so a store that never happened left stale bytes it
+then blessed. Faults are written into the real engine (a forward hook on an attention
+module, the attention backend's store call), not through perturb."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from engine_utils import make_prompts, tiny_engine
+
+from kvcanary import Engine, SamplingParams
+
+PROMPTS = make_prompts(3, 44, 60, seed=5)
+MODELS = ["builtin:tiny-mha", "builtin:tiny-swa"]
+
+
+def _decoding(engine: Engine) -> None:
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    for p in PROMPTS:
+        engine.add_request(p, params)
+    while not (engine.running_requests() and all(
+        r.kv_len == len(r.prompt_ids) + len(r.output_ids) - 1 for r in engine.running_requests()
+    )):  # fmt: skip
+        assert engine.step() == []
+
+
+CASES = [("builtin:tiny-mha", "FULL"), ("builtin:tiny-swa", "FULL"), ("builtin:tiny-swa", "SWA")]
+
+
+def _first_layer(engine: Engine, group: str) -> tuple[int, torch.Tensor]:
+    """(global layer id, K buffer) of the group's first layer: the fingerprinted one."""
+    pool = engine.runner.token_to_kv_pool
+    if not engine.runner.is_swa:
+        return 0, pool.k_buffer[0]
+    sub = pool.full_kv_pool if group == "FULL" else pool.swa_kv_pool
+    layer = next(i for i in range(engine.runner.model.config.num_hidden_layers)
+                 if pool._sub(i) == (sub, 0))  # fmt: skip
+    return layer, sub.k_buffer[0]
+
+
+def _group_slot(engine: Engine, group: str, full_slot: int) -> int:
+    if group == "FULL":
+        return full_slot
+    return int(engine.runner.token_to_kv_pool.full_to_swa_index_mapping[full_slot])
+
+
+def _lose_the_store_of(engine: Engine, group: str, slot: int) -> Callable[[], None]:
+    """A forward hook on the group's first attention layer that puts back the slot's old
+    bytes right after attention stored them: the store of that token never happened."""
+    layer, buf = _first_layer(engine, group)
+    old = buf[slot].clone()
+
+    def hook(*_: Any) -> None:
+        buf[slot] = old
+
+    handle = engine.runner.model.layers[layer].self_attn.register_forward_hook(hook)
+    return handle.remove
+
+
+@pytest.mark.parametrize(("model", "group"), CASES)
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_a_lost_store_is_a_tail_kv_store_violation(
+    model: str, group: str, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVCANARY_KV_CANARY_KERNEL_BACKEND", backend)
+    engine = tiny_engine(model=model, kv_canary="log", kv_canary_real_data="partial",
+                         graph_batch_sizes=())  # fmt: skip
+    _decoding(engine)
+    a = engine.running_requests()[1]
+    if a.kv_len % 4 == 0:  # the next token must continue a's current page (page size 4)
+        engine.step()
+        a = engine.running_requests()[1]
+    row = engine.runner.req_to_token_pool.req_to_token[a.req_pool_idx]
+    full_slot = int(row[a.kv_len - 1]) + 1  # where the next decode writes position kv_len
+    slot = _group_slot(engine, group, int(row[a.kv_len - 1])) + 1
+    undo = _lose_the_store_of(engine, group, slot)
+    engine.step()
+    undo()
+    assert int(row[a.kv_len]) == full_slot
+    rows = engine.canary.violations
+    assert [(r.launch_tag, r.fail_reasons, r.slot_idx, r.position) for r in rows] == [
+        (f"TAIL_K_{group}", ("write_kv_store",), slot, a.kv_len)
+    ]
+    assert rows[0].stored_chain_hash != rows[0].expected_aux  # pool fingerprint vs stored one
+    # The record now holds what should be there: every later step reports the stale slot.
+    engine.step()
+    later = [r for r in engine.canary.violations[1:] if r.slot_idx == slot]
+    assert later and all(r.fail_reasons == ("verify_real_kv_hash",) for r in later)
+
+
+@pytest.mark.parametrize(("model", "group"), CASES)
+def test_a_misdirected_store_is_caught_although_records_are_right(model: str, group: str) -> None:
+    """Two tokens' store targets swapped inside attention: each slot holds self-consistent
+    bytes, only not its own token's."""
+    engine = tiny_engine(model=model, kv_canary="log", kv_canary_real_data="partial",
+                         graph_batch_sizes=())  # fmt: skip
+    _decoding(engine)
+    layer_id, _ = _first_layer(engine, group)
+    backend = engine.runner.attn_backend
+    original = backend._write
+    calls = []
+
+    def swapped(layer: Any, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        if layer.layer_id == layer_id and loc.shape[0] >= 2:
+            loc = loc.clone()
+            loc[[0, 1]] = loc[[1, 0]]
+            calls.append(loc.tolist())
+        return original(layer, loc, k, v)
+
+    backend._write = swapped
+    engine.step()
+    backend._write = original
+    assert calls
+    rows = engine.canary.violations
+    assert rows and {r.fail_reasons for r in rows} == {("write_kv_store",)}
+    assert {r.launch_tag for r in rows} == {f"TAIL_K_{group}"}
+    assert {r.slot_idx for r in rows} == set(calls[0][:2])
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_clean_runs_with_every_real_data_mode_are_silent(model: str) -> None:
+    for real_data, v_half, layers in (("partial", False, "first"), ("all", True, "all")):
+        engine = tiny_engine(model=model, kv_canary="raise", kv_canary_real_data=real_data,
+                             kv_canary_v_half=v_half, kv_canary_real_data_layers=layers,
+                             chunked_prefill_size=16, graph_batch_sizes=(1, 2, 4))  # fmt: skip
+        outs = engine.generate(make_prompts(4, 40, 70, shared=16, seed=1),
+                               SamplingParams(max_new_tokens=30, ignore_eos=True))
+        assert len(outs) == 4 and engine.canary.stats()["violations"] == 0
+        checker = engine.canary.runtime.store_checker
+        assert checker is not None and len(checker.watches) == (2 if v_half else 1) * (
+            2 if engine.runner.is_swa else 1
+        )
