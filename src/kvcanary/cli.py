@@ -25,7 +25,7 @@ _W = WorkloadSpec()
 
 def _engine_flags(p: argparse.ArgumentParser, with_canary: bool = True) -> None:
     p.add_argument("--model", default=_E("model"),
-                   help="builtin:tiny-swa | builtin:tiny-mha | path to a HF model directory (default: %(default)s)")
+                   help="builtin:tiny-swa | builtin:tiny-swa-all | builtin:tiny-mha | path to a HF model directory (default: %(default)s)")
     if with_canary:
         _canary_flags(p)
     p.add_argument("--page-size", type=int, default=_E("page_size"), help="KV page size in tokens (default: %(default)s)")
@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
         "engine", help="our engine vs transformers generate: same weights, prompts, batched greedy"
     )
     engine.add_argument("--model", default="builtin:tiny-swa",
-                        help="builtin:tiny-swa | builtin:tiny-mha (default: %(default)s)")
+                        help="builtin:tiny-swa | builtin:tiny-swa-all | builtin:tiny-mha (default: %(default)s)")
     engine.add_argument("--page-size", type=int, default=_E("page_size"), help="(default: %(default)s)")
     engine.add_argument("--num-requests", type=int, default=16, help="(default: %(default)s)")
     engine.add_argument("--input-len", type=int, default=128, help="(default: %(default)s)")

@@ -234,5 +234,8 @@ def test_builtin_presets_and_bad_name() -> None:
     assert mha.layer_types == (F,) * 4 and mha.sliding_window is None
     assert swa.layer_types == (S, S, F, S, S, F) and swa.sliding_window == 32
     assert swa.full_layer_ids == (2, 5) and swa.swa_layer_ids == (0, 1, 3, 4)
+    swa_all = load_model_config("builtin:tiny-swa-all")  # Mistral-style: every layer slides
+    assert swa_all.layer_types == (S,) * 4 and swa_all.sliding_window == 32
+    assert swa_all.full_layer_ids == () and swa_all.has_sliding and not swa_all.is_hybrid
     with pytest.raises(ModelLoadError, match="builtin:tiny-mha, builtin:tiny-swa"):
         load_model_config("builtin:tiny-gqa")

@@ -9,7 +9,7 @@ from dense_backend import DenseAttentionBackend, DenseRunner
 
 from kvcanary.model import AttentionLayerSpec, load_model
 
-PRESETS = ["builtin:tiny-mha", "builtin:tiny-swa"]
+PRESETS = ["builtin:tiny-mha", "builtin:tiny-swa", "builtin:tiny-swa-all"]
 
 
 def _prompt(seed: int, length: int) -> list[int]:

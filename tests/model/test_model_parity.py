@@ -183,7 +183,7 @@ def test_variants_match_transformers_at_far_positions(
     )
 
 
-@pytest.mark.parametrize("preset", ["builtin:tiny-mha", "builtin:tiny-swa"])
+@pytest.mark.parametrize("preset", ["builtin:tiny-mha", "builtin:tiny-swa", "builtin:tiny-swa-all"])
 def test_presets_are_exact_transformers_qwen3_models(preset: str) -> None:
     model, _, c = load_model(preset, seed=5)
     hf = to_hf_qwen3(model, c)

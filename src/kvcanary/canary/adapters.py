@@ -2,7 +2,9 @@
 
     pool                 groups (kind: sub-pool, halves, slot translation)
     MHAKVPool            FULL: the pool itself, K+V
-    SWAKVPool            FULL: full_kv_pool, K+V
+    SWAKVPool            FULL: full_kv_pool, K+V; records only (no real-KV sources) when
+                               the model has no full-attention layer (all sliding, e.g.
+                               Mistral): the full-history chain still lives there
                          SWA:  swa_kv_pool, K+V, LUT = full_to_swa_index_mapping, window W
     DSV4KVPool           SWA:  swa_kv_pool (latent, K only), LUT = the mapping, window W
                          C4 / INDEXER / C128: c4_kv_pool / c4_indexer_kv_pool / c128_kv_pool,
@@ -14,7 +16,13 @@ Attaching also (1) splices the groups' record buffers into the pool's buf-infos
 (``register_slot_buffer``), so host copies for retraction/offload carry the records with
 the KV. Other pool types raise ``NotImplementedError`` naming the supported ones; more can
 be added with :func:`register_pool_attacher`. A missing or empty sub-pool is a clear
-``ValueError``, never a half-attached pool.
+``ValueError``, never a half-attached pool -- except the full sub-pool of an all-sliding
+``SWAKVPool``: its slots are still the logical index space every request's req->token row
+points into, so its FULL group keeps one record per full slot (the chain over each
+request's whole history, verified every forward, so a remapped entry anywhere in the
+history is caught) while the SWA group fingerprints the sliding layers' bytes in the
+window. The records ride with the (layerless) full sub-pool like any sidecar: they are the
+whole KV channel of its buf-infos and its host copies.
 """
 
 from __future__ import annotations
@@ -113,6 +121,23 @@ def _mha_group(sub: MHAKVPool, kind: PoolKind, name: str, options: AttachOptions
     )  # fmt: skip
 
 
+def _records_only_group(sub: MHAKVPool, kind: PoolKind, name: str,
+                        options: AttachOptions) -> CanaryBufferGroup:  # fmt: skip
+    """A K+V group over the slot index space of a sub-pool that holds no layer: records
+    only (chain, token, position), no real-KV source since there are no KV bytes. The V
+    half is kept so every group of an SWA pool launches the same tags and splices the same
+    ``[k_head, k_tail, v_head, v_tail]`` layout."""
+    return allocate_group(
+        kind, sub_pool=name, num_slots=sub.num_slots, page_size=sub.page_size,
+        device=sub.device, with_v=True,
+        kv_token_id_vs_position_offset=options.kv_token_id_vs_position_offset,
+    )  # fmt: skip
+
+
+def _has_no_layers(sub: MHAKVPool) -> bool:
+    return not sub.k_buffer and not sub.v_buffer
+
+
 def _register(sub: MHAKVPool, group: CanaryBufferGroup) -> None:
     for buf in group.buffers():
         sub.register_slot_buffer(buf)
@@ -138,7 +163,10 @@ def _attach_mha(pool: MHAKVPool, options: AttachOptions) -> list[CanaryBufferGro
 def _attach_swa(pool: SWAKVPool, options: AttachOptions) -> list[CanaryBufferGroup]:
     full, swa = _sub_pool(pool, "full_kv_pool"), _sub_pool(pool, "swa_kv_pool")
     lut, window = _lut(pool), _window(pool, options)
-    full_group = _mha_group(full, PoolKind.FULL, "full_kv_pool", options)
+    if _has_no_layers(full):  # every layer slides: the full sub-pool is an index space only
+        full_group = _records_only_group(full, PoolKind.FULL, "full_kv_pool", options)
+    else:
+        full_group = _mha_group(full, PoolKind.FULL, "full_kv_pool", options)
     swa_group = _mha_group(swa, PoolKind.SWA, "swa_kv_pool", options,
                            swa_index_lut=lut, window=window)  # fmt: skip
     _register(full, full_group)

@@ -1,11 +1,14 @@
-"""Built-in tiny models with seeded random weights (``builtin:tiny-mha``, ``builtin:tiny-swa``).
+"""Built-in tiny models with seeded random weights (``builtin:tiny-mha``, ``builtin:tiny-swa``,
+``builtin:tiny-swa-all``).
 
-Both are Qwen3-shaped (GQA, per-head q/k RMSNorm, untied lm_head), byte-level vocab,
+All are Qwen3-shaped (GQA, per-head q/k RMSNorm, untied lm_head), byte-level vocab,
 float32::
 
     hidden 128 | 4 q heads, 2 kv heads, head_dim 32 | MLP 256 | vocab 259 | 4096 positions
-    tiny-mha  4 layers   F F F F
-    tiny-swa  6 layers   S S F S S F   (S: sliding, window 32)
+    tiny-mha      4 layers   F F F F
+    tiny-swa      6 layers   S S F S S F   (S: sliding, window 32)
+    tiny-swa-all  4 layers   S S S S       (every layer sliding, window 32: Mistral-style;
+                                            the full KV sub-pool has no layer)
 
 The weights are drawn from a CPU ``torch.Generator`` seeded with ``seed`` in parameter
 order, so a seed gives identical weights on every device. They are scaled for *peaky*
@@ -61,6 +64,8 @@ def _tiny(layer_types: tuple[str, ...], sliding_window: int | None) -> ModelConf
 PRESETS: dict[str, ModelConfig] = {
     "tiny-mha": _tiny((_F,) * 4, None),
     "tiny-swa": _tiny((_S, _S, _F) * 2, 32),
+    # 4 layers, not 6: --kv-canary-real-data-layers=all fingerprints at most 4 per half.
+    "tiny-swa-all": _tiny((_S,) * 4, 32),
 }
 
 
