@@ -1,8 +1,9 @@
 """``kvcanary selftest``: the fault-injection campaign behind the canary's detection matrix.
 
-For every pool kind (``builtin:tiny-mha``: FULL group; ``builtin:tiny-swa``: FULL + SWA) and
-every fault class that applies to it (byte flips once per target group; ``swa_mapping`` only
-with an SWA group), one fresh engine runs the same small workload with one injection::
+For every pool kind (``builtin:tiny-mha``: FULL group; ``builtin:tiny-swa``: FULL + SWA;
+``builtin:tiny-swa-all``: every layer sliding, a records-only FULL group + SWA) and every
+fault class that applies to it (byte-level classes once per group holding fingerprinted KV;
+``swa_mapping`` and ``premature_window_eviction`` only with an SWA group), one fresh engine runs the same small workload with one injection::
 
     wave 1   2 requests sharing a prefix, finished   -> the prefix cache holds unlocked nodes
     wave 2   4 distinct requests of 40-56 prompt + 64 new tokens (the window is 32), chunked
@@ -42,7 +43,7 @@ from kvcanary.canary.perturb.config import BYTE_FLIP_MODES
 from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.engine.engine import Engine
 
-SELFTEST_MODELS = ("builtin:tiny-mha", "builtin:tiny-swa")
+SELFTEST_MODELS = ("builtin:tiny-mha", "builtin:tiny-swa", "builtin:tiny-swa-all")
 WARMUP_STEPS = 6  # forward steps into wave 2 (prefill done, decoding) before the injection
 MAX_STEPS = 300  # per run; the workload needs ~70
 
@@ -78,14 +79,20 @@ def workload(seed: int = 0) -> list[tuple[list[list[int]], int]]:
     return [(wave1, 4), (wave2, 64)]
 
 
-def cases_for(model: str, group_kinds: set[PoolKind], modes: list[str]) -> list[FaultCase]:
+def cases_for(model: str, group_kinds: set[PoolKind], modes: list[str],
+              byte_groups: set[str] | None = None) -> list[FaultCase]:  # fmt: skip
+    """The fault classes of one model. ``byte_groups``: the groups (full | swa) that hold
+    fingerprinted KV bytes (None: every group present); the byte-level classes target only
+    those (an all-sliding model's FULL group is records-only: no bytes to corrupt)."""
     has_swa = PoolKind.SWA in group_kinds
+    present = {"full"} | ({"swa"} if has_swa else set())
+    targets = present if byte_groups is None else present & byte_groups
     out = []
     for mode in modes:
         if not applies_to(mode, has_swa):
             continue
         if mode in BYTE_FLIP_MODES:
-            out += [FaultCase(mode, model, g) for g in ("full", "swa") if g != "swa" or has_swa]
+            out += [FaultCase(mode, model, g) for g in ("full", "swa") if g in targets]
         else:
             out.append(FaultCase(mode, model))
     return out
@@ -183,9 +190,12 @@ def run_selftest(
         raise ValueError("--num-seeds=0 is invalid: allowed an integer >= 1")
     plans: list[tuple[FaultCase | None, str, int]] = []
     for model in models:
-        kinds = {g.kind for g in Engine(engine_config(model)).canary.groups}  # which classes apply
+        groups = Engine(engine_config(model)).canary.groups  # which classes apply
+        kinds = {g.kind for g in groups}
+        byte_groups = {g.kind.name.lower() for g in groups if g.real_kv_sources_k}
         plans += [(None, model, seed) for seed in seeds]
-        plans += [(case, model, seed) for case in cases_for(model, kinds, list(modes)) for seed in seeds]
+        plans += [(case, model, seed) for case in cases_for(model, kinds, list(modes), byte_groups)
+                  for seed in seeds]  # fmt: skip
     clean: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
     for case, model, seed in tqdm(plans, desc="selftest", unit="run", disable=not progress):

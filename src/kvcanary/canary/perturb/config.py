@@ -11,6 +11,10 @@ Each mode has its own probability per hook call (SGLang's five, then kvcanary's 
     swa_mapping           pre-forward    a live in-window full slot's mapping -> another SWA slot
     stale_reuse           pre-forward    a request's new token lands in another's live slot
     page_shift            pre-forward    one request's page table shifted by one page
+    premature_window_eviction pre-forward  the SWA mapping of an in-window page zeroed (as if
+                                         free_swa ran a few pages too early)
+    lost_kv_store         in the forward the K/V store of one token this forward writes is
+                                         undone right after attention made it
 
 A hook fires when its probability is > 0, the forward step is >= ``warmup_steps``, fewer than
 ``max_injections`` (0 = no limit) of that mode happened, and the seeded RNG draws below the
@@ -34,14 +38,17 @@ class PerturbMode(StrEnum):
     SWA_MAPPING = "swa_mapping"
     STALE_REUSE = "stale_reuse"
     PAGE_SHIFT = "page_shift"
+    PREMATURE_WINDOW_EVICTION = "premature_window_eviction"
+    LOST_KV_STORE = "lost_kv_store"
 
 
 PERTURB_MODES: tuple[str, ...] = tuple(m.value for m in PerturbMode)
 TARGET_GROUPS = ("full", "swa")
 # Modes that corrupt the real KV bytes of one buffer group (they need target_group on SWA pools).
-BYTE_FLIP_MODES = frozenset(
-    {PerturbMode.REAL_KV_USED, PerturbMode.REAL_KV_UNUSED_CACHE, PerturbMode.REAL_KV_POST_FORWARD}
-)
+BYTE_FLIP_MODES = frozenset({
+    PerturbMode.REAL_KV_USED, PerturbMode.REAL_KV_UNUSED_CACHE, PerturbMode.REAL_KV_POST_FORWARD,
+    PerturbMode.LOST_KV_STORE,
+})  # fmt: skip
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -59,6 +66,8 @@ class PerturbConfig:
     swa_mapping_prob: float = 0.0
     stale_reuse_prob: float = 0.0
     page_shift_prob: float = 0.0
+    premature_window_eviction_prob: float = 0.0
+    lost_kv_store_prob: float = 0.0
     target_group: str | None = None  # full | swa (byte-flip modes)
     warmup_steps: int = 50  # forward steps before any injection (SGLang's default)
     seed: int = 0

@@ -9,11 +9,13 @@
     swa_mapping           SWA        HEAD_K_SWA                   verify_position, verify_chain_hash
     stale_reuse           MHA, SWA   HEAD_K_FULL                  verify_position, verify_chain_hash
     page_shift            MHA, SWA   HEAD_K_FULL                  verify_position
+    premature_window_eviction SWA    HEAD_K_SWA                   verify_not_resident
+    lost_kv_store         MHA, SWA   TAIL_K_<group>               write_kv_store
 
 ``<group>`` is the target group (FULL or SWA). What each mode needs besides the canary:
 real-KV fingerprints (``--kv-canary-real-data partial|all``) for the byte flips, a radix
 sweep and a prefix cache for ``real_kv_unused_cache``, the token oracle for
-``next_token_swap``, an SWA pool for ``swa_mapping``.
+``next_token_swap``, an SWA pool for ``swa_mapping`` and ``premature_window_eviction``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ _TABLE: dict[PerturbMode, ExpectedDetection] = {
     PerturbMode.SWA_MAPPING: ExpectedDetection(("HEAD_K_SWA",), _POSITION_OR_CHAIN),
     PerturbMode.STALE_REUSE: ExpectedDetection(("HEAD_K_FULL",), _POSITION_OR_CHAIN),
     PerturbMode.PAGE_SHIFT: ExpectedDetection(("HEAD_K_FULL",), ("verify_position",)),
+    PerturbMode.PREMATURE_WINDOW_EVICTION: ExpectedDetection(("HEAD_K_SWA",), ("verify_not_resident",)),
+    PerturbMode.LOST_KV_STORE: ExpectedDetection(("TAIL_K_{G}",), ("write_kv_store",)),
 }
 
 
@@ -59,5 +63,6 @@ def expected_detection(mode: str, target_group: str | None = None) -> ExpectedDe
 
 
 def applies_to(mode: str, has_swa_group: bool) -> bool:
-    """Whether ``mode`` is meaningful on a pool (``swa_mapping`` needs an SWA group)."""
-    return PerturbMode(mode) != PerturbMode.SWA_MAPPING or has_swa_group
+    """Whether ``mode`` is meaningful on a pool (the SWA-mapping faults need an SWA group)."""
+    swa_only = (PerturbMode.SWA_MAPPING, PerturbMode.PREMATURE_WINDOW_EVICTION)
+    return PerturbMode(mode) not in swa_only or has_swa_group

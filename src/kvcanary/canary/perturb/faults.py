@@ -198,3 +198,73 @@ def next_token_swap(running: list[Any], token_ids: torch.Tensor | None, rng: ran
     )  # fmt: skip
     return Injection("next_token_swap", step, None, {
         "rid_a": a.rid, "rid_b": b.rid, "token_a": ta, "token_b": tb})  # fmt: skip
+
+
+def premature_window_eviction(fb: Any, r2t: torch.Tensor, group: CanaryBufferGroup,
+                              rng: random.Random, step: int) -> Injection | None:  # fmt: skip
+    """Zero the mapping of one whole in-window page of a running request (positions attention
+    reads: ``[prefix_len - window + 1, prefix_len)``), as a frontier a few pages too far would."""
+    lut = group.swa_index_lut
+    if lut is None or group.window is None:
+        return None
+    entries = [e for e in prefix_entries(fb, r2t, group.window - 1) if int(lut[e.slot]) > 0]
+    if not entries:
+        return None
+    victim = rng.choice(entries)
+    page = victim.slot // group.page_size
+    full = [page * group.page_size + i for i in range(group.page_size)]
+    original = [int(lut[f]) for f in full]
+    for f in full:
+        lut[f] = 0
+    logger.warning(
+        "kv_canary perturb premature_window_eviction: req_pool_idx=%d position=%d full_slots=%s "
+        "original_swa_slots=%s", victim.req_pool_idx, victim.position, full, original,
+    )  # fmt: skip
+
+    def undo() -> None:
+        for f, o in zip(full, original, strict=True):
+            lut[f] = o
+
+    return Injection("premature_window_eviction", step, "swa", {
+        "req_pool_idx": victim.req_pool_idx, "position": victim.position,
+        "full_slot": victim.slot}, undo)  # fmt: skip
+
+
+def lost_kv_store(fb: Any, group: CanaryBufferGroup, pool: Any, rng: random.Random,
+                  step: int, group_name: str) -> Injection | None:  # fmt: skip
+    """Undo, right after attention made it, the store of one token this forward writes into
+    the group's first fingerprinted layer (the store below any hook: the bytes never land)."""
+    sources = group.real_kv_sources_k
+    writes = [w for w in write_entries(fb) if group_slot(group, w.slot) > 0]
+    if not sources or not writes:
+        return None
+    target = rng.choice(writes)
+    slot = group_slot(group, target.slot)
+    ptr = sources[0].tensor.data_ptr()
+    subs = [pool] + [getattr(pool, n) for n in ("full_kv_pool", "swa_kv_pool") if hasattr(pool, n)]
+    owner = next(((sub, layer) for sub in subs for layer, buf in enumerate(getattr(sub, "k_buffer", []))
+                  if buf.data_ptr() == ptr), None)  # fmt: skip
+    if owner is None:
+        return None
+    sub, layer = owner
+    buf = sub.k_buffer[layer]
+    old = buf[slot].clone()
+    store = sub.set_kv_buffer
+
+    def lossy_store(layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: Any, *a: Any, **kw: Any) -> Any:
+        out = store(layer_id, loc, k, v, *a, **kw)
+        if layer_id == layer:
+            buf[slot] = old
+        return out
+
+    sub.set_kv_buffer = lossy_store
+    logger.warning(
+        "kv_canary perturb lost_kv_store: group=%s req_pool_idx=%d position=%d slot=%d",
+        group_name, target.req_pool_idx, target.position, slot,
+    )  # fmt: skip
+
+    def undo() -> None:
+        sub.set_kv_buffer = store
+
+    return Injection("lost_kv_store", step, group_name, {
+        "req_pool_idx": target.req_pool_idx, "position": target.position, "slot": slot}, undo)  # fmt: skip

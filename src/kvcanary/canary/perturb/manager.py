@@ -38,10 +38,13 @@ class Perturber:
         *,
         running_requests: Callable[[], list[Any]] | None = None,
         token_ids: Any = None,
+        pool: Any = None,
     ):
         """``canary``: the CanaryManager; ``running_requests`` / ``token_ids``: the engine's
-        running requests and req->token token mirror (``next_token_swap`` only)."""
+        running requests and req->token token mirror (``next_token_swap`` only); ``pool``:
+        the engine's KV pool, whose stores ``lost_kv_store`` breaks."""
         self.config = config
+        self.pool = pool
         self.canary = canary
         self.running_requests = running_requests
         self.token_ids = token_ids
@@ -151,6 +154,11 @@ class Perturber:
         if self._fire(PerturbMode.PAGE_SHIFT):
             full = self.groups.get(PoolKind.FULL) or next(iter(self.groups.values()))
             self._record(faults.page_shift(fb, r2t, full.page_size, full.num_slots, rng, step))
+        if self._fire(PerturbMode.PREMATURE_WINDOW_EVICTION):
+            self._record(faults.premature_window_eviction(fb, r2t, self.groups[PoolKind.SWA], rng, step))
+        if self.pool is not None and self.target is not None and self._fire(PerturbMode.LOST_KV_STORE):
+            self._record(faults.lost_kv_store(fb, self.groups[self.target], self.pool, rng, step,
+                                              self.target.name.lower()))  # fmt: skip
 
     def post_forward(self, fb: Any) -> None:
         undo, self._pending_undo = self._pending_undo, []
@@ -208,6 +216,7 @@ def install_perturbation(engine: Any, config: PerturbConfig) -> Perturber:
         config, canary,
         running_requests=lambda: engine.scheduler.running,
         token_ids=engine.runner.req_to_token_pool.token_ids,
+        pool=engine.runner.token_to_kv_pool,
     )  # fmt: skip
     canary.perturber = perturber
     return perturber
