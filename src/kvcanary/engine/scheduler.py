@@ -119,23 +119,19 @@ class Scheduler:
             else torch.zeros(0, dtype=torch.int64)
         )
         full_slots, swa_slots = full_slots[full_slots > 0], swa_slots[swa_slots > 0]
-        hit = []
-        for req in self.running:
-            slots = self.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
-            implicated = bool(torch.isin(slots, full_slots).any())
-            if swa_slots.numel():
-                mapping = self._swa().full_to_swa_index_mapping
-                implicated = implicated or bool(torch.isin(mapping[slots], swa_slots).any())
-            if implicated:
-                hit.append(req)
+        hit = [req for req in self.running if self._references(req, full_slots, swa_slots)]
         self.allocator.quarantine(full_slots)
         if swa_slots.numel():
             self._swa().quarantine_swa(swa_slots)
         for req in hit:
-            self.release(req, insert=False)
+            # A corrupt entry can make aborted requests share pages with each other, a
+            # survivor or the prefix cache: drop their rows, then free what nothing holds.
             self.running.remove(req)
+            self._drop_row(req)
             req.finish_reason = "abort"
             self._aborted.append(req)
+        if hit:
+            self._free_unreferenced_pages()
         if self.cache is not None:
             # No later request may be served the corrupt KV from the prefix cache.
             corrupt = full_slots
@@ -144,6 +140,15 @@ class Scheduler:
                 corrupt = torch.cat([corrupt, torch.nonzero(torch.isin(mapping, swa_slots)).reshape(-1)])
             self.cache.invalidate(corrupt)
         return [r.rid for r in hit]
+
+    def _references(self, req: Req, full_slots: torch.Tensor, swa_slots: torch.Tensor) -> bool:
+        """Whether ``req``'s KV includes one of ``full_slots`` or maps to one of ``swa_slots``."""
+        slots = self.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
+        if bool(torch.isin(slots, full_slots).any()):
+            return True
+        if not swa_slots.numel():
+            return False
+        return bool(torch.isin(self._swa().full_to_swa_index_mapping[slots], swa_slots).any())
 
     def step(self) -> list[Req]:
         """Run one forward; return the requests that finished in it (and any aborted
@@ -459,12 +464,44 @@ class Scheduler:
             self.allocator.free(slots[floor_page(req.kv_len, self.page_size) :])
         else:
             self.allocator.free(self._own_slots(req))
+        self._drop_row(req)
+
+    def _drop_row(self, req: Req) -> None:
+        """Unlock ``req``'s protected prefix and give its row back; its slots are the
+        caller's business."""
         self.unlock_prefix(req.last_node, req.cache_lock)
         req.cache_lock = None
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = 0
         req.last_node = None
         req.kv_len = req.cache_protected_len = req.swa_evicted_seqlen = 0
+
+    def _free_unreferenced_pages(self) -> None:
+        """Free, each exactly once, the allocated pages nothing references any more: the
+        own pages of requests whose rows were just dropped (pages they shared included) and
+        the slot a corrupt req->token entry orphaned. Never a page a live row or the prefix
+        cache holds. SWA pools: then every allocated SWA page no full slot maps to."""
+        p, alloc = self.page_size, self.allocator
+        full = alloc.full_attn_allocator if isinstance(alloc, SWAAllocator) else alloc
+        pages = torch.nonzero(full.page_allocated).reshape(-1)
+        alloc.free(pages[~torch.isin(pages, self._referenced_slots() // p)] * p)
+        if isinstance(alloc, SWAAllocator):
+            mapping = alloc.full_to_swa_index_mapping[:-1]
+            pages = torch.nonzero(alloc.swa_attn_allocator.page_allocated).reshape(-1)
+            alloc.swa_attn_allocator.free(pages[~torch.isin(pages, mapping[mapping > 0] // p)] * p)
+
+    def _referenced_slots(self) -> torch.Tensor:
+        """Every full slot still referenced: running requests' KV, the sequences of rows
+        held outside ``running`` (a disaggregated decode worker's transfers), the tree."""
+        pool, running = self.req_to_token_pool, {r.req_pool_idx for r in self.running}
+        spans = [self.req_to_token[r.req_pool_idx, : r.kv_len] for r in self.running]
+        for row in torch.nonzero(pool.token_lens > 0).reshape(-1).tolist():
+            if row not in running:
+                spans.append(self.req_to_token[row, : int(pool.token_lens[row])])
+        if self.cache is not None:
+            spans.append(self.cache.all_values())
+        spans.append(torch.zeros(0, dtype=torch.int64, device=self.req_to_token.device))
+        return torch.cat([s.to(torch.int64) for s in spans])
 
     def _retract(self, req: Req, requeue_front: bool) -> None:
         if self.config.enable_host_offload and req.kv_len > 0:
