@@ -3,6 +3,7 @@ system and compact engine it guards."""
 
 from __future__ import annotations
 
+from kvcanary import _numba_cache_hook  # noqa: F401  (numba cache keyed by source; before any @njit)
 from kvcanary.config import EngineConfig, SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
