@@ -343,9 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     _workload_flags(overhead)
     overhead.add_argument("--repeats", type=int, default=5,
                           help="interleaved repeats; figures are medians (default: %(default)s)")
-    overhead.add_argument("--variants", default="none,log,log+partial,log+all",
-                          help="comma-separated subset of none, log, log+partial, log+all "
-                               "(default: %(default)s)")  # fmt: skip
+    from kvcanary.bench.overhead import DEFAULT_VARIANTS, VARIANTS
+
+    overhead.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                          help=f"comma-separated subset of {', '.join(VARIANTS)} (must include "
+                               "none; default: %(default)s)")  # fmt: skip
     overhead.add_argument("--threads", type=int, default=None,
                           help="torch CPU threads (default: torch's choice); 1 is steadier on "
                                "a machine shared with other work")  # fmt: skip

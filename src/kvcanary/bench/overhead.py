@@ -26,12 +26,18 @@ from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.engine.engine import Engine
 from kvcanary.workload import WorkloadSpec, make_prompts
 
-VARIANTS: dict[str, dict[str, str]] = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "none": dict(kv_canary="none"),
     "log": dict(kv_canary="log"),
     "log+partial": dict(kv_canary="log", kv_canary_real_data="partial"),
     "log+all": dict(kv_canary="log", kv_canary_real_data="all"),
+    # Wider coverage, measured to choose defaults (not in the default --variants list).
+    "log+tokens": dict(kv_canary="log", kv_canary_verify_tokens=True),
+    "log+partial+v": dict(kv_canary="log", kv_canary_real_data="partial", kv_canary_v_half=True),
+    "log+partial+layers": dict(kv_canary="log", kv_canary_real_data="partial",
+                               kv_canary_real_data_layers="all"),
 }
+DEFAULT_VARIANTS = ("none", "log", "log+partial", "log+all")
 BASELINE = "none"
 PHASES = ("prefill", "decode")
 
@@ -78,7 +84,7 @@ def bench_overhead(
     spec: WorkloadSpec,
     *,
     repeats: int = 5,
-    variants: Sequence[str] = tuple(VARIANTS),
+    variants: Sequence[str] = DEFAULT_VARIANTS,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the repeats; the summary (stable JSON keys, see README)."""
@@ -90,7 +96,7 @@ def bench_overhead(
         )
     if repeats < 1:
         raise ValueError(f"--repeats={repeats!r} is invalid: allowed an integer >= 1")
-    configs = {v: replace(base, **VARIANTS[v]) for v in variants}  # type: ignore[arg-type]
+    configs = {v: replace(base, **VARIANTS[v]) for v in variants}
     vocab_size = Engine(configs[BASELINE]).runner.vocab_size
     prompts = make_prompts(spec, vocab_size)
     _lockstep(configs, prompts[:2], min(spec.output_len, 4))  # warm-up: compile, fill caches
