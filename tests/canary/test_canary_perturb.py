@@ -39,16 +39,18 @@ def test_reduced_campaign_detects_every_class_on_every_pool_and_clean_runs_are_s
     summary = run_selftest(seeds=[0], progress=False)
     assert summary["ok"], summary["missed"]
     classes = {(r["fault"], r["model"].removeprefix("builtin:")) for r in summary["matrix"]}
-    swa_only = {"swa_mapping"}
-    per_group = {"real_kv_used", "real_kv_unused_cache", "real_kv_post_forward"}
+    swa_only = {"swa_mapping", "premature_window_eviction"}
+    per_group = {"real_kv_used", "real_kv_unused_cache", "real_kv_post_forward", "lost_kv_store"}
+    # Groups holding fingerprinted KV bytes (tiny-swa-all's FULL group is records-only).
+    byte_groups = {"tiny-mha": ["full"], "tiny-swa": ["full", "swa"], "tiny-swa-all": ["swa"]}
     expected = set()
-    for pool in ("tiny-mha", "tiny-swa"):
+    for pool in ("tiny-mha", "tiny-swa", "tiny-swa-all"):
         for mode in PERTURB_MODES:
             if mode in swa_only and pool == "tiny-mha":
                 continue
-            groups = (["full", "swa"] if pool == "tiny-swa" else ["full"]) if mode in per_group else [None]
+            groups = byte_groups[pool] if mode in per_group else [None]
             expected |= {(f"{mode}[{g}]" if g else mode, pool) for g in groups}
-    assert classes == expected  # 7 on the MHA pool, 11 on the SWA pool
+    assert classes == expected  # 8 on the MHA pool, 14 on the SWA pool, 10 all-sliding
     for row in summary["fault_runs"]:
         exp = expected_detection(row["mode"], row["target_group"])
         assert row["injected"] and row["detected"], row
@@ -70,6 +72,11 @@ def test_expected_table_and_where_classes_apply() -> None:
     with pytest.raises(ValueError, match="target_group"):
         expected_detection("real_kv_used")
     assert not applies_to("swa_mapping", has_swa_group=False)
+    assert not applies_to("premature_window_eviction", has_swa_group=False)
+    assert expected_detection("lost_kv_store", "swa").matches("TAIL_K_SWA", ("write_kv_store",))
+    assert expected_detection("premature_window_eviction").matches(
+        "HEAD_K_SWA", ("verify_not_resident",)
+    )
     assert all(applies_to(m, has_swa_group=True) for m in PERTURB_MODES)
 
 

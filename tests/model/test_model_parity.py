@@ -84,7 +84,13 @@ def test_greedy_decode_matches_transformers_generate(
     full = _hf_logits(hf, prompt + expected)
     decoded = DenseRunner(model)
     steps = [decoded.extend(prompt)] + [decoded.extend([t]) for t in expected[:-1]]
-    torch.testing.assert_close(torch.cat(steps), full[:-1], atol=1e-4, rtol=1e-5)
+    # float32, cached vs full attention: other matmul shapes, other summation orders. The
+    # difference scales with the logits (measured: 1.5e-4 on logits up to 41, i.e. 4e-6 of
+    # the scale, on a CPU whose BLAS differs from the one a fixed 1e-4 was tuned on), so the
+    # bound is relative to the logit scale; the full forward itself is exact (below).
+    scale = float(full.abs().max())
+    torch.testing.assert_close(torch.cat(steps), full[:-1], atol=1e-5 * scale, rtol=0)
+    torch.testing.assert_close(_our_logits(model, prompt + expected), full, atol=1e-5, rtol=0)
 
 
 # Families with sliding layers; a window longer than the prompt is their no-window variant

@@ -17,6 +17,9 @@ and bless. So the canary also watches the stores themselves::
                         write_kv_store); the record keeps ``want`` (0 when not stored), so
               every later verify of the slot fails too (real_kv_hash)
 
+A watch arms on the first store it sees: a host that has ``set_kv_buffer`` but writes the
+buffers another way is never checked (rather than flagged on every token).
+
 Keyed by token, not slot: a misdirected store (two tokens' slots swapped) stores
 self-consistent bytes at each slot, but not the token's own. Scratch: int64
 ``[num_sources, num_tokens]`` twice per launched (group, half) with sources. Without
@@ -60,6 +63,9 @@ class StoreWatch:
         self.records = records
         self.sources = sources
         self.stamp = np.full(len(sources), -1, dtype=np.int64)  # host side: epochs
+        # Armed by the first store seen: a host whose attention writes the buffers without
+        # set_kv_buffer (it has the method but bypasses it) gets no check, not false alarms.
+        self.armed = False
         self._alloc(256)
 
     def _alloc(self, num_tokens: int) -> None:
@@ -177,6 +183,7 @@ class StoreChecker:
     def _observe(self, watch: StoreWatch, j: int, loc: torch.Tensor, kv: torch.Tensor,
                  dtype: torch.dtype) -> None:  # fmt: skip
         watch.stamp[j] = self.epoch
+        watch.armed = True
         n = int(loc.shape[0])
         if n != self.num_tokens:
             watch.target[j].fill_(_UNALIGNED)
@@ -201,7 +208,7 @@ class StoreChecker:
 
     def check(self, watch: StoreWatch, plan: WritePlan | HostWritePlan, ring: ViolationRing) -> None:
         """After the TAIL write of ``watch``'s (group, half): the module doc's check."""
-        if not plan.max_num_tokens:
+        if not plan.max_num_tokens or not watch.armed:
             return
         stored = bool((watch.stamp == self.epoch).all())
         if isinstance(plan, HostWritePlan) and watch._np is not None:
