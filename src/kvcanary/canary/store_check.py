@@ -75,6 +75,8 @@ class StoreWatch:
         self._np = (
             (self.intended.numpy(), self.target.numpy()) if device.type == "cpu" else None
         )
+        # The records as int64 numpy (CPU): made once, a per-call view costs microseconds.
+        self.records_np = self.records.view(torch.int64).numpy() if device.type == "cpu" else None
 
     def reserve(self, num_tokens: int) -> None:
         if self.intended.shape[1] < num_tokens:
@@ -123,6 +125,7 @@ class StoreChecker:
         self.watches = watches
         self.epoch = 0
         self.num_tokens = 0  # of the current forward
+        self._ring: tuple[ViolationRing, np.ndarray, np.ndarray] | None = None  # numpy views
         # id(sub-pool) -> layer -> [(watch, source index, half)]
         self._targets: dict[int, dict[int, list[tuple[StoreWatch, int, KvHalf]]]] = {}
 
@@ -190,12 +193,13 @@ class StoreChecker:
             return
         if n == 0:
             return
-        rows = kv.to(dtype).reshape(n, -1)
+        rows = (kv if kv.dtype == dtype else kv.to(dtype)).reshape(n, -1)
         if not rows.is_contiguous():
             rows = rows.contiguous()
         words = rows.view(torch.int64)
         num_words = watch.sources[j].read_bytes // 8
-        loc = loc.to(torch.int64)
+        if loc.dtype != torch.int64:
+            loc = loc.to(torch.int64)
         if watch._np is not None:
             intended, target = watch._np
             _observe_nb(words.numpy(), num_words, loc.numpy(), intended[j], target[j])
@@ -212,10 +216,11 @@ class StoreChecker:
             return
         stored = bool((watch.stamp == self.epoch).all())
         if isinstance(plan, HostWritePlan) and watch._np is not None:
+            if self._ring is None or self._ring[0] is not ring:
+                self._ring = (ring, ring.rows.numpy(), ring.write_index.numpy())
             _check_nb(plan.requests, plan.bs, plan.slots, plan.token_ids, plan.positions,
-                      watch._np[0], watch._np[1], stored,
-                      watch.records.view(torch.int64).numpy(), ring.rows.numpy(),
-                      ring.write_index.numpy(), watch.tag)  # fmt: skip
+                      watch._np[0], watch._np[1], stored, watch.records_np, self._ring[1],
+                      self._ring[2], watch.tag)  # fmt: skip
             return
         if isinstance(plan, WritePlan):
             self._check_t(watch, plan, ring, stored)
