@@ -64,7 +64,7 @@ from typing import Any
 
 from numba.core import caching, config
 
-from kvcanary._numba_cache_hook import (
+from kvcanary.source_digest import (
     STAMP_TAG,
     package_digest,
     snapshot,
