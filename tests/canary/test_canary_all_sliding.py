@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_utils import make_prompts, tiny_engine
+from engine_utils import make_prompts, slot_of, start_decoding, tiny_engine
 from hf_fixtures import make_tiny_hf_checkpoint
 
 from kvcanary import Engine, SamplingParams
@@ -49,23 +49,6 @@ def _model(name: str, request: pytest.FixtureRequest) -> str:
 
 def _engine(model: str, **config: Any) -> Engine:
     return tiny_engine(model=model, **config)
-
-
-def _start(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 24) -> list[int]:
-    """Submit ``prompts`` and step until every request is decoding; their ids."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    rids = [engine.add_request(p, params) for p in prompts]
-    while True:
-        assert engine.step() == []
-        running = engine.running_requests()
-        if len(running) == len(rids) and all(r.kv_len == len(r.prompt_ids) + len(r.output_ids) - 1
-                                             for r in running):  # fmt: skip
-            return rids
-
-
-def _slot(engine: Engine, running_index: int, position: int) -> int:
-    row = engine.running_requests()[running_index].req_pool_idx
-    return int(engine.runner.req_to_token_pool.req_to_token[row, position])
 
 
 def _groups(engine: Engine) -> dict[PoolKind, Any]:
@@ -166,7 +149,7 @@ def test_req_to_token_remap_outside_the_window_is_a_full_chain_violation(
 ) -> None:
     model = _model(model_name, request)
     engine = _engine(model, kv_canary="log", graph_batch_sizes=())
-    _start(engine, DISTINCT)
+    start_decoding(engine, DISTINCT)
     r2t = engine.runner.req_to_token_pool.req_to_token
     a, b = engine.running_requests()[:2]
     p = 3  # far outside the window (32 / 6): no attention layer reads it, only the chain
@@ -178,7 +161,7 @@ def test_req_to_token_remap_outside_the_window_is_a_full_chain_violation(
     assert rows and all(r.step == engine.canary.step for r in rows)  # the very next step
     assert {r.fail_reasons for r in rows} == {("verify_chain_hash",)}
     assert {r.launch_tag for r in rows} == {"HEAD_K_FULL", "TAIL_K_FULL"}
-    assert {r.slot_idx for r in rows} == {stolen, _slot(engine, 0, p + 1)}
+    assert {r.slot_idx for r in rows} == {stolen, slot_of(engine, 0, p + 1)}
     engine.step()  # restored: nothing more
     assert len(engine.canary.violations) == len(rows)
 
@@ -189,10 +172,10 @@ def test_sliding_layer_byte_flip_in_the_window_is_a_tail_swa_violation(
 ) -> None:
     engine = _engine(PRESET, kv_canary="log", kv_canary_real_data="partial",
                      kv_canary_real_data_layers=layers)  # fmt: skip
-    rids = _start(engine, DISTINCT)
+    rids = start_decoding(engine, DISTINCT)
     pool = engine.runner.token_to_kv_pool
     a = engine.running_requests()[0]
-    full_slot = _slot(engine, 0, a.kv_len - 3)  # in the window, read by every decode step
+    full_slot = slot_of(engine, 0, a.kv_len - 3)  # in the window, read by every decode step
     swa_slot = int(pool.full_to_swa_index_mapping[full_slot])
     assert swa_slot > 0
     pool.swa_kv_pool.k_buffer[layer][swa_slot].view(-1).view(torch.uint8)[0] ^= 0xFF
@@ -214,9 +197,9 @@ def test_sliding_layer_byte_flip_in_the_window_is_a_tail_swa_violation(
 def test_tampered_record_is_reported(kind_name: str, record: str, offset: int) -> None:
     kind = PoolKind[kind_name]
     engine = _engine(PRESET, kv_canary="log", graph_batch_sizes=())
-    _start(engine, DISTINCT)
+    start_decoding(engine, DISTINCT)
     a = engine.running_requests()[0]
-    full_slot = _slot(engine, 0, offset if offset >= 0 else a.kv_len + offset)
+    full_slot = slot_of(engine, 0, offset if offset >= 0 else a.kv_len + offset)
     slot = full_slot
     if kind == PoolKind.SWA:
         slot = int(engine.runner.token_to_kv_pool.full_to_swa_index_mapping[full_slot])

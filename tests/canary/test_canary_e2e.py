@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_utils import make_prompts, tiny_engine
+from engine_utils import make_prompts, slot_of, start_decoding, tiny_engine
 
 from kvcanary import Engine, SamplingParams
 from kvcanary.canary.errors import KVCanaryViolation
@@ -76,23 +76,6 @@ def test_clean_workload_logs_nothing_and_changes_no_token(model: str, feature: s
 # ------------------------------------------------------------------ detection
 
 
-def _start(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 24) -> list[int]:
-    """Submit ``prompts`` and step until every request is decoding; their ids."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    rids = [engine.add_request(p, params) for p in prompts]
-    while True:
-        assert engine.step() == []
-        running = engine.running_requests()
-        if len(running) == len(rids) and all(r.kv_len == len(r.prompt_ids) + len(r.output_ids) - 1
-                                             for r in running):  # fmt: skip
-            return rids
-
-
-def _slot(engine: Engine, running_index: int, position: int) -> int:
-    row = engine.running_requests()[running_index].req_pool_idx
-    return int(engine.runner.req_to_token_pool.req_to_token[row, position])
-
-
 def _flip_k_byte(engine: Engine, group: str, full_slot: int) -> None:
     """XOR byte 0 of layer-0 K of ``full_slot`` (SWA group: its SWA slot), like SGLang's
     ``real_kv_used`` perturbation."""
@@ -110,7 +93,7 @@ DISTINCT = make_prompts(3, 44, 60, seed=5)  # no shared prefix: every slot has o
 @pytest.mark.parametrize("model", MODELS)
 def test_req_to_token_remap_is_a_head_chain_violation(model: str) -> None:
     engine = tiny_engine(model=model, kv_canary="log", graph_batch_sizes=())
-    _start(engine, DISTINCT)
+    start_decoding(engine, DISTINCT)
     r2t = engine.runner.req_to_token_pool.req_to_token
     a, b = engine.running_requests()[:2]
     p = 5  # outside the 32-token window: only the FULL group reads it
@@ -123,7 +106,7 @@ def test_req_to_token_remap_is_a_head_chain_violation(model: str) -> None:
     assert {r.fail_reasons for r in rows} == {("verify_chain_hash",)}
     assert {r.launch_tag for r in rows} == {"HEAD_K_FULL", "TAIL_K_FULL"}
     # The stolen slot's chain does not follow a's prefix, and a's next slot does not follow it.
-    assert {r.slot_idx for r in rows} == {stolen, _slot(engine, 0, p + 1)}
+    assert {r.slot_idx for r in rows} == {stolen, slot_of(engine, 0, p + 1)}
 
 
 @pytest.mark.parametrize(("model", "group"), [("builtin:tiny-mha", "FULL"),
@@ -133,9 +116,9 @@ def test_k_byte_flip_is_a_tail_real_kv_violation_and_log_mode_goes_on(
     model: str, group: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     engine = tiny_engine(model=model, kv_canary="log", kv_canary_real_data="partial")
-    rids = _start(engine, DISTINCT)
+    rids = start_decoding(engine, DISTINCT)
     a = engine.running_requests()[0]
-    full_slot = _slot(engine, 0, a.kv_len - 3)  # in the window, used by every decode step
+    full_slot = slot_of(engine, 0, a.kv_len - 3)  # in the window, used by every decode step
     _flip_k_byte(engine, group, full_slot)
     with caplog.at_level(logging.WARNING, "kvcanary.canary"):
         done = []
@@ -155,10 +138,10 @@ def test_k_byte_flip_is_a_tail_real_kv_violation_and_log_mode_goes_on(
 
 def test_swa_mapping_corruption_is_reported_on_an_swa_tag() -> None:
     engine = tiny_engine(model="builtin:tiny-swa", kv_canary="log", graph_batch_sizes=())
-    _start(engine, DISTINCT)
+    start_decoding(engine, DISTINCT)
     a, b = engine.running_requests()[:2]
     mapping = engine.runner.allocator.full_to_swa_index_mapping
-    f_a, f_b = _slot(engine, 0, a.kv_len - 5), _slot(engine, 1, b.kv_len - 9)  # in window
+    f_a, f_b = slot_of(engine, 0, a.kv_len - 5), slot_of(engine, 1, b.kv_len - 9)  # in window
     original = int(mapping[f_a])
     mapping[f_a] = mapping[f_b]  # a's in-window token now reads b's SWA slot
     engine.step()
@@ -174,10 +157,10 @@ def test_abort_mode_aborts_only_the_affected_request() -> None:
 
     def run(corrupt: bool) -> dict[int, Any]:
         engine = tiny_engine(**config)
-        _start(engine, DISTINCT)
+        start_decoding(engine, DISTINCT)
         outs = {}
         if corrupt:
-            _flip_k_byte(engine, "FULL", _slot(engine, 1, 3))
+            _flip_k_byte(engine, "FULL", slot_of(engine, 1, 3))
         while engine.has_unfinished():
             outs.update({o.rid: o for o in engine.step()})
         outs["aborted"] = engine.canary.aborted_request_ids
@@ -194,9 +177,9 @@ def test_abort_mode_aborts_only_the_affected_request() -> None:
 
 def test_raise_mode_raises_after_logging_every_row(caplog: pytest.LogCaptureFixture) -> None:
     engine = tiny_engine(model="builtin:tiny-mha", **CANARY_ON)
-    _start(engine, DISTINCT)
+    start_decoding(engine, DISTINCT)
     for i in range(2):
-        _flip_k_byte(engine, "FULL", _slot(engine, i, 7))
+        _flip_k_byte(engine, "FULL", slot_of(engine, i, 7))
     with caplog.at_level(logging.WARNING, "kvcanary.canary"), pytest.raises(KVCanaryViolation) as e:
         engine.step()
     assert isinstance(e.value, RuntimeError)
@@ -207,7 +190,7 @@ def test_raise_mode_raises_after_logging_every_row(caplog: pytest.LogCaptureFixt
 def test_verify_tokens_catches_a_wrong_token() -> None:
     engine = tiny_engine(model="builtin:tiny-mha", kv_canary="log", kv_canary_verify_tokens=True,
                          graph_batch_sizes=())  # fmt: skip
-    _start(engine, DISTINCT)
+    start_decoding(engine, DISTINCT)
     engine.step()
     assert engine.canary.violations == []
     row = engine.running_requests()[0].req_pool_idx

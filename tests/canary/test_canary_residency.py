@@ -6,23 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import make_prompts, tiny_engine
+from engine_utils import make_prompts, start_decoding, tiny_engine
 
-from kvcanary import Engine, SamplingParams
+from kvcanary import Engine
 from kvcanary.canary.explain import explain
 
 PROMPTS = make_prompts(3, 44, 60, seed=5)
 WINDOW = 32  # builtin:tiny-swa
-
-
-def _decode_all(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 24) -> None:
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(p, params)
-    while not (engine.running_requests() and all(
-        r.kv_len == len(r.prompt_ids) + len(r.output_ids) - 1 for r in engine.running_requests()
-    )):  # fmt: skip
-        assert engine.step() == []
 
 
 def _finish(engine: Engine) -> dict[int, list[int]]:
@@ -35,7 +25,7 @@ def _finish(engine: Engine) -> dict[int, list[int]]:
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_raw_free_swa_of_an_in_window_page_is_not_resident(page_size: int) -> None:
     engine = tiny_engine(kv_canary="log", page_size=page_size, graph_batch_sizes=())
-    _decode_all(engine, PROMPTS)
+    start_decoding(engine, PROMPTS)
     a = engine.running_requests()[0]
     row = engine.runner.req_to_token_pool.req_to_token[a.req_pool_idx]
     positions = list(range(a.kv_len - 12, a.kv_len - 12 + max(page_size, 2)))  # in the window
@@ -57,7 +47,7 @@ NO_CACHE = dict(graph_batch_sizes=(), enable_prefix_cache=False)  # requests own
 def test_eviction_frontier_off_by_pages_is_detected_and_explained() -> None:
     engine = tiny_engine(kv_canary="log", **NO_CACHE)
     clean = _finish_clean()
-    _decode_all(engine, PROMPTS)
+    start_decoding(engine, PROMPTS)
     engine.scheduler.window = WINDOW - 12  # the policy evicts 3 pages too early
     outs = _finish(engine)
     rows = [r for r in engine.canary.violations if "verify_not_resident" in r.fail_reasons]
@@ -77,7 +67,7 @@ def test_eviction_frontier_off_by_pages_is_detected_and_explained() -> None:
 
 def _finish_clean() -> dict[int, list[int]]:
     engine = tiny_engine(kv_canary="log", **NO_CACHE)
-    _decode_all(engine, PROMPTS)
+    start_decoding(engine, PROMPTS)
     outs = _finish(engine)
     assert engine.canary.violations == []
     return outs
@@ -91,7 +81,7 @@ def test_the_position_just_outside_what_attention_reads_may_be_evicted(
     frontier = kv_len - policy_window - 1, so W - 2 frees exactly up to len - W (legal:
     silent, same tokens) and W - 3 one position more (read by attention: reported)."""
     engine = tiny_engine(kv_canary="log", page_size=1, **NO_CACHE)
-    _decode_all(engine, PROMPTS)
+    start_decoding(engine, PROMPTS)
     engine.scheduler.window = policy_window
     outs = _finish(engine)
     rows = engine.canary.violations
@@ -105,7 +95,7 @@ def test_the_position_just_outside_what_attention_reads_may_be_evicted(
 @pytest.mark.parametrize("model", ["builtin:tiny-mha", "builtin:tiny-swa"])
 def test_a_zeroed_req_to_token_entry_is_a_missing_slot(model: str) -> None:
     engine = tiny_engine(model=model, kv_canary="log", graph_batch_sizes=())
-    _decode_all(engine, PROMPTS)
+    start_decoding(engine, PROMPTS)
     a = engine.running_requests()[1]
     engine.runner.req_to_token_pool.req_to_token[a.req_pool_idx, 7] = 0
     engine.step()

@@ -10,22 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from engine_utils import make_prompts, tiny_engine
+from engine_utils import make_prompts, start_decoding, tiny_engine
 
 from kvcanary import Engine, SamplingParams
 
 PROMPTS = make_prompts(3, 44, 60, seed=5)
 MODELS = ["builtin:tiny-mha", "builtin:tiny-swa"]
-
-
-def _decoding(engine: Engine) -> None:
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    for p in PROMPTS:
-        engine.add_request(p, params)
-    while not (engine.running_requests() and all(
-        r.kv_len == len(r.prompt_ids) + len(r.output_ids) - 1 for r in engine.running_requests()
-    )):  # fmt: skip
-        assert engine.step() == []
 
 
 CASES = [("builtin:tiny-mha", "FULL"), ("builtin:tiny-swa", "FULL"), ("builtin:tiny-swa", "SWA")]
@@ -69,7 +59,7 @@ def test_a_lost_store_is_a_tail_kv_store_violation(
     monkeypatch.setenv("KVCANARY_KV_CANARY_KERNEL_BACKEND", backend)
     engine = tiny_engine(model=model, kv_canary="log", kv_canary_real_data="partial",
                          graph_batch_sizes=())  # fmt: skip
-    _decoding(engine)
+    start_decoding(engine, PROMPTS)
     a = engine.running_requests()[1]
     if a.kv_len % 4 == 0:  # the next token must continue a's current page (page size 4)
         engine.step()
@@ -98,7 +88,7 @@ def test_a_misdirected_store_is_caught_although_records_are_right(model: str, gr
     bytes, only not its own token's."""
     engine = tiny_engine(model=model, kv_canary="log", kv_canary_real_data="partial",
                          graph_batch_sizes=())  # fmt: skip
-    _decoding(engine)
+    start_decoding(engine, PROMPTS)
     layer_id, _ = _first_layer(engine, group)
     backend = engine.runner.attn_backend
     original = backend._write

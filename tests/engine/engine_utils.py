@@ -24,6 +24,25 @@ def tiny_engine(**overrides: Any) -> Engine:
     return Engine(EngineConfig(**base))
 
 
+def start_decoding(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 24) -> list[int]:
+    """Submit ``prompts`` and step until every request is decoding (no forward finishes one);
+    their ids."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    rids = [engine.add_request(p, params) for p in prompts]
+    while True:
+        assert engine.step() == []
+        running = engine.running_requests()
+        if len(running) == len(rids) and all(r.kv_len == len(r.prompt_ids) + len(r.output_ids) - 1
+                                             for r in running):  # fmt: skip
+            return rids
+
+
+def slot_of(engine: Engine, running_index: int, position: int) -> int:
+    """The full slot of ``position`` of the ``running_index``-th running request."""
+    row = engine.running_requests()[running_index].req_pool_idx
+    return int(engine.runner.req_to_token_pool.req_to_token[row, position])
+
+
 def greedy_outputs(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 24,
                    waves: int = 1) -> list[list[int]]:
     """Greedy outputs, prompts submitted in ``waves`` consecutive generate() calls (so later

@@ -30,7 +30,7 @@ import torch
 from kvcanary.canary import kernels
 from kvcanary.canary.buffers import CanaryBufferGroup
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import LaunchStage, launch_tag
+from kvcanary.canary.constants import KvHalf, LaunchStage, launch_tag
 from kvcanary.canary.plan import CanaryPlans, PlanInputs, build_plans
 from kvcanary.canary.plan_inputs import (
     compress_plan_inputs,
@@ -142,7 +142,8 @@ class SingleForwardManager:
             if rt.verify_totals is not None:
                 rt.verify_totals.observe(group.kind, plans.verify.num_entries)
             if plans.holes is not None:  # once per forward, under the group's HEAD K tag
-                rt.ring.append_holes(self._launches[id(group), LaunchStage.HEAD][0][0], plans.holes)
+                rt.ring.append_holes(int(launch_tag(group.kind, LaunchStage.HEAD, KvHalf.K)),
+                                     plans.holes)  # fmt: skip
             self._launch(group, LaunchStage.HEAD, plans)
             all_plans.append(plans)
         return all_plans

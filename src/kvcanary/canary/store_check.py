@@ -118,6 +118,20 @@ def _check_nb(requests, num_reqs, slots, token_ids, positions, intended, target,
     return num_bad
 
 
+def kv_buffer_owners(pool: Any) -> dict[int, tuple[Any, int, KvHalf]]:
+    """``data_ptr`` of every K / V layer buffer of ``pool`` and of its sub-pools
+    (``full_kv_pool``, ``swa_kv_pool``) -> (the sub-pool whose ``set_kv_buffer`` writes it,
+    its layer index there, the half)."""
+    subs = [pool] + [getattr(pool, n) for n in ("full_kv_pool", "swa_kv_pool") if hasattr(pool, n)]
+    return {
+        buf.data_ptr(): (sub, layer, half)
+        for sub in subs
+        for half, bufs in ((KvHalf.K, getattr(sub, "k_buffer", None)),
+                           (KvHalf.V, getattr(sub, "v_buffer", None)))
+        for layer, buf in enumerate(bufs or [])
+    }  # fmt: skip
+
+
 class StoreChecker:
     """Watches the stores of every fingerprinted layer buffer of one canary."""
 
@@ -144,21 +158,21 @@ class StoreChecker:
         return bool(self.watches)
 
     def attach(self, pool: Any) -> None:
-        """Patch ``set_kv_buffer`` on every sub-pool (``pool`` itself, ``full_kv_pool``,
-        ``swa_kv_pool``) that owns a fingerprinted buffer (matched by data pointer)."""
-        by_ptr = {s.tensor.data_ptr(): (w, j) for w in self.watches for j, s in enumerate(w.sources)}
-        subs = [pool] + [getattr(pool, n) for n in ("full_kv_pool", "swa_kv_pool") if hasattr(pool, n)]
-        for sub in subs:
-            targets: dict[int, list[tuple[StoreWatch, int, KvHalf]]] = defaultdict(list)
-            for half, bufs in ((KvHalf.K, getattr(sub, "k_buffer", None)),
-                               (KvHalf.V, getattr(sub, "v_buffer", None))):  # fmt: skip
-                for layer, buf in enumerate(bufs or []):
-                    if buf.data_ptr() in by_ptr:
-                        w, j = by_ptr[buf.data_ptr()]
-                        targets[layer].append((w, j, half))
-            if targets and id(sub) not in self._targets:
-                self._targets[id(sub)] = dict(targets)
-                self._patch(sub, self._targets[id(sub)])
+        """Patch ``set_kv_buffer`` on every sub-pool that owns a fingerprinted buffer
+        (:func:`kv_buffer_owners`)."""
+        owners = kv_buffer_owners(pool)
+        by_sub: dict[int, tuple[Any, dict[int, list[tuple[StoreWatch, int, KvHalf]]]]] = {}
+        for w in self.watches:
+            for j, source in enumerate(w.sources):
+                owner = owners.get(source.tensor.data_ptr())
+                if owner is not None:
+                    sub, layer, half = owner
+                    targets = by_sub.setdefault(id(sub), (sub, defaultdict(list)))[1]
+                    targets[layer].append((w, j, half))
+        for key, (sub, targets) in by_sub.items():
+            if key not in self._targets:
+                self._targets[key] = dict(targets)
+                self._patch(sub, self._targets[key])
         # A buffer no patched set_kv_buffer writes (a pool that stores another way) is not
         # store-checked; TAIL still fingerprints it.
         watched = {id(w) for t in self._targets.values() for ts in t.values() for w, _, _ in ts}

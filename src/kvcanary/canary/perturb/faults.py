@@ -21,6 +21,7 @@ import torch
 
 from kvcanary.canary.buffers import CanaryBufferGroup
 from kvcanary.canary.perturb.slots import prefix_entries, write_entries
+from kvcanary.canary.store_check import kv_buffer_owners
 
 logger = logging.getLogger("kvcanary.canary")
 
@@ -240,13 +241,10 @@ def lost_kv_store(fb: Any, group: CanaryBufferGroup, pool: Any, rng: random.Rand
         return None
     target = rng.choice(writes)
     slot = group_slot(group, target.slot)
-    ptr = sources[0].tensor.data_ptr()
-    subs = [pool] + [getattr(pool, n) for n in ("full_kv_pool", "swa_kv_pool") if hasattr(pool, n)]
-    owner = next(((sub, layer) for sub in subs for layer, buf in enumerate(getattr(sub, "k_buffer", []))
-                  if buf.data_ptr() == ptr), None)  # fmt: skip
+    owner = kv_buffer_owners(pool).get(sources[0].tensor.data_ptr())
     if owner is None:
         return None
-    sub, layer = owner
+    sub, layer, _ = owner
     buf = sub.k_buffer[layer]
     old = buf[slot].clone()
     store = sub.set_kv_buffer
