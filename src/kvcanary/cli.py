@@ -14,101 +14,13 @@ import logging
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
-from kvcanary.config import KV_CANARY_MODES, REAL_DATA_LAYERS, REAL_DATA_MODES, EngineConfig
+from kvcanary.cli_args import add_engine_flags, engine_config_from_args
+from kvcanary.config import EngineConfig
 from kvcanary.workload import WorkloadSpec
 
 _E = EngineConfig.field_default
 _W = WorkloadSpec()
-
-
-def _engine_flags(p: argparse.ArgumentParser, with_canary: bool = True) -> None:
-    p.add_argument("--model", default=_E("model"),
-                   help="builtin:tiny-swa | builtin:tiny-swa-all | builtin:tiny-mha | path to a HF model directory (default: %(default)s)")
-    if with_canary:
-        _canary_flags(p)
-    p.add_argument("--page-size", type=int, default=_E("page_size"), help="KV page size in tokens (default: %(default)s)")
-    p.add_argument("--max-total-tokens", type=int, default=_E("max_total_tokens"),
-                   help="full KV pool size in tokens (default: %(default)s)")
-    p.add_argument("--swa-full-tokens-ratio", type=float, default=_E("swa_full_tokens_ratio"),
-                   help="SWA pool size / full pool size (default: %(default)s)")
-    p.add_argument("--chunked-prefill-size", type=int, default=_E("chunked_prefill_size"),
-                   help="max tokens per prefill forward, <= 0 disables chunking (default: %(default)s)")
-    p.add_argument("--max-running-requests", type=int, default=_E("max_running_requests"),
-                   help="(default: %(default)s)")
-    p.add_argument("--disable-prefix-cache", action="store_true", help="turn the radix prefix cache off")
-    p.add_argument("--enable-host-offload", action="store_true",
-                   help="retracted requests keep their KV in host memory instead of recomputing it")
-    p.add_argument("--disable-graph", action="store_true", help="decode without the static-shape graph runner")
-    p.add_argument("--device", default=_E("device"), help="torch device (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=_E("seed"), help="(default: %(default)s)")
-
-
-def _canary_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-canary", default=_E("kv_canary"), choices=KV_CANARY_MODES,
-                   help="KV-canary mode: none installs nothing; log warns and goes on; raise fails "
-                        "on the first violation; abort aborts only the implicated requests "
-                        "(default: %(default)s)")
-    p.add_argument("--kv-canary-real-data", default=_E("kv_canary_real_data"),
-                   choices=REAL_DATA_MODES,
-                   help="fingerprint the real KV bytes of each slot: none, partial (first 16 "
-                        "bytes) or all (default: %(default)s)")
-    p.add_argument("--kv-canary-real-data-layers", default=_E("kv_canary_real_data_layers"),
-                   choices=REAL_DATA_LAYERS,
-                   help="layers fingerprinted per sub-pool: first (layer 0) or all (<= 4) "
-                        "(default: %(default)s)")
-    p.add_argument("--kv-canary-v-half", action="store_true",
-                   help="also run the V-half canaries (default: K only)")
-    p.add_argument("--kv-canary-verify-tokens", action="store_true",
-                   help="check every verified slot's token against the request's prompt + output ids")
-    p.add_argument("--kv-canary-ring-capacity", type=int, default=_E("kv_canary_ring_capacity"),
-                   help="violation rows kept (more are counted, not stored) (default: %(default)s)")
-    p.add_argument("--kv-canary-verify-capacity", type=int, default=_E("kv_canary_verify_capacity"),
-                   help="most verify entries per group per forward, 0 = 3 x pool slots; more "
-                        "skips verify that step with a warning (default: %(default)s)")
-    p.add_argument("--kv-canary-sweep-interval", type=int, default=_E("kv_canary_sweep_interval"),
-                   help="every N forward steps, verify every slot the prefix cache holds; "
-                        "0 = off; needs --kv-canary log|raise|abort (default: %(default)s)")
-    p.add_argument("--kv-canary-stats-interval", type=int, default=_E("kv_canary_stats_interval"),
-                   help="every N forward steps log `[canary] step=... protected_tokens=...` "
-                        "(INFO); 0 = off (default: %(default)s)")
-    p.add_argument("--kv-canary-health-check-interval", type=int,
-                   default=_E("kv_canary_health_check_interval"),
-                   help="every N forward steps check that every expected launch tag ran since "
-                        "the last check, else fail; 0 = off (default: %(default)s)")
-    p.add_argument("--kv-canary-swa-divergence-interval", type=int,
-                   default=_E("kv_canary_swa_divergence_interval"),
-                   help="every N forward steps log `kv_canary_swa_divergence={...}` (INFO): "
-                        "proof the SWA path was exercised; 0 = off (default: %(default)s, from "
-                        "KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL)")
-
-
-def _engine_config(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=a.model,
-        **_canary_config(a),
-        page_size=a.page_size,
-        max_total_tokens=a.max_total_tokens,
-        swa_full_tokens_ratio=a.swa_full_tokens_ratio,
-        chunked_prefill_size=a.chunked_prefill_size,
-        max_running_requests=a.max_running_requests,
-        enable_prefix_cache=not a.disable_prefix_cache,
-        enable_host_offload=a.enable_host_offload,
-        graph_batch_sizes=() if a.disable_graph else _E("graph_batch_sizes"),
-        device=a.device,
-        seed=a.seed,
-    )
-
-
-def _canary_config(a: argparse.Namespace) -> dict[str, Any]:
-    """The kv_canary* fields given on the command line (commands without them: defaults)."""
-    names = ("kv_canary", "kv_canary_real_data", "kv_canary_real_data_layers",
-             "kv_canary_v_half", "kv_canary_verify_tokens", "kv_canary_ring_capacity",
-             "kv_canary_verify_capacity", "kv_canary_sweep_interval",
-             "kv_canary_stats_interval", "kv_canary_health_check_interval",
-             "kv_canary_swa_divergence_interval")  # fmt: skip
-    return {n: getattr(a, n) for n in names if hasattr(a, n)}
 
 
 def _workload_flags(p: argparse.ArgumentParser) -> None:
@@ -158,7 +70,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
         emit("kvcanary run --disagg", summary, a.json)
         return 0
     with _log_to_stderr(a.log_level):
-        summary, engine = run_workload(_engine_config(a), spec, progress=not a.no_progress)
+        summary, engine = run_workload(engine_config_from_args(a), spec, progress=not a.no_progress)
     emit("kvcanary run", summary, a.json)
     if a.metrics_file:
         from kvcanary.canary.metrics import write_metrics_file
@@ -175,7 +87,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     from kvcanary import Engine
     from kvcanary.server import create_app
 
-    config = _engine_config(a)  # bad flags fail here, before anything starts
+    config = engine_config_from_args(a)  # bad flags fail here, before anything starts
     with _log_to_stderr(a.log_level):
         app = create_app(Engine(config), served_model_name=a.served_model_name)
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level or "info")
@@ -189,7 +101,7 @@ def _cmd_bench_overhead(a: argparse.Namespace) -> int:
     spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     _set_threads(a.threads)
-    summary = bench_overhead(_engine_config(a), spec, repeats=a.repeats, variants=variants,
+    summary = bench_overhead(engine_config_from_args(a), spec, repeats=a.repeats, variants=variants,
                              progress=not a.no_progress)  # fmt: skip
     head = {k: v for k, v in summary.items() if k != "variants"}
     print(render_table("kvcanary bench overhead", head))
@@ -279,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcanary", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the engine on a synthetic workload and print a summary")
-    _engine_flags(run)
+    add_engine_flags(run)
     _workload_flags(run)
     run.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
     run.add_argument("--metrics-file", metavar="OUT",
@@ -295,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
                                          "/v1/chat/completions, /v1/models, /health, /metrics)")
-    _engine_flags(serve)
+    add_engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     serve.add_argument("--served-model-name", default=None,
@@ -339,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     overhead = benches.add_parser(
         "overhead", help="canary cost: none vs log vs log + real-data, prefill and decode"
     )
-    _engine_flags(overhead, with_canary=False)
+    add_engine_flags(overhead, with_canary=False)
     _workload_flags(overhead)
     overhead.add_argument("--repeats", type=int, default=5,
                           help="interleaved repeats; figures are medians (default: %(default)s)")

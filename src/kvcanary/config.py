@@ -9,15 +9,9 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from kvcanary import envs
-from kvcanary.canary.config import (
-    KV_CANARY_MODES,
-    REAL_DATA_LAYERS,
-    REAL_DATA_MODES,
-    CanaryConfig,
-)
+from kvcanary.canary.config import CanaryConfig
 
-__all__ = ["KV_CANARY_MODES", "REAL_DATA_LAYERS", "REAL_DATA_MODES", "EngineConfig", "SamplingParams"]
+__all__ = ["CanaryConfig", "EngineConfig", "SamplingParams"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -49,20 +43,9 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
-    # KV-canary (see kvcanary.canary.config.CanaryConfig; "none" installs nothing).
-    kv_canary: str = "none"
-    kv_canary_real_data: str = "none"
-    kv_canary_real_data_layers: str = "first"
-    kv_canary_v_half: bool = False
-    kv_canary_verify_tokens: bool = False
-    kv_canary_ring_capacity: int = field(default_factory=envs.KVCANARY_KV_CANARY_RING_CAPACITY.get)
-    kv_canary_verify_capacity: int = 0  # 0: automatic (a multiple of the pool size)
-    kv_canary_sweep_interval: int = 0  # radix sweep every N steps; 0 = off
-    kv_canary_stats_interval: int = 100  # `[canary] step=...` line every N steps; 0 = off
-    kv_canary_health_check_interval: int = 100  # kernel-run-counter check; 0 = off
-    kv_canary_swa_divergence_interval: int = field(
-        default_factory=envs.KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL.get
-    )  # kv_canary_swa_divergence= line every N steps; 0 = off
+    # The KV canary: what it checks and does on a violation (default: mode "none", nothing
+    # is installed); see kvcanary.canary.config.CanaryConfig.
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", self.model,
@@ -81,12 +64,10 @@ class EngineConfig:
                "graph_batch_sizes", self.graph_batch_sizes,
                "strictly increasing positive integers, or () to disable")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
-        self.canary_config()  # validates the kv_canary* fields (errors name the flags)
+        _check(isinstance(self.canary, CanaryConfig), "canary", self.canary,
+               "a kvcanary.canary.config.CanaryConfig")
         _check(isinstance(self.device, str) and bool(self.device), "device", self.device,
                "a torch device string such as 'cpu' or 'cuda:0'")
-
-    def canary_config(self) -> CanaryConfig:
-        return CanaryConfig.from_engine_fields(self)
 
     @classmethod
     def field_default(cls, name: str) -> Any:

@@ -31,7 +31,7 @@ def run_workload(
 
 
 def summarize(engine: Engine, outs: list, wall_s: float) -> dict[str, Any]:
-    st = engine.scheduler.stats
+    st = engine.stats
     runner = engine.runner
     alloc = runner.allocator
     pool = runner.token_to_kv_pool
@@ -43,7 +43,7 @@ def summarize(engine: Engine, outs: list, wall_s: float) -> dict[str, Any]:
         "model": engine.config.model,
         "page_size": engine.config.page_size,
         "sliding_window": runner.sliding_window,
-        "kv_canary": engine.config.kv_canary,
+        "kv_canary": engine.config.canary.mode,
         "requests": len(outs),
         "prompt_tokens": sum(len(o.prompt_ids) for o in outs),
         "output_tokens": sum(len(o.output_ids) for o in outs),
@@ -73,7 +73,7 @@ def canary_summary(engine: Engine) -> dict[str, Any]:
     """The canary's figures (zeros when it is off); see README for the keys."""
     c = engine.canary.stats() if engine.canary is not None else {}
     return {
-        "kv_canary_real_data": engine.config.kv_canary_real_data,
+        "kv_canary_real_data": engine.config.canary.real_data,
         "canary_protected_tokens": c.get("protected_tokens", 0),
         "canary_verify_entries": c.get("verify_entries", 0),
         "canary_write_entries": c.get("write_entries", 0),

@@ -40,7 +40,7 @@ from kvcanary.canary.perturb import (
     install_perturbation,
 )
 from kvcanary.canary.perturb.config import BYTE_FLIP_MODES
-from kvcanary.config import EngineConfig, SamplingParams
+from kvcanary.config import CanaryConfig, EngineConfig, SamplingParams
 from kvcanary.engine.engine import Engine
 
 SELFTEST_MODELS = ("builtin:tiny-mha", "builtin:tiny-swa", "builtin:tiny-swa-all")
@@ -64,9 +64,8 @@ def engine_config(model: str, seed: int = 0) -> EngineConfig:
     return EngineConfig(
         model=model, page_size=4, max_total_tokens=2048, swa_full_tokens_ratio=0.1875,
         max_context_len=512, chunked_prefill_size=64, seed=seed, token_oracle=True,
-        kv_canary="log", kv_canary_real_data="partial", kv_canary_verify_tokens=True,
-        kv_canary_sweep_interval=4, kv_canary_health_check_interval=8,
-        kv_canary_swa_divergence_interval=8,
+        canary=CanaryConfig(mode="log", real_data="partial", verify_tokens=True, sweep_interval=4,
+                            health_check_interval=8, swa_divergence_interval=8),
     )  # fmt: skip
 
 

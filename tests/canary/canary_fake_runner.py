@@ -1,6 +1,8 @@
 """A model runner without a model: real pools, allocators and req->token table, and a fake
 model that stores random K/V bytes where attention would (so real-KV fingerprints have
-something to read). Drives the canary's runtime in unit tests without the engine."""
+something to read). A minimal canary host (:class:`kvcanary.canary.host.CanaryHost`): drives
+the canary's runtime in unit tests without the engine, calling ``before_forward`` /
+``after_forward`` around its forward as every host does."""
 
 from __future__ import annotations
 
@@ -17,25 +19,15 @@ from kvcanary.memory.swa_pool import SWAKVPool
 
 class StoreKVModel:
     """``forward(input_ids, positions, forward_batch)``: appends "model" to ``log`` and writes
-    random bytes into every layer at this forward's slots. ``nested`` calls the (patched)
-    ``self.forward`` once more from inside, like a wrapper model calling its inner model."""
+    random bytes into every layer at this forward's slots."""
 
-    def __init__(self, pool: Any, log: list[Any], nested: bool = False):
+    def __init__(self, pool: Any, log: list[Any]):
         self.pool = pool
         self.log = log
-        self.nested = nested
-        self._inside = False
         self.gen = torch.Generator().manual_seed(0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> Any:
         self.log.append("model")
-        if self.nested and not self._inside:
-            self._inside = True
-            try:
-                self.forward(input_ids, positions, forward_batch)
-            finally:
-                self._inside = False
-            return None
         loc = forward_batch.out_cache_loc
         for buf, rows in self._targets(loc):
             fresh = torch.randn((rows.numel(), *buf.shape[1:]), generator=self.gen)
@@ -61,17 +53,19 @@ class StoreKVModel:
 
 
 class FakeRunner:
-    """What :func:`install_canary` needs from a runner, plus a ``forward`` over (row, n) pairs."""
+    """What :func:`install_canary` needs from a host, plus a ``forward`` over (row, n) pairs
+    that calls the installed canary (``self.canary``, set by the test) around the model."""
 
     def __init__(self, pool: Any, allocator: Any, *, sliding_window: int | None = None,
-                 nested: bool = False, max_context_len: int = 64):  # fmt: skip
+                 max_context_len: int = 64):  # fmt: skip
         self.token_to_kv_pool = pool
         self.allocator = allocator
         self.req_to_token_pool = ReqToTokenPool(4, max_context_len)
         self.device = torch.device("cpu")
         self.sliding_window = sliding_window
+        self.is_draft_worker = False
         self.log: list[Any] = []
-        self.model = StoreKVModel(pool, self.log, nested)
+        self.model = StoreKVModel(pool, self.log)
         self.canary: Any = None
         self.tokens: dict[int, list[int]] = {}
         self.gen = torch.Generator().manual_seed(1)
@@ -103,6 +97,7 @@ class FakeRunner:
 
     def forward(self, work: list[tuple[int, int]]) -> ForwardBatch:
         fb = self.batch(work)
-        with self.canary.forward_scope(fb):
-            self.model.forward(fb.input_ids, fb.positions, fb)
+        self.canary.before_forward(fb)
+        self.model.forward(fb.input_ids, fb.positions, fb)
+        self.canary.after_forward(fb)
         return fb

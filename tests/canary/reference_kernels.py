@@ -18,7 +18,7 @@ from kvcanary.canary.hashing import (
     fold_real_kv_bytes,
     to_i64,
 )
-from kvcanary.canary.plan import VerifyPlan, WritePlan
+from kvcanary.canary.plan_types import VerifyPlan, WritePlan
 from kvcanary.canary.real_kv import RealKvSource
 from kvcanary.canary.records import as_int64_records
 from kvcanary.canary.ring import RunCounters, ViolationRing

@@ -22,6 +22,7 @@ import torch
 from engine_utils import make_prompts, tiny_engine
 
 from kvcanary import Engine, RequestOutput, SamplingParams
+from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.constants import CANARY_FIELD_POSITION, PoolKind
 from kvcanary.canary.records import as_int64_records
 from kvcanary.engine.request import Req
@@ -71,7 +72,7 @@ class Run:
 
 def _engine(model: str, page_size: int) -> Engine:
     return tiny_engine(model=model, page_size=page_size, max_total_tokens=2048,
-                       kv_canary="abort", kv_canary_real_data="partial")  # fmt: skip
+                       canary=CanaryConfig(mode="abort", real_data="partial"))  # fmt: skip
 
 
 def _req(engine: Engine, rid: int) -> Req:
@@ -79,7 +80,7 @@ def _req(engine: Engine, rid: int) -> Req:
 
 
 def _slots(engine: Engine, req: Req) -> torch.Tensor:
-    return engine.scheduler.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
+    return engine.kv.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
 
 
 def _own(engine: Engine, rid: int, offset: int) -> tuple[Req, int]:
@@ -114,8 +115,8 @@ def _full_allocator(engine: Engine) -> PagedAllocator:
 def _remap(engine: Engine, rid: int, slot: int) -> None:
     """Point one of request ``rid``'s own committed req→token entries at ``slot``."""
     req, pos = _own(engine, rid, 1)
-    assert int(engine.scheduler.req_to_token[req.req_pool_idx, pos]) != slot
-    engine.scheduler.req_to_token[req.req_pool_idx, pos] = slot
+    assert int(engine.kv.req_to_token[req.req_pool_idx, pos]) != slot
+    engine.kv.req_to_token[req.req_pool_idx, pos] = slot
 
 
 # ------------------------------------------------------------------ faults (A, B, C: wave 2)
@@ -124,7 +125,7 @@ def _remap(engine: Engine, rid: int, slot: int) -> None:
 def remap_running(engine: Engine, a: int, b: int, c: int) -> Target:
     """A's entry -> a slot B owns (B's own decode range: freed by B's release)."""
     req_b, pos = _own(engine, b, 2)
-    slot = int(engine.scheduler.req_to_token[req_b.req_pool_idx, pos])
+    slot = int(engine.kv.req_to_token[req_b.req_pool_idx, pos])
     _remap(engine, a, slot)
     assert _holders(engine, Target([slot])) == {a, b}
     return Target([slot], holders=2)
@@ -133,7 +134,7 @@ def remap_running(engine: Engine, a: int, b: int, c: int) -> Target:
 def remap_tree_locked(engine: Engine, a: int, b: int, c: int) -> Target:
     """A's entry -> a prefix-cache slot C's matched prefix locks (tree-owned)."""
     slot = int(_slots(engine, _req(engine, c))[5])
-    assert slot in engine.scheduler.cache.all_values().tolist()
+    assert slot in engine.kv.prefix_cache.all_values().tolist()
     _remap(engine, a, slot)
     assert _holders(engine, Target([slot])) == {a, c}
     return Target([slot], holders=2)
@@ -142,7 +143,7 @@ def remap_tree_locked(engine: Engine, a: int, b: int, c: int) -> Target:
 def remap_tree_unlocked(engine: Engine, a: int, b: int, c: int) -> Target:
     """A's entry -> a prefix-cache slot no running request references (wave 1's KV)."""
     used = torch.cat([_slots(engine, r) for r in engine.scheduler.running])
-    tree = engine.scheduler.cache.all_values()
+    tree = engine.kv.prefix_cache.all_values()
     free_standing = sorted(set(tree.tolist()) - set(used.tolist()))
     assert free_standing, "wave 1 left nothing unreferenced in the prefix cache"
     slot = free_standing[len(free_standing) // 2]
@@ -164,7 +165,7 @@ def kv_flip(engine: Engine, a: int, b: int, c: int) -> Target:
 def record_tamper(engine: Engine, a: int, b: int, c: int) -> Target:
     """Change the position field of B's own slot's HEAD record (FULL group, K half)."""
     req_b, pos = _own(engine, b, 1)
-    slot = int(engine.scheduler.req_to_token[req_b.req_pool_idx, pos])
+    slot = int(engine.kv.req_to_token[req_b.req_pool_idx, pos])
     group = next(g for g in engine.canary.groups if g.kind == PoolKind.FULL)
     as_int64_records(group.k_head)[slot, CANARY_FIELD_POSITION] += 1
     return Target([slot])
@@ -175,7 +176,7 @@ def use_after_free(engine: Engine, a: int, b: int, c: int) -> Target:
     it first on the free list: D's prefill (the next step) takes it."""
     req_a, pos = _own(engine, a, 0)  # page aligned: its page holds A's own slots only
     p = engine.config.page_size
-    slot = int(engine.scheduler.req_to_token[req_a.req_pool_idx, pos])
+    slot = int(engine.kv.req_to_token[req_a.req_pool_idx, pos])
     assert pos % p == 0 and slot % p == 0
     page = slot // p
     page_slots = torch.arange(page * p, (page + 1) * p)
@@ -188,7 +189,7 @@ def use_after_free(engine: Engine, a: int, b: int, c: int) -> Target:
 
 def swa_mapping(engine: Engine, a: int, b: int, c: int) -> Target:
     """A's in-window full slot's SWA mapping -> the SWA slot of one of B's (SWA pools)."""
-    r2t, mapping = engine.scheduler.req_to_token, engine.runner.allocator.full_to_swa_index_mapping
+    r2t, mapping = engine.kv.req_to_token, engine.runner.allocator.full_to_swa_index_mapping
     req_a, pos_a = _own(engine, a, 1)
     req_b, pos_b = _own(engine, b, 2)
     f_a, f_b = int(r2t[req_a.req_pool_idx, pos_a]), int(r2t[req_b.req_pool_idx, pos_b])
@@ -242,7 +243,7 @@ def _clean(model: str, page_size: int) -> Run:
 
 def _assert_nothing_leaked(engine: Engine) -> None:
     """Once the prefix cache lets go, every page is free or quarantined (parked)."""
-    engine.scheduler.cache.free_all()
+    engine.kv.prefix_cache.free_all()
     engine.check_integrity()
     assert _full_allocator(engine).num_used_pages() == 0
     alloc = engine.runner.allocator

@@ -24,6 +24,7 @@ from engine_utils import make_prompts, slot_of, start_decoding, tiny_engine
 from hf_fixtures import make_tiny_hf_checkpoint
 
 from kvcanary import Engine, SamplingParams
+from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.constants import CANARY_FIELD_POSITION, PoolKind
 from kvcanary.canary.records import as_int64_records
 from kvcanary.config import EngineConfig
@@ -33,8 +34,8 @@ from kvcanary.memory import host_pool
 from kvcanary.memory.swa_pool import SWAKVPool
 
 PRESET = "builtin:tiny-swa-all"  # 4 layers, all sliding, window 32
-CANARY_ON = dict(kv_canary="raise", kv_canary_real_data="partial", kv_canary_v_half=True,
-                 kv_canary_verify_tokens=True)  # fmt: skip
+CANARY_ON = dict(canary=CanaryConfig(mode="raise", real_data="partial", v_half=True,
+                                     verify_tokens=True))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,8 @@ DISTINCT = make_prompts(3, 44, 60, seed=5)  # longer than the window; no shared 
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_all_sliding_pool_gets_a_records_only_full_group(page_size: int) -> None:
-    engine = _engine(PRESET, page_size=page_size, kv_canary="log", kv_canary_real_data="partial")
+    engine = _engine(PRESET, page_size=page_size,
+                     canary=CanaryConfig(mode="log", real_data="partial"))
     pool = engine.runner.token_to_kv_pool
     assert isinstance(pool, SWAKVPool) and engine.runner.sliding_window == 32
     full, swa = pool.full_kv_pool, pool.swa_kv_pool
@@ -95,8 +97,8 @@ def test_all_sliding_pool_gets_a_records_only_full_group(page_size: int) -> None
 
 
 def test_real_data_layers_all_fingerprints_every_sliding_layer() -> None:
-    engine = _engine(PRESET, kv_canary="log", kv_canary_real_data="all",
-                     kv_canary_real_data_layers="all")  # fmt: skip
+    engine = _engine(PRESET, canary=CanaryConfig(mode="log", real_data="all",
+                                                 real_data_layers="all"))  # fmt: skip
     swa = engine.runner.token_to_kv_pool.swa_kv_pool
     sg = _groups(engine)[PoolKind.SWA]
     fingerprinted = [s.tensor.data_ptr() for s in sg.real_kv_sources_k]
@@ -148,7 +150,7 @@ def test_req_to_token_remap_outside_the_window_is_a_full_chain_violation(
     model_name: str, request: pytest.FixtureRequest
 ) -> None:
     model = _model(model_name, request)
-    engine = _engine(model, kv_canary="log", graph_batch_sizes=())
+    engine = _engine(model, canary=CanaryConfig(mode="log"), graph_batch_sizes=())
     start_decoding(engine, DISTINCT)
     r2t = engine.runner.req_to_token_pool.req_to_token
     a, b = engine.running_requests()[:2]
@@ -170,8 +172,8 @@ def test_req_to_token_remap_outside_the_window_is_a_full_chain_violation(
 def test_sliding_layer_byte_flip_in_the_window_is_a_tail_swa_violation(
     layers: str, layer: int
 ) -> None:
-    engine = _engine(PRESET, kv_canary="log", kv_canary_real_data="partial",
-                     kv_canary_real_data_layers=layers)  # fmt: skip
+    canary = CanaryConfig(mode="log", real_data="partial", real_data_layers=layers)
+    engine = _engine(PRESET, canary=canary)
     rids = start_decoding(engine, DISTINCT)
     pool = engine.runner.token_to_kv_pool
     a = engine.running_requests()[0]
@@ -196,7 +198,7 @@ def test_sliding_layer_byte_flip_in_the_window_is_a_tail_swa_violation(
 ])  # fmt: skip
 def test_tampered_record_is_reported(kind_name: str, record: str, offset: int) -> None:
     kind = PoolKind[kind_name]
-    engine = _engine(PRESET, kv_canary="log", graph_batch_sizes=())
+    engine = _engine(PRESET, canary=CanaryConfig(mode="log"), graph_batch_sizes=())
     start_decoding(engine, DISTINCT)
     a = engine.running_requests()[0]
     full_slot = slot_of(engine, 0, offset if offset >= 0 else a.kv_len + offset)
@@ -241,7 +243,7 @@ def test_host_offload_round_trip_keeps_the_records(
     assert engine.canary.stats()["violations"] == 0
     # Control: the same run with the FULL records left out of the host copies.
     loads.clear()
-    engine = _engine(PRESET, **config, **{**CANARY_ON, "kv_canary": "log"})
+    engine = _engine(PRESET, **config, canary=dataclasses.replace(CANARY_ON["canary"], mode="log"))
     engine.runner.token_to_kv_pool.full_kv_pool.extra_slot_buffers.clear()
     engine.generate(prompts, params)
     assert loads and {r.launch_tag.rsplit("_", 1)[1] for r in engine.canary.violations} == {"FULL"}
@@ -257,7 +259,7 @@ def _disagg(config: EngineConfig, prompts: list[list[int]], faults: DisaggFaults
 
 def test_prefill_to_decode_transfer_carries_the_full_records() -> None:
     config = EngineConfig(model=PRESET, page_size=4, max_total_tokens=2048, max_context_len=1024,
-                          kv_canary="raise", kv_canary_real_data="partial")  # fmt: skip
+                          canary=CanaryConfig(mode="raise", real_data="partial"))  # fmt: skip
     prompts = make_prompts(3, 40, 90, seed=1)
     outs, reports = _disagg(config, prompts)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
@@ -266,7 +268,7 @@ def test_prefill_to_decode_transfer_carries_the_full_records() -> None:
     assert decode["transfers"] == 3 and decode["stats"]["num_extend_forwards"] == 0
     assert decode["canary"]["stats"]["violations"] == 0  # the records arrived with the KV
     # A transfer landing one page off: the FULL records (the whole KV channel) are off too.
-    _, reports = _disagg(dataclasses.replace(config, kv_canary="log"), prompts[:1],
-                         DisaggFaults(page_offset=1))  # fmt: skip
+    log = dataclasses.replace(config, canary=dataclasses.replace(config.canary, mode="log"))
+    _, reports = _disagg(log, prompts[:1], DisaggFaults(page_offset=1))
     first = {r["launch_tag"] for r in reports["decode"]["canary"]["violations"] if r["step"] == 1}
     assert {"HEAD_K_FULL", "HEAD_K_SWA"} <= first

@@ -108,3 +108,33 @@ def test_bench_overhead_json(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 def test_bench_overhead_rejects_unknown_variants(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "overhead", "--variants", "log,fast", "--no-progress"]) == 2
     assert "--variants='log,fast' is invalid" in capsys.readouterr().err
+
+
+def test_canary_flags_come_from_the_config_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One --kv-canary* flag per CanaryConfig field that is a flag; parsed back, the defaults
+    are CanaryConfig()'s and every given value lands in its field."""
+    import argparse
+    import dataclasses
+
+    from kvcanary.canary.config import CanaryConfig
+    from kvcanary.cli_args import add_dataclass_flags, dataclass_from_args
+
+    monkeypatch.setenv("KVCANARY_KV_CANARY_RING_CAPACITY", "77")
+    p = argparse.ArgumentParser()
+    add_dataclass_flags(p, CanaryConfig)
+    flags = {f.metadata["flag"] for f in dataclasses.fields(CanaryConfig)} - {None}
+    assert {a.option_strings[0] for a in p._actions[1:]} == flags
+    assert dataclass_from_args(CanaryConfig, p.parse_args([])) == CanaryConfig()
+    assert CanaryConfig().ring_capacity == 77
+    a = p.parse_args(["--kv-canary", "abort", "--kv-canary-real-data", "all", "--kv-canary-v-half",
+                      "--kv-canary-sweep-interval", "3", "--kv-canary-ring-capacity", "9"])  # fmt: skip
+    assert dataclass_from_args(CanaryConfig, a) == CanaryConfig(
+        mode="abort", real_data="all", v_half=True, sweep_interval=3, ring_capacity=9
+    )
+
+    @dataclasses.dataclass
+    class Undecided:
+        x: int = 0  # no "flag" in its metadata: neither a flag nor marked as none
+
+    with pytest.raises(TypeError, match="Undecided.x"):
+        add_dataclass_flags(argparse.ArgumentParser(), Undecided)

@@ -13,12 +13,13 @@ import torch
 from engine_utils import make_prompts, slot_of, start_decoding, tiny_engine
 
 from kvcanary import Engine, SamplingParams
+from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.errors import KVCanaryViolation
 from kvcanary.canary.violation import parse_violation_line
 
 MODELS = ["builtin:tiny-mha", "builtin:tiny-swa"]
-CANARY_ON = dict(kv_canary="raise", kv_canary_real_data="partial", kv_canary_v_half=True,
-                 kv_canary_verify_tokens=True)
+CANARY_ON = dict(canary=CanaryConfig(mode="raise", real_data="partial", v_half=True,
+                                     verify_tokens=True))
 
 # ------------------------------------------------------------------ baseline: zero false positives
 
@@ -92,7 +93,7 @@ DISTINCT = make_prompts(3, 44, 60, seed=5)  # no shared prefix: every slot has o
 
 @pytest.mark.parametrize("model", MODELS)
 def test_req_to_token_remap_is_a_head_chain_violation(model: str) -> None:
-    engine = tiny_engine(model=model, kv_canary="log", graph_batch_sizes=())
+    engine = tiny_engine(model=model, canary=CanaryConfig(mode="log"), graph_batch_sizes=())
     start_decoding(engine, DISTINCT)
     r2t = engine.runner.req_to_token_pool.req_to_token
     a, b = engine.running_requests()[:2]
@@ -115,7 +116,7 @@ def test_req_to_token_remap_is_a_head_chain_violation(model: str) -> None:
 def test_k_byte_flip_is_a_tail_real_kv_violation_and_log_mode_goes_on(
     model: str, group: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    engine = tiny_engine(model=model, kv_canary="log", kv_canary_real_data="partial")
+    engine = tiny_engine(model=model, canary=CanaryConfig(mode="log", real_data="partial"))
     rids = start_decoding(engine, DISTINCT)
     a = engine.running_requests()[0]
     full_slot = slot_of(engine, 0, a.kv_len - 3)  # in the window, used by every decode step
@@ -137,7 +138,8 @@ def test_k_byte_flip_is_a_tail_real_kv_violation_and_log_mode_goes_on(
 
 
 def test_swa_mapping_corruption_is_reported_on_an_swa_tag() -> None:
-    engine = tiny_engine(model="builtin:tiny-swa", kv_canary="log", graph_batch_sizes=())
+    engine = tiny_engine(model="builtin:tiny-swa", canary=CanaryConfig(mode="log"),
+                         graph_batch_sizes=())
     start_decoding(engine, DISTINCT)
     a, b = engine.running_requests()[:2]
     mapping = engine.runner.allocator.full_to_swa_index_mapping
@@ -153,7 +155,7 @@ def test_swa_mapping_corruption_is_reported_on_an_swa_tag() -> None:
 
 
 def test_abort_mode_aborts_only_the_affected_request() -> None:
-    config = dict(model="builtin:tiny-swa", kv_canary="abort", kv_canary_real_data="partial")
+    config = dict(model="builtin:tiny-swa", canary=CanaryConfig(mode="abort", real_data="partial"))
 
     def run(corrupt: bool) -> dict[int, Any]:
         engine = tiny_engine(**config)
@@ -188,7 +190,7 @@ def test_raise_mode_raises_after_logging_every_row(caplog: pytest.LogCaptureFixt
 
 
 def test_verify_tokens_catches_a_wrong_token() -> None:
-    engine = tiny_engine(model="builtin:tiny-mha", kv_canary="log", kv_canary_verify_tokens=True,
+    engine = tiny_engine(model="builtin:tiny-mha", canary=CanaryConfig(mode="log", verify_tokens=True),
                          graph_batch_sizes=())  # fmt: skip
     start_decoding(engine, DISTINCT)
     engine.step()

@@ -13,6 +13,7 @@ from engine_utils import make_prompts, tiny_engine
 
 from kvcanary import SamplingParams
 from kvcanary.canary import kernels
+from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.constants import CanaryLaunchTag
 from kvcanary.canary.delayed import DelayedDeviceHostHandler, FutureTensors
 from kvcanary.canary.errors import KVCanaryHealthError
@@ -57,8 +58,8 @@ def test_future_tensors_contract() -> None:
 
 
 def test_stats_line_format_and_cadence(caplog: pytest.LogCaptureFixture) -> None:
-    engine = tiny_engine(model="builtin:tiny-swa", kv_canary="log", kv_canary_stats_interval=5,
-                         kv_canary_sweep_interval=7)  # fmt: skip
+    engine = tiny_engine(model="builtin:tiny-swa",
+                         canary=CanaryConfig(mode="log", stats_interval=5, sweep_interval=7))  # fmt: skip
     with caplog.at_level(logging.INFO, "kvcanary.canary"):
         engine.generate(PROMPTS, LONG)
     messages = [r.getMessage() for r in caplog.records]
@@ -76,7 +77,8 @@ def test_stats_line_format_and_cadence(caplog: pytest.LogCaptureFixture) -> None
 
 
 def test_stats_line_off_with_interval_zero(caplog: pytest.LogCaptureFixture) -> None:
-    engine = tiny_engine(model="builtin:tiny-mha", kv_canary="log", kv_canary_stats_interval=0)
+    engine = tiny_engine(model="builtin:tiny-mha",
+                         canary=CanaryConfig(mode="log", stats_interval=0))
     with caplog.at_level(logging.INFO, "kvcanary.canary"):
         engine.generate(PROMPTS, LONG)
     assert "[canary] step=" not in caplog.text
@@ -97,14 +99,14 @@ def _drop_launches(monkeypatch: pytest.MonkeyPatch, tags: set[CanaryLaunchTag]) 
     ("config", "stopped"),
     [
         (dict(), {CanaryLaunchTag.TAIL_K_SWA}),
-        (dict(kv_canary_sweep_interval=2), {CanaryLaunchTag.SWEEP_K_FULL}),
+        (dict(sweep_interval=2), {CanaryLaunchTag.SWEEP_K_FULL}),
     ],
 )
 def test_health_check_fires_when_an_expected_tag_stops(
     monkeypatch: pytest.MonkeyPatch, config: dict, stopped: set[CanaryLaunchTag]
 ) -> None:
-    engine = tiny_engine(model="builtin:tiny-swa", kv_canary="log",
-                         kv_canary_health_check_interval=4, **config)  # fmt: skip
+    engine = tiny_engine(model="builtin:tiny-swa",
+                         canary=CanaryConfig(mode="log", health_check_interval=4, **config))
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     for p in PROMPTS:
         engine.add_request(p, params)
@@ -123,17 +125,18 @@ def test_health_check_fires_when_an_expected_tag_stops(
 
 
 @pytest.mark.parametrize(
-    "config",
+    ("sweep_interval", "config"),
     [
-        dict(kv_canary_sweep_interval=50),  # sweeps far apart: most check windows have none
-        dict(kv_canary_sweep_interval=1, enable_prefix_cache=False),  # nothing to sweep
+        (50, dict()),  # sweeps far apart: most check windows have none
+        (1, dict(enable_prefix_cache=False)),  # nothing to sweep
     ],
     ids=["sweep-interval-longer-than-check", "no-prefix-cache"],
 )
-def test_health_check_is_silent_when_sweeps_legitimately_do_not_run(config: dict) -> None:
+def test_health_check_is_silent_when_sweeps_legitimately_do_not_run(sweep_interval: int,
+                                                                     config: dict) -> None:
     """SGLang's check expects SWEEP tags whenever the sweep is on, and misfires here."""
-    engine = tiny_engine(model="builtin:tiny-swa", kv_canary="log",
-                         kv_canary_health_check_interval=3, **config)  # fmt: skip
+    canary = CanaryConfig(mode="log", health_check_interval=3, sweep_interval=sweep_interval)
+    engine = tiny_engine(model="builtin:tiny-swa", canary=canary, **config)
     engine.generate(PROMPTS, LONG)
     health = engine.canary.health
     assert health.num_checks >= 8
@@ -142,7 +145,8 @@ def test_health_check_is_silent_when_sweeps_legitimately_do_not_run(config: dict
 
 
 def test_health_check_off_with_interval_zero(monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = tiny_engine(model="builtin:tiny-mha", kv_canary="log", kv_canary_health_check_interval=0)
+    engine = tiny_engine(model="builtin:tiny-mha",
+                         canary=CanaryConfig(mode="log", health_check_interval=0))
     _drop_launches(monkeypatch, {CanaryLaunchTag.HEAD_K_FULL})
     engine.generate(PROMPTS, LONG)  # nothing raised
     assert engine.canary.health is None

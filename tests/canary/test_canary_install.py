@@ -1,27 +1,42 @@
-"""install_canary and the per-forward runtime on a model-less runner: launch order around
-the model, outermost-only bracketing, contexts, the delayed pump, modes, overflow, config
-validation, DSV4 groups at run time, and "none" installing nothing."""
+"""install_canary and the per-forward runtime on a model-less host: launch order around
+the model, the explicit before_forward / after_forward path and its misuse, the host
+protocols (satisfied by the fake runner and by our engine's objects), the delayed pump,
+modes, overflow, config validation, DSV4 groups at run time, and "none" installing nothing."""
 
 from __future__ import annotations
 
 import logging
+import pathlib
 import subprocess
 import sys
 
 import pytest
 import torch
 from canary_fake_runner import FakeRunner
+from engine_utils import tiny_engine
 
+import kvcanary.canary
+from kvcanary import SamplingParams
 from kvcanary.canary import kernels
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.constants import CANARY_FIELD_REAL_KV_HASH, CanaryLaunchTag
 from kvcanary.canary.errors import KVCanaryViolation
+from kvcanary.canary.host import (
+    CanaryHost,
+    ForwardBatchView,
+    KVPool,
+    PrefixCacheView,
+    ReqToTokenTable,
+    TokenMirror,
+)
 from kvcanary.canary.install import install_canary
+from kvcanary.canary.manager import CanaryManager
 from kvcanary.canary.plan import PlanInputs
 from kvcanary.canary.plan_inputs import compress_plan_inputs
 from kvcanary.canary.records import as_int64_records
 from kvcanary.canary.violation import parse_violation_line
 from kvcanary.config import EngineConfig
+from kvcanary.engine.hooks import ForwardHooks
 from kvcanary.memory.allocator import make_allocator
 from kvcanary.memory.dsv4_pool import DSV4KVPool
 from kvcanary.memory.mha_pool import MHAKVPool
@@ -41,8 +56,9 @@ def swa_runner(**kw) -> FakeRunner:
 
 
 def install(runner: FakeRunner, **cfg) -> FakeRunner:
-    manager = install_canary(runner, CanaryConfig(**cfg))
-    assert manager is not None and runner.canary is manager
+    manager = install_canary(runner, CanaryConfig(**{"mode": "log", **cfg}))
+    assert manager is not None and runner.canary is None  # the host keeps it, not install
+    runner.canary = manager
     manager.mark_init_finished()
     return runner
 
@@ -83,27 +99,120 @@ def test_head_before_model_tail_after(make, groups: list[str], v_half: bool,
     assert runner.canary.violations == []
 
 
-def test_nested_model_forward_brackets_once(launches: list[object]) -> None:
-    runner = install(mha_runner(nested=True))
-    runner.log = runner.model.log = launches
-    runner.forward([(1, 5)])
-    assert launches == _stage("HEAD", ["FULL"], "K") + ["model", "model"] + _stage(
-        "TAIL", ["FULL"], "K"
-    )
-
-
-def test_model_forward_outside_the_scope_is_refused() -> None:
+def test_install_patches_no_model_and_the_host_calls_the_canary(launches: list[object]) -> None:
     runner = install(mha_runner())
-    fb = runner.batch([(1, 3)])
-    with pytest.raises(RuntimeError, match="outside with_active_single_forward_manager"):
-        runner.model.forward(fb.input_ids, fb.positions, fb)
+    runner.log = runner.model.log = launches
+    assert "forward" not in vars(runner.model)  # model.forward is the class's, untouched
+    fb = runner.batch([(1, 5)])
+    runner.model.forward(fb.input_ids, fb.positions, fb)  # no hooks called: no canary work
+    assert launches == ["model"] and runner.canary.step == 0
+    launches.clear()
+    runner.canary.before_forward(fb)
+    assert launches == _stage("HEAD", ["FULL"], "K") and runner.canary.forward_open
+    runner.model.forward(fb.input_ids, fb.positions, fb)
+    runner.canary.after_forward(fb)
+    assert launches == _stage("HEAD", ["FULL"], "K") + ["model"] + _stage("TAIL", ["FULL"], "K")
+    assert not runner.canary.forward_open and runner.canary.step == 1
+
+
+def test_before_and_after_forward_must_alternate() -> None:
+    runner = install(mha_runner())
     canary = runner.canary
-    with (
-        canary.with_active_single_forward_manager(0),
-        pytest.raises(RuntimeError, match="nested"),
-        canary.with_active_single_forward_manager(0),
-    ):
-        pass
+    fb = runner.batch([(1, 3)])
+    with pytest.raises(RuntimeError, match="after_forward called without before_forward"):
+        canary.after_forward(fb)
+    canary.before_forward(fb)
+    with pytest.raises(RuntimeError, match="before_forward called while forward 0 is still open"):
+        canary.before_forward(fb)
+    canary.after_forward(fb)
+    with pytest.raises(RuntimeError, match="after_forward called without before_forward"):
+        canary.after_forward(fb)
+    with pytest.raises(ValueError, match=r"forward_index=1; allowed: \[0, 1\)"):
+        canary.before_forward(runner.batch([(1, 1)]), forward_index=1)
+    assert not canary.forward_open and canary.step == 1
+    runner.forward([(2, 4)])  # the refused calls left nothing behind
+    assert canary.step == 2 and canary.violations == []
+
+
+def test_forward_scope_is_before_and_after_forward(launches: list[object]) -> None:
+    runner = install(mha_runner())
+    runner.log = runner.model.log = launches
+    fb = runner.batch([(1, 4)])
+    with runner.canary.forward_scope(fb):
+        assert launches == _stage("HEAD", ["FULL"], "K") and runner.canary.forward_open
+        runner.model.forward(fb.input_ids, fb.positions, fb)
+    assert launches == _stage("HEAD", ["FULL"], "K") + ["model"] + _stage("TAIL", ["FULL"], "K")
+    assert runner.canary.step == 1
+    with pytest.raises(ZeroDivisionError), runner.canary.forward_scope(runner.batch([(1, 1)])):
+        raise ZeroDivisionError  # a failed forward stays open: its host cannot go on
+    assert runner.canary.forward_open and runner.canary.step == 1
+
+
+# ------------------------------------------------------------------ the host protocols
+
+
+@pytest.mark.parametrize("make", [mha_runner, swa_runner])
+def test_the_fake_runner_satisfies_the_host_protocols(make) -> None:
+    runner = make()
+    assert isinstance(runner, CanaryHost)
+    assert isinstance(runner.token_to_kv_pool, KVPool)
+    assert isinstance(runner.req_to_token_pool, ReqToTokenTable)
+    assert isinstance(runner.req_to_token_pool, TokenMirror)
+    assert isinstance(runner.batch([(1, 2)]), ForwardBatchView)
+    install(runner)
+    assert isinstance(runner.canary, CanaryManager) and isinstance(runner.canary, ForwardHooks)
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny-mha", "builtin:tiny-swa"])
+def test_our_engine_is_a_canary_host(model: str) -> None:
+    engine = tiny_engine(model=model, canary=CanaryConfig(mode="log"))
+    runner = engine.runner
+    assert isinstance(runner, CanaryHost) and not runner.is_draft_worker
+    assert isinstance(runner.token_to_kv_pool, KVPool)
+    assert isinstance(runner.req_to_token_pool, ReqToTokenTable)
+    assert isinstance(runner.req_to_token_pool, TokenMirror)
+    assert isinstance(engine.kv.prefix_cache, PrefixCacheView)
+    # The engine keeps the manager; its runner calls it as its forward hooks.
+    assert isinstance(engine.canary, CanaryManager) and runner.canary is engine.canary
+    assert isinstance(runner.canary, ForwardHooks)
+    assert engine.canary.pool is runner.token_to_kv_pool and engine.canary.init_finished
+    assert engine.canary.sweep.cache is engine.kv.prefix_cache
+    seen: list[object] = []
+    hooks, metadata = engine.canary, runner.attn_backend.init_forward_metadata
+
+    def before_forward(fb, forward_index=0):
+        assert isinstance(fb, ForwardBatchView)
+        seen.append("before_forward")
+        CanaryManager.before_forward(hooks, fb, forward_index)
+
+    def init_forward_metadata(fb):
+        seen.append("init_forward_metadata")
+        metadata(fb)
+
+    def after_forward(fb):
+        seen.append("after_forward")
+        CanaryManager.after_forward(hooks, fb)
+
+    hooks.before_forward, hooks.after_forward = before_forward, after_forward
+    runner.attn_backend.init_forward_metadata = init_forward_metadata
+    engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    # Host pre-ops (fault injection) and HEAD run before attention gathers its slot tables.
+    assert seen == ["before_forward", "init_forward_metadata", "after_forward"] * 2
+    assert engine.canary.step == 2 and engine.canary.violations == []
+
+
+def test_the_canary_knows_no_host() -> None:
+    """Nothing engine-specific inside kvcanary.canary: no import of the engine or of an
+    integration (hosts import the canary, never the other way round)."""
+    root = pathlib.Path(kvcanary.canary.__file__).parent
+    offenders = [
+        str(path.relative_to(root)) for path in sorted(root.rglob("*.py"))
+        for line in path.read_text().splitlines()
+        if line.lstrip().startswith(("import ", "from "))
+        and ("kvcanary.engine" in line or "kvcanary.integrations" in line
+             or "kvcanary.server" in line or "kvcanary.disagg" in line)
+    ]  # fmt: skip
+    assert offenders == []
 
 
 def test_clean_steps_verify_the_prefix_and_write_new_tokens() -> None:
@@ -145,8 +254,10 @@ def test_graph_padding_rows_contribute_nothing() -> None:
 
 def test_double_install_is_refused() -> None:
     runner = install(mha_runner())
-    with pytest.raises(RuntimeError, match="already installed"):
-        install_canary(runner, CanaryConfig())
+    infos = runner.token_to_kv_pool.get_contiguous_buf_infos
+    with pytest.raises(RuntimeError, match="already installed on this host's pool"):
+        install_canary(runner, CanaryConfig(mode="log"))
+    assert runner.token_to_kv_pool.get_contiguous_buf_infos is infos  # nothing re-attached
 
 
 # ------------------------------------------------------------------ pump and modes
@@ -278,23 +389,24 @@ def test_dsv4_groups_run_clean_and_catch_a_remap() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "flag"),
     [
-        ("kv_canary", "loud", "--kv-canary"),
-        ("kv_canary_real_data", "some", "--kv-canary-real-data"),
-        ("kv_canary_real_data_layers", "last", "--kv-canary-real-data-layers"),
-        ("kv_canary_ring_capacity", 0, "--kv-canary-ring-capacity"),
-        ("kv_canary_verify_capacity", -1, "--kv-canary-verify-capacity"),
+        ("mode", "loud", "--kv-canary"),
+        ("real_data", "some", "--kv-canary-real-data"),
+        ("real_data_layers", "last", "--kv-canary-real-data-layers"),
+        ("ring_capacity", 0, "--kv-canary-ring-capacity"),
+        ("verify_capacity", -1, "--kv-canary-verify-capacity"),
     ],
 )
 def test_bad_canary_config_names_flag_value_and_allowed(field: str, value: object,
                                                         flag: str) -> None:  # fmt: skip
     with pytest.raises(ValueError) as e:
-        EngineConfig(**{"kv_canary": "log", field: value})
-    assert str(e.value).startswith(f"{flag} ({field})={value!r} is invalid: allowed ")
+        CanaryConfig(**{"mode": "log", field: value})
+    dest = flag[2:].replace("-", "_")  # the flag's argparse dest
+    assert str(e.value).startswith(f"{flag} ({dest})={value!r} is invalid: allowed ")
 
 
 def test_canary_options_without_a_mode_are_refused() -> None:
     with pytest.raises(ValueError, match=r"--kv-canary-v-half \(kv_canary_v_half\)=True is invalid"):
-        EngineConfig(kv_canary_v_half=True)
+        EngineConfig(canary=CanaryConfig(v_half=True))
 
 
 def test_none_installs_nothing() -> None:
@@ -312,8 +424,12 @@ def test_engine_without_canary_never_imports_it() -> None:
         "import sys; from kvcanary import Engine, EngineConfig\n"
         "e = Engine(EngineConfig(model='builtin:tiny-mha', max_total_tokens=64))\n"
         "assert e.canary is None and e.runner.canary is None\n"
-        "print(' '.join(m for m in sys.modules if m.startswith('kvcanary.canary.')))"
+        "print(' '.join(m for m in sys.modules if m.startswith(('kvcanary.canary.', "
+        "'kvcanary.integrations'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    runtime = {"install", "adapters", "manager", "kernels", "buffers", "single_forward", "pump"}
-    assert not {f"kvcanary.canary.{m}" for m in runtime} & set(out.stdout.split())
+    runtime = {"install", "adapters", "manager", "kernels", "buffers", "single_forward", "pump",
+               "host"}  # fmt: skip
+    loaded = set(out.stdout.split())
+    assert not {f"kvcanary.canary.{m}" for m in runtime} & loaded
+    assert not {"kvcanary.integrations", "kvcanary.integrations.engine_host"} & loaded

@@ -21,7 +21,7 @@ from reference_kernels import real_kv_hash, slot_hash
 
 from kvcanary.canary.constants import CanaryLaunchTag
 from kvcanary.canary.hashing import ANCHOR_HASH_I64
-from kvcanary.canary.plan import VerifyPlan, WritePlan
+from kvcanary.canary.plan_types import VerifyPlan, WritePlan
 from kvcanary.canary.real_kv import RealKvSource
 from kvcanary.canary.records import as_int64_records
 from kvcanary.canary.ring import RunCounters, ViolationRing

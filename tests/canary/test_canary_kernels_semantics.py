@@ -13,7 +13,8 @@ from reference_kernels import slot_hash
 from kvcanary.canary.constants import CanaryLaunchTag as Tag
 from kvcanary.canary.constants import FailReason as FR
 from kvcanary.canary.hashing import to_i64
-from kvcanary.canary.plan import PlanInputs, VerifyPlan, WritePlan, build_plans
+from kvcanary.canary.plan import PlanInputs, build_plans
+from kvcanary.canary.plan_types import VerifyPlan, WritePlan
 from kvcanary.canary.real_kv import RealKvSource
 from kvcanary.canary.records import alloc_canary_buffer, as_int64_records, read_record
 from kvcanary.canary.ring import RunCounters, ViolationRing

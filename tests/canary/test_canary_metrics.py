@@ -9,6 +9,7 @@ from engine_utils import make_prompts, tiny_engine
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcanary import SamplingParams
+from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.metrics import write_metrics_file
 from kvcanary.cli import main
 
@@ -23,7 +24,7 @@ def _samples(path: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 def test_metrics_count_a_detected_remap(tmp_path: Path) -> None:
     # No prefix cache: the prompts' SWA slots are freed as the window slides.
-    engine = tiny_engine(kv_canary="log", kv_canary_swa_divergence_interval=2,
+    engine = tiny_engine(canary=CanaryConfig(mode="log", swa_divergence_interval=2),
                          enable_prefix_cache=False)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for p in make_prompts(3, 50, 60, seed=9):
@@ -35,10 +36,10 @@ def test_metrics_count_a_detected_remap(tmp_path: Path) -> None:
     # Remap one of a's in-window positions to one of b's live slots for one step: a HEAD
     # chain-hash violation.
     pos = a.kv_len - 3
-    saved = sched.req_to_token[a.req_pool_idx, pos].clone()
-    sched.req_to_token[a.req_pool_idx, pos] = sched.req_to_token[b.req_pool_idx, b.kv_len - 3]
+    saved = sched.kv.req_to_token[a.req_pool_idx, pos].clone()
+    sched.kv.req_to_token[a.req_pool_idx, pos] = sched.kv.req_to_token[b.req_pool_idx, b.kv_len - 3]
     engine.step()
-    sched.req_to_token[a.req_pool_idx, pos] = saved
+    sched.kv.req_to_token[a.req_pool_idx, pos] = saved
     engine.step()
     out = tmp_path / "metrics.prom"
     write_metrics_file(engine.canary, out)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from engine_utils import tiny_engine
 
+from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.perturb import (
     PERTURB_MODES,
     PerturbConfig,
@@ -23,6 +24,8 @@ from kvcanary.canary.token_oracle import TokenOracleExpectations, oracle_tokens_
 from kvcanary.engine.forward_batch import ForwardBatch, ForwardMode
 from kvcanary.engine.sampling import oracle_token
 from kvcanary.selftest import FaultCase, run_case, run_selftest
+
+LOG_PARTIAL = CanaryConfig(mode="log", real_data="partial")
 
 
 @pytest.fixture(autouse=True)
@@ -82,7 +85,8 @@ def test_expected_table_and_where_classes_apply() -> None:
 
 def test_same_seed_injects_the_same_faults() -> None:
     def injections(seed: int) -> list[object]:
-        engine = tiny_engine(model="builtin:tiny-swa", kv_canary="log", graph_batch_sizes=())
+        engine = tiny_engine(model="builtin:tiny-swa", canary=CanaryConfig(mode="log"),
+                             graph_batch_sizes=())
         config = PerturbConfig(req_to_token_prob=0.5, page_shift_prob=0.3, stale_reuse_prob=0.3,
                                warmup_steps=3, seed=seed)  # fmt: skip
         perturber = install_perturbation(engine, config)
@@ -98,7 +102,7 @@ def test_same_seed_injects_the_same_faults() -> None:
 
 
 def test_warmup_and_enable_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    engine = tiny_engine(model="builtin:tiny-mha", kv_canary="log")
+    engine = tiny_engine(model="builtin:tiny-mha", canary=CanaryConfig(mode="log"))
     install_perturbation(engine, PerturbConfig(req_to_token_prob=0.2, warmup_steps=2))
     with caplog.at_level(logging.INFO, "kvcanary.canary"):
         engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]] * 2)
@@ -108,7 +112,8 @@ def test_warmup_and_enable_are_logged_once(caplog: pytest.LogCaptureFixture) -> 
 
 
 def test_max_injections_caps_each_mode() -> None:
-    engine = tiny_engine(model="builtin:tiny-mha", kv_canary="log", kv_canary_real_data="partial")
+    engine = tiny_engine(model="builtin:tiny-mha",
+                         canary=CanaryConfig(mode="log", real_data="partial"))
     perturber = install_perturbation(
         engine, PerturbConfig(real_kv_used_prob=1.0, warmup_steps=0, max_injections=2)
     )
@@ -119,16 +124,17 @@ def test_max_injections_caps_each_mode() -> None:
 @pytest.mark.parametrize(
     ("model", "engine_kw", "config", "message"),
     [
-        ("builtin:tiny-swa", dict(kv_canary_real_data="partial"),
+        ("builtin:tiny-swa", dict(canary=LOG_PARTIAL),
          PerturbConfig(real_kv_used_prob=0.1), "target_group=None is invalid"),
-        ("builtin:tiny-mha", dict(kv_canary_real_data="partial"),
+        ("builtin:tiny-mha", dict(canary=LOG_PARTIAL),
          PerturbConfig(real_kv_used_prob=0.1, target_group="swa"), "target_group='swa' is invalid"),
         ("builtin:tiny-mha", {}, PerturbConfig(real_kv_post_forward_prob=0.1),
          "['real_kv_post_forward'] flips real KV bytes: --kv-canary-real-data=none"),
-        ("builtin:tiny-mha", dict(kv_canary_real_data="partial", kv_canary_sweep_interval=2,
+        ("builtin:tiny-mha", dict(canary=CanaryConfig(mode="log", real_data="partial",
+                                                      sweep_interval=2),
                                   enable_prefix_cache=False),
          PerturbConfig(real_kv_unused_cache_prob=0.1), "needs a prefix cache"),
-        ("builtin:tiny-mha", dict(kv_canary_real_data="partial"),
+        ("builtin:tiny-mha", dict(canary=LOG_PARTIAL),
          PerturbConfig(real_kv_unused_cache_prob=0.1), "--kv-canary-sweep-interval=0"),
         ("builtin:tiny-mha", {}, PerturbConfig(swa_mapping_prob=0.1), "needs a pool with an SWA group"),
         ("builtin:tiny-mha", {}, PerturbConfig(next_token_swap_prob=0.1), "token_oracle=True"),
@@ -136,7 +142,7 @@ def test_max_injections_caps_each_mode() -> None:
 )  # fmt: skip
 def test_bad_perturbation_setups_are_refused(model: str, engine_kw: dict, config: PerturbConfig,
                                              message: str) -> None:  # fmt: skip
-    engine = tiny_engine(model=model, kv_canary="log", **engine_kw)
+    engine = tiny_engine(model=model, **{"canary": CanaryConfig(mode="log"), **engine_kw})
     with pytest.raises(ValueError, match=re.escape(message)):
         install_perturbation(engine, config)
     assert engine.canary.perturber is None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary.canary.plan import CanaryPlans, PlanInputs, VerifyPlan, build_plans
+from kvcanary.canary.plan import CanaryPlans, PlanInputs, build_plans
+from kvcanary.canary.plan_types import VerifyPlan
 
 
 def t(values: list[int]) -> torch.Tensor:

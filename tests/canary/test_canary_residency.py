@@ -4,11 +4,14 @@ allocator, the scheduler's eviction policy, the req->token table), not through p
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from engine_utils import make_prompts, start_decoding, tiny_engine
 
 from kvcanary import Engine
+from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.explain import explain
 
 PROMPTS = make_prompts(3, 44, 60, seed=5)
@@ -24,7 +27,8 @@ def _finish(engine: Engine) -> dict[int, list[int]]:
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_raw_free_swa_of_an_in_window_page_is_not_resident(page_size: int) -> None:
-    engine = tiny_engine(kv_canary="log", page_size=page_size, graph_batch_sizes=())
+    engine = tiny_engine(canary=CanaryConfig(mode="log"), page_size=page_size,
+                         graph_batch_sizes=())
     start_decoding(engine, PROMPTS)
     a = engine.running_requests()[0]
     row = engine.runner.req_to_token_pool.req_to_token[a.req_pool_idx]
@@ -45,10 +49,10 @@ NO_CACHE = dict(graph_batch_sizes=(), enable_prefix_cache=False)  # requests own
 
 
 def test_eviction_frontier_off_by_pages_is_detected_and_explained() -> None:
-    engine = tiny_engine(kv_canary="log", **NO_CACHE)
+    engine = tiny_engine(canary=CanaryConfig(mode="log"), **NO_CACHE)
     clean = _finish_clean()
     start_decoding(engine, PROMPTS)
-    engine.scheduler.window = WINDOW - 12  # the policy evicts 3 pages too early
+    engine.kv.spec = replace(engine.kv.spec, window=WINDOW - 12)  # evicts 3 pages too early
     outs = _finish(engine)
     rows = [r for r in engine.canary.violations if "verify_not_resident" in r.fail_reasons]
     assert rows and all(r.launch_tag == "HEAD_K_SWA" for r in rows)
@@ -66,7 +70,7 @@ def test_eviction_frontier_off_by_pages_is_detected_and_explained() -> None:
 
 
 def _finish_clean() -> dict[int, list[int]]:
-    engine = tiny_engine(kv_canary="log", **NO_CACHE)
+    engine = tiny_engine(canary=CanaryConfig(mode="log"), **NO_CACHE)
     start_decoding(engine, PROMPTS)
     outs = _finish(engine)
     assert engine.canary.violations == []
@@ -80,9 +84,9 @@ def test_the_position_just_outside_what_attention_reads_may_be_evicted(
     """Position len - W is verified when resident but attention never reads it. Page 1:
     frontier = kv_len - policy_window - 1, so W - 2 frees exactly up to len - W (legal:
     silent, same tokens) and W - 3 one position more (read by attention: reported)."""
-    engine = tiny_engine(kv_canary="log", page_size=1, **NO_CACHE)
+    engine = tiny_engine(canary=CanaryConfig(mode="log"), page_size=1, **NO_CACHE)
     start_decoding(engine, PROMPTS)
-    engine.scheduler.window = policy_window
+    engine.kv.spec = replace(engine.kv.spec, window=policy_window)
     outs = _finish(engine)
     rows = engine.canary.violations
     assert bool(rows) == violates
@@ -94,7 +98,7 @@ def test_the_position_just_outside_what_attention_reads_may_be_evicted(
 
 @pytest.mark.parametrize("model", ["builtin:tiny-mha", "builtin:tiny-swa"])
 def test_a_zeroed_req_to_token_entry_is_a_missing_slot(model: str) -> None:
-    engine = tiny_engine(model=model, kv_canary="log", graph_batch_sizes=())
+    engine = tiny_engine(model=model, canary=CanaryConfig(mode="log"), graph_batch_sizes=())
     start_decoding(engine, PROMPTS)
     a = engine.running_requests()[1]
     engine.runner.req_to_token_pool.req_to_token[a.req_pool_idx, 7] = 0

@@ -22,6 +22,7 @@ import torch
 from canary_testlib import ToyKvSystem, make_sources
 
 from kvcanary.canary import kernels_numba, kernels_torch
+from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.constants import NO_SLOT
 from kvcanary.canary.constants import CanaryLaunchTag as Tag
 from kvcanary.canary.plan import CanaryPlans, PlanInputs, build_plans
@@ -318,8 +319,8 @@ def _faulty_run(monkeypatch: pytest.MonkeyPatch, backend: str, model: str) -> tu
     from kvcanary.canary.perturb.manager import install_perturbation
 
     monkeypatch.setenv("KVCANARY_KV_CANARY_KERNEL_BACKEND", backend)
-    engine = tiny_engine(model=model, kv_canary="log", kv_canary_real_data="partial",
-                         kv_canary_v_half=True, kv_canary_verify_tokens=True,
+    canary = CanaryConfig(mode="log", real_data="partial", v_half=True, verify_tokens=True)
+    engine = tiny_engine(model=model, canary=canary,
                          chunked_prefill_size=16, graph_batch_sizes=(1, 2, 8))  # fmt: skip
     swa = model == "builtin:tiny-swa"
     install_perturbation(engine, PerturbConfig(

@@ -13,6 +13,7 @@ import torch
 from engine_utils import make_prompts, start_decoding, tiny_engine
 
 from kvcanary import Engine, SamplingParams
+from kvcanary.canary.config import CanaryConfig
 
 PROMPTS = make_prompts(3, 44, 60, seed=5)
 MODELS = ["builtin:tiny-mha", "builtin:tiny-swa"]
@@ -57,7 +58,7 @@ def test_a_lost_store_is_a_tail_kv_store_violation(
     model: str, group: str, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KVCANARY_KV_CANARY_KERNEL_BACKEND", backend)
-    engine = tiny_engine(model=model, kv_canary="log", kv_canary_real_data="partial",
+    engine = tiny_engine(model=model, canary=CanaryConfig(mode="log", real_data="partial"),
                          graph_batch_sizes=())  # fmt: skip
     start_decoding(engine, PROMPTS)
     a = engine.running_requests()[1]
@@ -86,7 +87,7 @@ def test_a_lost_store_is_a_tail_kv_store_violation(
 def test_a_misdirected_store_is_caught_although_records_are_right(model: str, group: str) -> None:
     """Two tokens' store targets swapped inside attention: each slot holds self-consistent
     bytes, only not its own token's."""
-    engine = tiny_engine(model=model, kv_canary="log", kv_canary_real_data="partial",
+    engine = tiny_engine(model=model, canary=CanaryConfig(mode="log", real_data="partial"),
                          graph_batch_sizes=())  # fmt: skip
     start_decoding(engine, PROMPTS)
     layer_id, _ = _first_layer(engine, group)
@@ -114,8 +115,9 @@ def test_a_misdirected_store_is_caught_although_records_are_right(model: str, gr
 @pytest.mark.parametrize("model", MODELS)
 def test_clean_runs_with_every_real_data_mode_are_silent(model: str) -> None:
     for real_data, v_half, layers in (("partial", False, "first"), ("all", True, "all")):
-        engine = tiny_engine(model=model, kv_canary="raise", kv_canary_real_data=real_data,
-                             kv_canary_v_half=v_half, kv_canary_real_data_layers=layers,
+        canary = CanaryConfig(mode="raise", real_data=real_data, v_half=v_half,
+                              real_data_layers=layers)
+        engine = tiny_engine(model=model, canary=canary,
                              chunked_prefill_size=16, graph_batch_sizes=(1, 2, 4))  # fmt: skip
         outs = engine.generate(make_prompts(4, 40, 70, shared=16, seed=1),
                                SamplingParams(max_new_tokens=30, ignore_eos=True))

@@ -14,6 +14,7 @@ import torch
 from engine_utils import tiny_engine
 
 from kvcanary import SamplingParams
+from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.constants import PoolKind
 from kvcanary.canary.delayed import DelayedDeviceHostHandler
 from kvcanary.canary.swa_divergence import (
@@ -205,16 +206,18 @@ def _run_logged(caplog: pytest.LogCaptureFixture, prompt_len: int, max_new_token
 
 
 def test_three_signals_on_a_run_that_outgrows_the_window(caplog: pytest.LogCaptureFixture) -> None:
-    text, outs = _run_logged(caplog, 40, 40, kv_canary="log", kv_canary_swa_divergence_interval=5)
+    text, outs = _run_logged(caplog, 40, 40,
+                             canary=CanaryConfig(mode="log", swa_divergence_interval=5))
     last = assert_swa_divergence_observed(text)
     assert last.verify_swa < last.verify_full
     # Purely an observer: the same run without it produces the same tokens.
-    _, plain = _run_logged(caplog, 40, 40, kv_canary="log")
+    _, plain = _run_logged(caplog, 40, 40, canary=CanaryConfig(mode="log"))
     assert outs == plain
 
 
 def test_no_out_of_window_tokens_on_a_run_inside_the_window(caplog: pytest.LogCaptureFixture) -> None:
-    text, _ = _run_logged(caplog, 12, 12, kv_canary="log", kv_canary_swa_divergence_interval=2)
+    text, _ = _run_logged(caplog, 12, 12,
+                          canary=CanaryConfig(mode="log", swa_divergence_interval=2))
     samples = [r for r, _ in SwaDivergenceLog.find_all(text)]
     assert samples and all(s.swa_out_of_window_tokens == 0 for s in samples)
     assert samples[-1].verify_swa == samples[-1].verify_full  # the window never clipped
@@ -226,8 +229,8 @@ def test_interval_defaults_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     from kvcanary.config import EngineConfig
 
     monkeypatch.setenv("KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL", "20")
-    assert EngineConfig().kv_canary_swa_divergence_interval == 20
-    assert EngineConfig(kv_canary_swa_divergence_interval=3).kv_canary_swa_divergence_interval == 3
+    assert EngineConfig().canary.swa_divergence_interval == 20
+    assert CanaryConfig(swa_divergence_interval=3).swa_divergence_interval == 3
     monkeypatch.setenv("KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL", "-1")
     with pytest.raises(ValueError, match="KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL='-1' is invalid"):
         EngineConfig()

@@ -12,6 +12,7 @@ import torch
 from engine_utils import make_prompts, tiny_engine
 
 from kvcanary import Engine, SamplingParams
+from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.constants import CANARY_FIELD_TOKEN, KvHalf, LaunchStage, PoolKind
 from kvcanary.canary.perturb.faults import flip_byte, group_slot
 from kvcanary.canary.perturb.slots import unlocked_cached_slots
@@ -42,11 +43,11 @@ CACHED_WAVE = [_SHARED + [_rng.randrange(256) for _ in range(6)] for _ in range(
 OTHER_WAVE = make_prompts(3, 20, 30, seed=12)  # shares nothing with the cached wave
 
 
-def _cache_then_run(model: str, corrupt, **config) -> Engine:
+def _cache_then_run(model: str, corrupt, sweep_interval: int = 0) -> Engine:
     """Wave 1 fills the prefix cache and finishes; ``corrupt(engine)`` damages a cached slot;
     wave 2 (unrelated prompts) runs 12 decode steps."""
-    engine = tiny_engine(model=model, kv_canary="log", kv_canary_real_data="partial",
-                         graph_batch_sizes=(), **config)  # fmt: skip
+    canary = CanaryConfig(mode="log", real_data="partial", sweep_interval=sweep_interval)
+    engine = tiny_engine(model=model, canary=canary, graph_batch_sizes=())
     engine.generate(CACHED_WAVE, SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert engine.canary.violations == []
     corrupt(engine)
@@ -57,7 +58,7 @@ def _cache_then_run(model: str, corrupt, **config) -> Engine:
 def _cached_slot(engine: Engine, group_kind: PoolKind) -> tuple[int, int]:
     """(full slot, group slot) of a cached slot no running request holds."""
     group = next(g for g in engine.canary.groups if g.kind == group_kind)
-    full = unlocked_cached_slots(engine.scheduler.cache, group.swa_index_lut)[5]
+    full = unlocked_cached_slots(engine.kv.prefix_cache, group.swa_index_lut)[5]
     return full, group_slot(group, full)
 
 
@@ -75,7 +76,7 @@ def test_sweep_catches_a_byte_flip_in_cached_but_unused_kv(model: str, kind: Poo
 
     # Without a sweep nothing reads the cached prefix: the flip goes unnoticed.
     assert _cache_then_run(model, corrupt).canary.violations == []
-    engine = _cache_then_run(model, corrupt, kv_canary_sweep_interval=3)
+    engine = _cache_then_run(model, corrupt, sweep_interval=3)
     rows = engine.canary.violations
     assert rows and {(r.launch_tag, r.fail_reasons, r.slot_idx) for r in rows} == {
         (f"SWEEP_K_{kind.name}", ("verify_real_kv_hash",), flipped[-1])
@@ -92,7 +93,7 @@ def test_sweep_catches_a_corrupted_record_of_a_cached_prefix() -> None:
         tail = engine.canary.groups[0].records(LaunchStage.TAIL, KvHalf.K)
         as_int64_records(tail)[full, CANARY_FIELD_TOKEN] += 1
 
-    engine = _cache_then_run("builtin:tiny-mha", corrupt, kv_canary_sweep_interval=2)
+    engine = _cache_then_run("builtin:tiny-mha", corrupt, sweep_interval=2)
     rows = engine.canary.violations
     assert rows and {(r.launch_tag, r.fail_reasons) for r in rows} == {
         ("SWEEP_K_FULL", ("verify_chain_hash",))
@@ -103,8 +104,8 @@ def test_clean_sweeps_over_tombstones_retraction_and_sharing_are_silent(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """SWA pool under pressure (prefix-cache tombstones, retraction), every step swept."""
-    engine = tiny_engine(model="builtin:tiny-swa", kv_canary="raise", kv_canary_real_data="partial",
-                         kv_canary_v_half=True, kv_canary_sweep_interval=1,
+    canary = CanaryConfig(mode="raise", real_data="partial", v_half=True, sweep_interval=1)
+    engine = tiny_engine(model="builtin:tiny-swa", canary=canary,
                          max_total_tokens=256, swa_full_tokens_ratio=0.5, chunked_prefill_size=32)  # fmt: skip
     prompts = [_SHARED + p[:20] for p in make_prompts(5, 20, 40, seed=13)]
     with caplog.at_level(logging.INFO, "kvcanary.canary"):
@@ -120,7 +121,8 @@ def test_clean_sweeps_over_tombstones_retraction_and_sharing_are_silent(
 
 
 def test_sweep_without_a_prefix_cache_does_nothing() -> None:
-    engine = tiny_engine(model="builtin:tiny-mha", kv_canary="log", kv_canary_sweep_interval=1,
+    engine = tiny_engine(model="builtin:tiny-mha",
+                         canary=CanaryConfig(mode="log", sweep_interval=1),
                          enable_prefix_cache=False)  # fmt: skip
     engine.generate(OTHER_WAVE, SamplingParams(max_new_tokens=4))
     stats = engine.canary.stats()

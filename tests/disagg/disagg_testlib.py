@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from kvcanary.canary.config import CanaryConfig
 from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.disagg.config import DisaggConfig
 from kvcanary.disagg.prealloc import DecodePreallocQueue
@@ -53,7 +54,7 @@ def memory_scheduler(
 
 def prealloc_queue(sched: Scheduler, **disagg: Any) -> DecodePreallocQueue:
     disagg.setdefault("transfer_backend", "inproc")
-    return DecodePreallocQueue(sched, DisaggConfig(**disagg))
+    return DecodePreallocQueue(sched.kv, sched, DisaggConfig(**disagg))
 
 
 _rids = iter(range(1, 1 << 30))
@@ -68,10 +69,10 @@ def make_req(prompt_len: int, max_new_tokens: int = 1, outputs: int = 0) -> Req:
 
 def memory_state(sched: Scheduler) -> tuple[Any, ...]:
     """Everything a leak would change."""
-    a = sched.allocator
+    a = sched.kv.allocator
     sizes = (a.full_available_size(), a.swa_available_size()) if isinstance(a, SWAAllocator) \
         else (a.available_size(),)  # fmt: skip
-    return (*sizes, sched.req_to_token_pool.available_size(), deque(sched.running))
+    return (*sizes, sched.kv.req_to_token_pool.available_size(), deque(sched.running))
 
 
 # ---------------------------------------------------------------------------- engines
@@ -79,8 +80,8 @@ def memory_state(sched: Scheduler) -> tuple[Any, ...]:
 
 def tiny_config(model: str = "builtin:tiny-swa", **overrides: Any) -> EngineConfig:
     base: dict[str, Any] = dict(model=model, page_size=4, max_total_tokens=4096,
-                                max_context_len=1024, kv_canary="raise",
-                                kv_canary_real_data="partial")  # fmt: skip
+                                max_context_len=1024,
+                                canary=CanaryConfig(mode="raise", real_data="partial"))  # fmt: skip
     base.update(overrides)
     return EngineConfig(**base)
 

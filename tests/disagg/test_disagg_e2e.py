@@ -9,6 +9,7 @@ import pytest
 from disagg_testlib import assert_side_clean, greedy, prompts, tiny_config
 
 from kvcanary import Engine
+from kvcanary.canary.config import CanaryConfig
 from kvcanary.disagg.cluster import DisaggCluster
 from kvcanary.disagg.config import DisaggConfig, DisaggFaults
 
@@ -44,7 +45,7 @@ def test_two_processes_equal_colocated(model) -> None:
 def test_canary_across_the_wire(faults, reason) -> None:
     """A fault on the prefill side or in the transfer: only the decode side reports it, on
     the request's first decode forward (one request, so that is the decode side's first)."""
-    outs, reports, _ = _run(tiny_config(kv_canary="log"), prompts(1, 40, 60, seed=12), greedy(4),
+    outs, reports, _ = _run(tiny_config(canary=CanaryConfig(mode="log", real_data="partial")), prompts(1, 40, 60, seed=12), greedy(4),
                             faults)  # fmt: skip
     assert reports["prefill"]["canary"]["violations"] == []
     rows = reports["decode"]["canary"]["violations"]

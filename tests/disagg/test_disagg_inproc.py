@@ -9,6 +9,7 @@ import pytest
 from disagg_testlib import assert_side_clean, greedy, prompts, tiny_config
 
 from kvcanary import Engine, SamplingParams
+from kvcanary.canary.config import CanaryConfig
 from kvcanary.disagg.cluster import InProcessDisagg
 from kvcanary.disagg.config import DisaggConfig, DisaggFaults
 from kvcanary.disagg.protocol import DisaggError
@@ -84,7 +85,7 @@ def _violations(report) -> list[dict]:
 
 
 def test_byte_flip_on_prefill_reported_on_decode_only() -> None:
-    config = tiny_config(kv_canary="log")
+    config = tiny_config(canary=CanaryConfig(mode="log", real_data="partial"))
     outs, reports = _disagg(config, config, [prompts(2, 40, 60, seed=4)], greedy(4),
                             faults=DisaggFaults(real_kv_post_forward=True))  # fmt: skip
     assert _violations(reports["prefill"]) == []
@@ -95,7 +96,7 @@ def test_byte_flip_on_prefill_reported_on_decode_only() -> None:
 
 
 def test_transfer_one_page_off_reported_on_first_decode_forward() -> None:
-    config = tiny_config(kv_canary="log")
+    config = tiny_config(canary=CanaryConfig(mode="log", real_data="partial"))
     outs, reports = _disagg(config, config, [prompts(1, 60, 60, seed=5)], greedy(4),
                             faults=DisaggFaults(page_offset=1))  # fmt: skip
     assert _violations(reports["prefill"]) == []
@@ -148,8 +149,8 @@ def test_request_that_never_fits_fails_fast() -> None:
 
 @pytest.mark.parametrize(
     "decode_overrides",
-    [{"kv_canary": "none", "kv_canary_real_data": "none"},  # records missing on one side
-     {"kv_canary_real_data": "none"},  # records without the real-KV fingerprint
+    [{"canary": CanaryConfig(mode="none")},  # records missing on one side
+     {"canary": CanaryConfig(mode="raise")},  # records without the real-KV fingerprint
      {"page_size": 8}],
 )  # fmt: skip
 def test_layout_mismatch_is_refused(decode_overrides) -> None:

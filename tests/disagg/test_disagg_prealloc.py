@@ -82,7 +82,7 @@ def test_budget_formulas(swa_used_pages, expect_full, expect_swa) -> None:
     sched = memory_scheduler(window=128, page_size=64, full_tokens=4096, swa_tokens=1024)
     q = prealloc_queue(sched, num_reserved_decode_tokens=16)
     if swa_used_pages:
-        assert sched.allocator.swa_attn_allocator.alloc(swa_used_pages * 64) is not None
+        assert sched.kv.allocator.swa_attn_allocator.alloc(swa_used_pages * 64) is not None
     sched.running.append(make_req(1000, max_new_tokens=100, outputs=10))
     assert q._allocatable_token_budgets() == (expect_full, expect_swa)
     # A second running request with a huge max_new_tokens: its need is clipped.
@@ -165,10 +165,10 @@ def test_prefix_hit_never_charged_more_than_a_miss(window, page, fill_len) -> No
      (32, 4, 203, 168), (32, 4, 203, 172)],
 )  # fmt: skip
 def test_charge_equals_allocation(window, page, fill_len, prefix_len) -> None:
-    """The pages admission charges are the pages ``_pre_alloc`` takes (one predicate), and
+    """The pages admission charges are the pages ``KVManager.preallocate`` takes (one predicate), and
     the tail path leaves the non-tail positions unmapped."""
     sched = _sized(window, page, fill_len)
-    alloc, r2t = sched.allocator, sched.req_to_token_pool.req_to_token
+    alloc, r2t = sched.kv.allocator, sched.kv.req_to_token_pool.req_to_token
     q = prealloc_queue(sched)
     prefix = None
     if prefix_len:  # a resident prefix, as a decode-side cache hit would hand over
@@ -176,7 +176,7 @@ def test_charge_equals_allocation(window, page, fill_len, prefix_len) -> None:
     full0, swa0 = alloc.full_attn_allocator.num_free_pages(), alloc.swa_attn_allocator.num_free_pages()
     req = make_req(fill_len)
     plan = q._prealloc_plan(fill_len, prefix_len)
-    assert q._pre_alloc(req, plan, prefix)
+    assert sched.kv.preallocate(req, prefix, plan.prefix_len, plan.fill_len, plan.swa_tail_len)
     assert full0 - alloc.full_attn_allocator.num_free_pages() == plan.num_full_pages
     assert swa0 - alloc.swa_attn_allocator.num_free_pages() == plan.num_swa_pages
     mapped = alloc.full_to_swa_index_mapping[r2t[req.req_pool_idx, :fill_len].long()] > 0
@@ -191,10 +191,10 @@ def test_charge_equals_allocation(window, page, fill_len, prefix_len) -> None:
 
 def _assert_only_the_cache_holds_memory(sched) -> None:
     """Every allocated slot is the prefix cache's (eviction may have freed some of it)."""
-    a, c = sched.allocator, sched.cache
+    a, c = sched.kv.allocator, sched.kv.prefix_cache
     assert a.size_full - a.full_available_size() == c.evictable_size() + c.protected_size()
     assert a.size_swa - a.swa_available_size() == c.swa_evictable_size() + c.swa_protected_size()
-    assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
+    assert sched.kv.req_to_token_pool.available_size() == sched.kv.req_to_token_pool.size
     sched.check_integrity()
 
 
@@ -203,7 +203,7 @@ def test_no_leak_when_a_preallocation_fails_halfway(monkeypatch) -> None:
     evicting cache entries): nothing stays held but the cache's own entries."""
     sched = memory_scheduler(window=128, page_size=64, full_tokens=64 * 64, swa_tokens=16 * 64,
                              prefix_cache=True)  # fmt: skip
-    alloc, cache = sched.allocator, sched.cache
+    alloc, cache = sched.kv.allocator, sched.kv.prefix_cache
     cached = alloc.alloc_extend([0], [256], torch.tensor([-1]))
     cache.insert([1] * 256, cached)  # make_req prompts are all ones: a 256-token hit
     q = prealloc_queue(sched)

@@ -61,8 +61,8 @@ def assert_all_memory_free(engine: Engine) -> None:
     sched = engine.scheduler
     assert not sched.has_unfinished()
     engine.check_integrity()
-    if sched.cache is not None:
-        sched.cache.free_all()
+    if sched.kv.prefix_cache is not None:
+        sched.kv.prefix_cache.free_all()
     alloc = engine.runner.allocator
     if engine.runner.is_swa:
         assert alloc.full_available_size() == alloc.size_full

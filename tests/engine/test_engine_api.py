@@ -16,7 +16,7 @@ from kvcanary.canary.hashing import splitmix64
     [
         ("page_size", 0, ">= 1"),
         ("swa_full_tokens_ratio", 1.5, "(0, 1]"),
-        ("kv_canary", "loud", "one of"),
+        ("canary", "loud", "a kvcanary.canary.config.CanaryConfig"),
         ("dtype", "int8", "one of"),
         ("graph_batch_sizes", (4, 2), "strictly increasing"),
         ("max_total_tokens", 3, ">= 2 * page_size"),
@@ -98,7 +98,7 @@ def test_abort_requests_referencing_a_slot_spares_the_others() -> None:
         engine.step()
     sched = engine.scheduler
     victim = next(r for r in sched.running if r.rid == rids[1])
-    slot = sched.req_to_token[victim.req_pool_idx, 5].to(torch.int64).reshape(1)
+    slot = sched.kv.req_to_token[victim.req_pool_idx, 5].to(torch.int64).reshape(1)
     assert sched.abort_requests_referencing(slot) == [victim.rid]
     done = {}
     while engine.has_unfinished():
@@ -122,12 +122,12 @@ def test_abort_drops_the_corrupt_prefix_from_the_cache() -> None:
     for _ in range(2):
         engine.step()
     sched = engine.scheduler
-    assert sched.cache is not None and sched.cache.total_size() > 0
-    shared_slot = sched.req_to_token[sched.running[0].req_pool_idx, 3].to(torch.int64).reshape(1)
+    assert sched.kv.prefix_cache is not None and sched.kv.prefix_cache.total_size() > 0
+    shared_slot = sched.kv.req_to_token[sched.running[0].req_pool_idx, 3].to(torch.int64).reshape(1)
     aborted = sched.abort_requests_referencing(shared_slot)
     assert sorted(aborted) == sorted(rids)  # every request shares the corrupt prefix page
     # A newcomer with the same prefix must recompute it, not reuse the corrupt slots.
-    assert sched.cache.match_prefix(prompts[0]).num_tokens == 0
+    assert sched.kv.prefix_cache.match_prefix(prompts[0]).num_tokens == 0
     while engine.has_unfinished():
         engine.step()
     engine.check_integrity()

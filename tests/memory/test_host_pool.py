@@ -53,20 +53,12 @@ def test_mha_round_trip(chunk_size: int, dtype: torch.dtype) -> None:
     fill_random(pool.all_buffers(), 0)
     idx = torch.tensor([5, 9, 3, 17, 30, 1, 2])
     saved = rows(pool.all_buffers(), idx)
-    copy = pool.get_cpu_copy(idx, chunk_size=chunk_size)
+    copy = host_pool.get_cpu_copy(pool, idx, chunk_size=chunk_size)
     assert set(copy) == {"full"} and len(copy["full"]) == 6 and copy["full"][0].device.type == "cpu"
     fill_random(pool.all_buffers(), 1)  # the slots are reused meanwhile
     new_idx = torch.tensor([20, 21, 22, 23, 24, 25, 26])
-    pool.load_cpu_copy(copy, new_idx, chunk_size=chunk_size)
+    host_pool.load_cpu_copy(pool, copy, new_idx, chunk_size=chunk_size)
     assert same(rows(pool.all_buffers(), new_idx), saved)
-
-
-def test_module_functions_match_methods() -> None:
-    pool = MHAKVPool(16, 1, torch.float32, 1, 2, 1)
-    fill_random(pool.all_buffers(), 0)
-    idx = torch.tensor([1, 2])
-    a, b = host_pool.get_cpu_copy(pool, idx), pool.get_cpu_copy(idx)
-    assert same(a["full"], b["full"])
 
 
 # ---------------------------------------------------------------- SWA
@@ -74,7 +66,7 @@ def test_swa_copy_skips_unmapped_rows() -> None:
     pool, alloc = make_swa()
     full = alloc.alloc_extend_swa_tail(0, 10, -1, 6)  # positions 4..9 have SWA slots
     fill_random(all_bufs(pool.full_kv_pool) + all_bufs(pool.swa_kv_pool), 0)
-    copy = pool.get_cpu_copy(full, chunk_size=4)
+    copy = host_pool.get_cpu_copy(pool, full, chunk_size=4)
     mask = copy["swa_mask"]
     assert mask.dtype == torch.bool and mask.device.type == "cpu"
     assert mask.tolist() == [False] * 4 + [True] * 6
@@ -91,10 +83,10 @@ def test_swa_round_trip_same_indices_restores_exactly_and_leaves_sink() -> None:
     fill_random(pool.full_kv_pool.all_buffers() + pool.swa_kv_pool.all_buffers(), 0)
     want_full = rows(pool.full_kv_pool.all_buffers(), full)
     want_swa = rows(pool.swa_kv_pool.all_buffers(), swa[4:])
-    copy = pool.get_cpu_copy(full, chunk_size=3)
+    copy = host_pool.get_cpu_copy(pool, full, chunk_size=3)
     fill_random(pool.full_kv_pool.all_buffers() + pool.swa_kv_pool.all_buffers(), 1)
     sink = rows(pool.swa_kv_pool.all_buffers(), torch.tensor([0]))
-    pool.load_cpu_copy(copy, full, chunk_size=3)
+    host_pool.load_cpu_copy(pool, copy, full, chunk_size=3)
     assert same(rows(pool.full_kv_pool.all_buffers(), full), want_full)
     assert same(rows(pool.swa_kv_pool.all_buffers(), swa[4:]), want_swa)
     assert same(rows(pool.swa_kv_pool.all_buffers(), torch.tensor([0])), sink)  # never written
@@ -109,7 +101,7 @@ def test_swa_load_into_indices_with_a_different_mapping() -> None:
     fill_random(pool.full_kv_pool.all_buffers() + pool.swa_kv_pool.all_buffers(), 0)
     want_full = rows(pool.full_kv_pool.all_buffers(), old)
     want_tail = rows(pool.swa_kv_pool.all_buffers(), alloc.full_to_swa_index_mapping[old[8:]])
-    copy = pool.get_cpu_copy(old)
+    copy = host_pool.get_cpu_copy(pool, old)
     alloc.free(old)  # retracted
     alloc.alloc_extend([0], [8], torch.tensor([-1]))  # someone else takes the first pages
     new = alloc.alloc_extend_swa_tail(0, 12, -1, 4)
@@ -117,7 +109,7 @@ def test_swa_load_into_indices_with_a_different_mapping() -> None:
     assert not torch.equal(new, old) and new_swa[:8].tolist() == [0] * 8
     fill_random(pool.swa_kv_pool.all_buffers(), 1)
     swa_before = [b.clone() for b in pool.swa_kv_pool.all_buffers()]
-    pool.load_cpu_copy(copy, new)
+    host_pool.load_cpu_copy(pool, copy, new)
     assert same(rows(pool.full_kv_pool.all_buffers(), new), want_full)
     assert same(rows(pool.swa_kv_pool.all_buffers(), new_swa[8:]), want_tail)
     untouched = torch.ones(pool.swa_kv_pool.num_slots, dtype=torch.bool)
@@ -132,13 +124,13 @@ def test_swa_load_new_slots_without_saved_rows_are_left_alone() -> None:
     old = alloc.alloc_extend_swa_tail(0, 8, -1, 4)  # saved SWA rows for positions 4..7 only
     fill_random(pool.swa_kv_pool.all_buffers(), 0)
     want_tail = rows(pool.swa_kv_pool.all_buffers(), alloc.full_to_swa_index_mapping[old[4:]])
-    copy = pool.get_cpu_copy(old)
+    copy = host_pool.get_cpu_copy(pool, old)
     alloc.free(old)
     new = alloc.alloc_extend([0], [8], torch.tensor([-1]))  # every position mapped now
     new_swa = alloc.full_to_swa_index_mapping[new]
     fill_random(pool.swa_kv_pool.all_buffers(), 1)
     head_before = rows(pool.swa_kv_pool.all_buffers(), new_swa[:4])
-    pool.load_cpu_copy(copy, new)
+    host_pool.load_cpu_copy(pool, copy, new)
     assert same(rows(pool.swa_kv_pool.all_buffers(), new_swa[4:]), want_tail)
     assert same(rows(pool.swa_kv_pool.all_buffers(), new_swa[:4]), head_before)
 
@@ -146,9 +138,9 @@ def test_swa_load_new_slots_without_saved_rows_are_left_alone() -> None:
 def test_nothing_mapped_on_either_side() -> None:
     pool, alloc = make_swa()
     full = alloc.alloc_extend_swa_tail(0, 8, -1, 0)
-    copy = pool.get_cpu_copy(full)
+    copy = host_pool.get_cpu_copy(pool, full)
     assert not bool(copy["swa_mask"].any()) and all(c.shape[0] == 0 for c in copy["swa"])
-    pool.load_cpu_copy(copy, full)
+    host_pool.load_cpu_copy(pool, copy, full)
 
 
 # ---------------------------------------------------------------- extra slot buffers
@@ -162,10 +154,10 @@ def test_canary_records_ride_along() -> None:
     swa = alloc.full_to_swa_index_mapping[full][4:]
     fill_random([full_rec, swa_rec], 0)
     want = full_rec[full].clone(), swa_rec[swa].clone()
-    copy = pool.get_cpu_copy(full)
+    copy = host_pool.get_cpu_copy(pool, full)
     assert len(copy["full"]) == 2 + 1 and len(copy["swa"]) == 4 + 1  # K, V layers + records
     fill_random([full_rec, swa_rec], 1)
-    pool.load_cpu_copy(copy, full)
+    host_pool.load_cpu_copy(pool, copy, full)
     assert torch.equal(full_rec[full], want[0]) and torch.equal(swa_rec[swa], want[1])
 
 
@@ -176,20 +168,20 @@ def test_mha_extra_slot_buffer_round_trip() -> None:
     fill_random(all_bufs(pool), 0)
     idx = torch.arange(4, 12)
     want = rows(all_bufs(pool), idx)
-    copy = pool.get_cpu_copy(idx)
+    copy = host_pool.get_cpu_copy(pool, idx)
     fill_random(all_bufs(pool), 1)
-    pool.load_cpu_copy(copy, idx)
+    host_pool.load_cpu_copy(pool, copy, idx)
     assert same(rows(all_bufs(pool), idx), want)
 
 
 # ---------------------------------------------------------------- failures
 def test_copy_from_before_a_registration_is_rejected_without_writes() -> None:
     pool = MHAKVPool(16, 1, torch.float32, 1, 2, 1)
-    copy = pool.get_cpu_copy(torch.tensor([1, 2]))
+    copy = host_pool.get_cpu_copy(pool, torch.tensor([1, 2]))
     pool.register_slot_buffer(torch.zeros(pool.num_slots, 32, dtype=torch.uint8))
     before = [b.clone() for b in all_bufs(pool)]
     with pytest.raises(ValueError, match="registered between save and load"):
-        pool.load_cpu_copy(copy, torch.tensor([1, 2]))
+        host_pool.load_cpu_copy(pool, copy, torch.tensor([1, 2]))
     assert same(all_bufs(pool), before)
 
 
@@ -197,18 +189,18 @@ def test_copy_from_before_a_registration_is_rejected_without_writes() -> None:
 def test_wrong_number_of_indices_is_rejected_without_writes(new_len: int) -> None:
     pool, alloc = make_swa()
     full = alloc.alloc_extend([0], [3], torch.tensor([-1]))
-    copy = pool.get_cpu_copy(full)
+    copy = host_pool.get_cpu_copy(pool, full)
     fill_random(pool.full_kv_pool.all_buffers(), 1)
     before = [b.clone() for b in pool.full_kv_pool.all_buffers()]
     with pytest.raises(ValueError):
-        pool.load_cpu_copy(copy, torch.arange(4, 4 + new_len))
+        host_pool.load_cpu_copy(pool, copy, torch.arange(4, 4 + new_len))
     assert same(pool.full_kv_pool.all_buffers(), before)
 
 
 def test_bad_chunk_size_and_unsupported_pool() -> None:
     pool = MHAKVPool(16, 1, torch.float32, 1, 2, 1)
     with pytest.raises(ValueError, match="chunk_size"):
-        pool.get_cpu_copy(torch.tensor([1]), chunk_size=0)
+        host_pool.get_cpu_copy(pool, torch.tensor([1]), chunk_size=0)
     dsv4 = DSV4KVPool(16, 16, 4, [0, 4], 8, 4, torch.float32)
     with pytest.raises(NotImplementedError, match="MHAKVPool, SWAKVPool"):
-        dsv4.get_cpu_copy(torch.tensor([1]))
+        host_pool.get_cpu_copy(dsv4, torch.tensor([1]))

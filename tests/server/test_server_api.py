@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcanary import Engine, EngineConfig, SamplingParams
+from kvcanary.canary.config import CanaryConfig
 from kvcanary.cli import main
 from kvcanary.server import create_app
 from kvcanary.server.protocol import chat_prompt
@@ -25,7 +26,7 @@ MODEL = CFG["model"]
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    engine = Engine(EngineConfig(**CFG, kv_canary="log"))
+    engine = Engine(EngineConfig(**CFG, canary=CanaryConfig(mode="log")))
     with TestClient(create_app(engine)) as c:
         yield c
 

@@ -26,16 +26,16 @@ from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.engine.engine import Engine
 from kvcanary.workload import WorkloadSpec, make_prompts
 
+# CanaryConfig fields of each variant (the rest as the base config's canary).
 VARIANTS: dict[str, dict[str, Any]] = {
-    "none": dict(kv_canary="none"),
-    "log": dict(kv_canary="log"),
-    "log+partial": dict(kv_canary="log", kv_canary_real_data="partial"),
-    "log+all": dict(kv_canary="log", kv_canary_real_data="all"),
+    "none": dict(mode="none"),
+    "log": dict(mode="log"),
+    "log+partial": dict(mode="log", real_data="partial"),
+    "log+all": dict(mode="log", real_data="all"),
     # Wider coverage, measured to choose defaults (not in the default --variants list).
-    "log+tokens": dict(kv_canary="log", kv_canary_verify_tokens=True),
-    "log+partial+v": dict(kv_canary="log", kv_canary_real_data="partial", kv_canary_v_half=True),
-    "log+partial+layers": dict(kv_canary="log", kv_canary_real_data="partial",
-                               kv_canary_real_data_layers="all"),
+    "log+tokens": dict(mode="log", verify_tokens=True),
+    "log+partial+v": dict(mode="log", real_data="partial", v_half=True),
+    "log+partial+layers": dict(mode="log", real_data="partial", real_data_layers="all"),
 }
 DEFAULT_VARIANTS = ("none", "log", "log+partial", "log+all")
 BASELINE = "none"
@@ -61,7 +61,7 @@ def _lockstep(
         order = names[step % len(names) :] + names[: step % len(names)]
         for v in order:
             engine, rec = engines[v], out[v]
-            st = engine.scheduler.stats
+            st = engine.stats
             decodes, decode_tokens, prefill_tokens = (
                 st.num_decode_forwards, st.num_decode_tokens, st.num_prefill_tokens,
             )  # fmt: skip
@@ -96,7 +96,7 @@ def bench_overhead(
         )
     if repeats < 1:
         raise ValueError(f"--repeats={repeats!r} is invalid: allowed an integer >= 1")
-    configs = {v: replace(base, **VARIANTS[v]) for v in variants}
+    configs = {v: replace(base, canary=replace(base.canary, **VARIANTS[v])) for v in variants}
     vocab_size = Engine(configs[BASELINE]).runner.vocab_size
     prompts = make_prompts(spec, vocab_size)
     _lockstep(configs, prompts[:2], min(spec.output_len, 4))  # warm-up: compile, fill caches

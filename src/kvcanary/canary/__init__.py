@@ -8,8 +8,10 @@ and log lines).
 Runtime: :mod:`.config` (CanaryConfig), :mod:`.buffers` (record buffer groups),
 :mod:`.adapters` + :mod:`.splice` (per pool type), :mod:`.plan_inputs`,
 :mod:`.single_forward` (HEAD/TAIL of one forward), :mod:`.pump` + :mod:`.reporter`
-(violations to the host, modes), :mod:`.manager` (CanaryManager), :mod:`.install`
-(install_canary), :mod:`.errors`. The engine-facing contract: docs/CANARY_PROTOCOL.md.
+(violations to the host, modes), :mod:`.manager` (CanaryManager: the host's calls
+``before_forward`` / ``after_forward`` / ``end_step``), :mod:`.install` (install_canary),
+:mod:`.errors`. The host contract: :mod:`.host` (typed protocols) and
+docs/CANARY_PROTOCOL.md; hosts live in :mod:`kvcanary.integrations`.
 
 Observability: :mod:`.delayed` (one-step-late device reads), :mod:`.sweep` (radix sweep),
 :mod:`.stats_logger`, :mod:`.health` (kernel-run-counter check), :mod:`.swa_divergence`

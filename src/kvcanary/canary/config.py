@@ -1,8 +1,11 @@
 """CanaryConfig: what the canary checks and what it does on a violation (frozen).
 
-Every field maps to one ``kvcanary run`` flag (and one ``EngineConfig.kv_canary_*`` field);
-validation errors name the flag, the value and the allowed values. Environment variables
-only supply defaults, through :mod:`kvcanary.envs`.
+``EngineConfig.canary`` holds one (default: mode ``none``). Each field's ``metadata`` names
+its ``kvcanary run`` flag, help text and choices; :mod:`kvcanary.cli_args` builds the
+``--kv-canary*`` flags from them, so this class is the one list of the canary's options.
+Fields that are no flag say so (``"flag": None``). Validation errors name the flag (with its
+argparse dest), the value and the allowed values. Environment variables only supply
+defaults, through :mod:`kvcanary.envs`.
 
 Modes (``--kv-canary``)::
 
@@ -15,7 +18,7 @@ Modes (``--kv-canary``)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 from kvcanary import envs
@@ -27,82 +30,101 @@ REAL_DATA_LAYERS = ("first", "all")
 KERNEL_BACKENDS = ("auto", "numba", "torch")
 
 
-def _check(ok: bool, flag: str, value: Any, allowed: str) -> None:
-    """Errors name the flag and its EngineConfig field: ``--kv-canary (kv_canary)='x' ...``."""
-    if not ok:
-        if flag.startswith("--"):
-            flag = f"{flag} ({flag[2:].replace('-', '_')})"
-        raise ValueError(f"{flag}={value!r} is invalid: allowed {allowed}")
+def _flag(flag: str, help: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """A field's metadata: its command-line flag (see :func:`kvcanary.cli_args.add_dataclass_flags`)."""
+    return {"flag": flag, "help": help, "choices": choices}
 
 
 @dataclass(frozen=True, kw_only=True)
 class CanaryConfig:
-    mode: str = "log"
+    mode: str = field(default="none", metadata=_flag(
+        "--kv-canary", choices=KV_CANARY_MODES,
+        help="KV-canary mode: none installs nothing; log warns and goes on; raise fails on "
+             "the first violation; abort aborts only the implicated requests "
+             "(default: %(default)s)"))  # fmt: skip
     # Real-KV fingerprint (record field 3): none | partial (first 16 bytes of each slot) | all.
-    real_data: str = "none"
+    real_data: str = field(default="none", metadata=_flag(
+        "--kv-canary-real-data", choices=REAL_DATA_MODES,
+        help="fingerprint the real KV bytes of each slot: none, partial (first 16 bytes) or "
+             "all (default: %(default)s)"))  # fmt: skip
     # Which layers of each sub-pool are fingerprinted: first (SGLang's layer 0) | all (<= 4).
-    real_data_layers: str = "first"
+    real_data_layers: str = field(default="first", metadata=_flag(
+        "--kv-canary-real-data-layers", choices=REAL_DATA_LAYERS,
+        help="layers fingerprinted per sub-pool: first (layer 0) or all (<= 4) "
+             "(default: %(default)s)"))  # fmt: skip
     # Also run the V-half canaries (SGLang: SGLANG_KV_CANARY_ENABLE_MHA_V; K only by default).
-    v_half: bool = False
+    v_half: bool = field(default=False, metadata=_flag(
+        "--kv-canary-v-half", help="also run the V-half canaries (default: K only)"))
     # Check each verified slot's token against the request's prompt + output ids.
-    verify_tokens: bool = False
-    ring_capacity: int = field(default_factory=envs.KVCANARY_KV_CANARY_RING_CAPACITY.get)
+    verify_tokens: bool = field(default=False, metadata=_flag(
+        "--kv-canary-verify-tokens",
+        help="check every verified slot's token against the request's prompt + output ids"))
+    ring_capacity: int = field(default_factory=envs.KVCANARY_KV_CANARY_RING_CAPACITY.get,
+                               metadata=_flag(
+        "--kv-canary-ring-capacity",
+        help="violation rows kept (more are counted, not stored) (default: %(default)s, from "
+             "KVCANARY_KV_CANARY_RING_CAPACITY)"))  # fmt: skip
     # Most verify entries per group per forward; more => verify skipped that step with a
     # warning. 0: KVCANARY_KV_CANARY_VERIFY_CAPACITY_FACTOR x the group's slots.
-    verify_capacity: int = 0
-    backend: str = field(default_factory=envs.KVCANARY_KV_CANARY_KERNEL_BACKEND.get)
+    verify_capacity: int = field(default=0, metadata=_flag(
+        "--kv-canary-verify-capacity",
+        help="most verify entries per group per forward, 0 = 3 x pool slots; more skips "
+             "verify that step with a warning (default: %(default)s)"))  # fmt: skip
+    # Not a flag: set through the environment.
+    backend: str = field(default_factory=envs.KVCANARY_KV_CANARY_KERNEL_BACKEND.get,
+                         metadata={"flag": None, "env": "KVCANARY_KV_CANARY_KERNEL_BACKEND"})
     # Steps between a violation and its report. None: 1 on accelerators (the device->host
     # copy of the ring counter is staged and read one step later: no host sync on the
-    # forward path), 0 on CPU (reading host memory costs nothing).
-    pump_delay_steps: int | None = None
+    # forward path), 0 on CPU (reading host memory costs nothing). Internal, not a flag.
+    pump_delay_steps: int | None = field(default=None, metadata={"flag": None})
     # Every N forward steps verify every slot the radix prefix cache holds (0 = off).
-    sweep_interval: int = 0
+    sweep_interval: int = field(default=0, metadata=_flag(
+        "--kv-canary-sweep-interval",
+        help="every N forward steps, verify every slot the prefix cache holds; 0 = off; "
+             "needs --kv-canary log|raise|abort (default: %(default)s)"))  # fmt: skip
     # Every N forward steps log the `[canary] step=... protected_tokens=...` line (0 = off).
-    stats_interval: int = 100
+    stats_interval: int = field(default=100, metadata=_flag(
+        "--kv-canary-stats-interval",
+        help="every N forward steps log `[canary] step=... protected_tokens=...` (INFO); "
+             "0 = off (default: %(default)s)"))  # fmt: skip
     # Every N forward steps (from step N on) check that every launch tag expected to run
     # since the last check did run; raises KVCanaryHealthError otherwise (0 = off).
-    health_check_interval: int = 100
+    health_check_interval: int = field(default=100, metadata=_flag(
+        "--kv-canary-health-check-interval",
+        help="every N forward steps check that every expected launch tag ran since the last "
+             "check, else fail; 0 = off (default: %(default)s)"))  # fmt: skip
     # Every N forward steps log `kv_canary_swa_divergence={...}` (0 = off): coverage
     # telemetry of the sliding-window path, never a check.
     swa_divergence_interval: int = field(
-        default_factory=envs.KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL.get
-    )
+        default_factory=envs.KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL.get, metadata=_flag(
+        "--kv-canary-swa-divergence-interval",
+        help="every N forward steps log `kv_canary_swa_divergence={...}` (INFO): proof the "
+             "SWA path was exercised; 0 = off (default: %(default)s, from "
+             "KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL)"))  # fmt: skip
 
     def __post_init__(self) -> None:
-        _check(self.mode in KV_CANARY_MODES, "--kv-canary", self.mode,
-               f"one of {KV_CANARY_MODES}")  # fmt: skip
-        _check(self.real_data in REAL_DATA_MODES, "--kv-canary-real-data", self.real_data,
+        _check(self.mode in KV_CANARY_MODES, "mode", self.mode, f"one of {KV_CANARY_MODES}")
+        _check(self.real_data in REAL_DATA_MODES, "real_data", self.real_data,
                f"one of {REAL_DATA_MODES}")  # fmt: skip
-        _check(self.real_data_layers in REAL_DATA_LAYERS, "--kv-canary-real-data-layers",
+        _check(self.real_data_layers in REAL_DATA_LAYERS, "real_data_layers",
                self.real_data_layers, f"one of {REAL_DATA_LAYERS}")  # fmt: skip
-        _check(isinstance(self.ring_capacity, int) and self.ring_capacity >= 1,
-               "--kv-canary-ring-capacity", self.ring_capacity, "an integer >= 1")  # fmt: skip
-        _check(isinstance(self.verify_capacity, int) and self.verify_capacity >= 0,
-               "--kv-canary-verify-capacity", self.verify_capacity,
-               "an integer >= 0 (0 = automatic)")  # fmt: skip
-        _check(self.backend in KERNEL_BACKENDS, "KVCANARY_KV_CANARY_KERNEL_BACKEND",
-               self.backend, f"one of {KERNEL_BACKENDS}")  # fmt: skip
+        _check(_is_int(self.ring_capacity) and self.ring_capacity >= 1, "ring_capacity",
+               self.ring_capacity, "an integer >= 1")  # fmt: skip
+        _check(_is_int(self.verify_capacity) and self.verify_capacity >= 0, "verify_capacity",
+               self.verify_capacity, "an integer >= 0 (0 = automatic)")  # fmt: skip
+        _check(self.backend in KERNEL_BACKENDS, "backend", self.backend,
+               f"one of {KERNEL_BACKENDS}")  # fmt: skip
         _check(self.pump_delay_steps in (None, 0, 1), "pump_delay_steps",
                self.pump_delay_steps, "None (automatic), 0 or 1")  # fmt: skip
-        intervals: tuple[tuple[str, Any], ...] = (
-            ("--kv-canary-sweep-interval", self.sweep_interval),
-            ("--kv-canary-stats-interval", self.stats_interval),
-            ("--kv-canary-health-check-interval", self.health_check_interval),
-            ("--kv-canary-swa-divergence-interval", self.swa_divergence_interval),
-        )
-        for flag, value in intervals:
-            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
-                   flag, value, "an integer >= 0 (0 = off)")  # fmt: skip
-        if self.mode == "none":
-            unset: tuple[tuple[str, Any, Any], ...] = (
-                ("--kv-canary-real-data", self.real_data, "none"),
-                ("--kv-canary-v-half", self.v_half, False),
-                ("--kv-canary-verify-tokens", self.verify_tokens, False),
-                ("--kv-canary-sweep-interval", self.sweep_interval, 0),
-            )
-            for flag, value, default in unset:
-                _check(value == default, flag, value,
-                       f"only {default!r} while --kv-canary is 'none' "
+        for name in ("sweep_interval", "stats_interval", "health_check_interval",
+                     "swa_divergence_interval"):  # fmt: skip
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 0, name, value, "an integer >= 0 (0 = off)")
+        if self.mode == "none":  # options that only mean something with a mode
+            for name in ("real_data", "v_half", "verify_tokens", "sweep_interval"):
+                value, default = getattr(self, name), _FIELDS[name].default
+                _check(value == default, name, value,
+                       f"only {default!r} while {_FIELDS['mode'].metadata['flag']} is 'none' "
                        f"(pick a mode in {KV_CANARY_MODES[1:]})")  # fmt: skip
 
     @property
@@ -113,19 +135,20 @@ class CanaryConfig:
     def real_kv_hash_mode(self) -> RealKvHashMode:
         return RealKvHashMode[self.real_data.upper()]
 
-    @classmethod
-    def from_engine_fields(cls, owner: Any) -> CanaryConfig:
-        """The canary part of an ``EngineConfig`` (its ``kv_canary*`` fields)."""
-        return cls(
-            mode=owner.kv_canary,
-            real_data=owner.kv_canary_real_data,
-            real_data_layers=owner.kv_canary_real_data_layers,
-            v_half=owner.kv_canary_v_half,
-            verify_tokens=owner.kv_canary_verify_tokens,
-            ring_capacity=owner.kv_canary_ring_capacity,
-            verify_capacity=owner.kv_canary_verify_capacity,
-            sweep_interval=owner.kv_canary_sweep_interval,
-            stats_interval=owner.kv_canary_stats_interval,
-            health_check_interval=owner.kv_canary_health_check_interval,
-            swa_divergence_interval=owner.kv_canary_swa_divergence_interval,
-        )
+
+_FIELDS: dict[str, Field[Any]] = {f.name: f for f in fields(CanaryConfig)}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    """Errors name the field's flag and its argparse dest (``--kv-canary (kv_canary)='x'
+    ...``), or its environment variable, or (internal fields) its name."""
+    if ok:
+        return
+    meta = _FIELDS[name].metadata
+    flag = meta["flag"]
+    label = f"{flag} ({flag[2:].replace('-', '_')})" if flag else meta.get("env", name)
+    raise ValueError(f"{label}={value!r} is invalid: allowed {allowed}")

@@ -47,10 +47,9 @@ from typing import Literal
 import torch
 
 from kvcanary.canary import kernels_numba, kernels_torch
-from kvcanary.canary.plan import VerifyPlan, WritePlan
+from kvcanary.canary.plan_types import HostWritePlan, RowVerifyPlan, VerifyPlan, WritePlan
 from kvcanary.canary.real_kv import RealKvSource
 from kvcanary.canary.ring import RunCounters, ViolationRing
-from kvcanary.canary.row_plan import HostWritePlan, RowVerifyPlan
 
 Backend = Literal["auto", "numba", "torch"]
 BACKENDS: tuple[Backend, ...] = ("auto", "numba", "torch")

@@ -23,11 +23,10 @@ import torch
 
 from kvcanary.canary.constants import NUM_LAUNCH_TAGS, FailReason
 from kvcanary.canary.hashing import ANCHOR_HASH_I64, chain_hash_nb
-from kvcanary.canary.plan import VerifyPlan, WritePlan
+from kvcanary.canary.plan_types import HostWritePlan, RowVerifyPlan, VerifyPlan, WritePlan
 from kvcanary.canary.real_kv import RealKvSource, numba_source_args, real_kv_hashes_nb
 from kvcanary.canary.records import as_int64_records
 from kvcanary.canary.ring import RunCounters, ViolationRing
-from kvcanary.canary.row_plan import HostWritePlan, RowVerifyPlan
 
 _CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
 _POSITION = int(FailReason.VERIFY_POSITION_MISMATCH)

@@ -23,7 +23,7 @@ from kvcanary.canary.constants import (
     FailReason,
 )
 from kvcanary.canary.hashing import ANCHOR_HASH_I64, chain_hash_t
-from kvcanary.canary.plan import VerifyPlan, WritePlan
+from kvcanary.canary.plan_types import VerifyPlan, WritePlan
 from kvcanary.canary.real_kv import RealKvSource, real_kv_hashes_t
 from kvcanary.canary.records import as_int64_records
 from kvcanary.canary.ring import RunCounters, ViolationRing

@@ -1,20 +1,22 @@
-"""CanaryManager: the installed canary of one model runner.
+"""CanaryManager: the installed canary of one host (see :mod:`.host` for the contract).
 
 It owns the device state (violation ring, per-tag run counters), one
 :class:`SingleForwardManager` per forward of a step (1; a speculative draft runner would
-have one per draft step), the pump and the reporter, and offers the engine its surface::
+have one per draft step), the pump and the reporter, and takes the host's three calls::
 
-    ModelRunner.forward(fb):
-      with canary.forward_scope(fb):                  # = the two contexts below, index 0
-        with_ops_outside_graph([0], fb)               #   host pre-ops of the listed SFMs
-        with_active_single_forward_manager(0)         #   which SFM the patched forward uses
-          model.forward(...)  (patched, outermost call only):
-              pre_ops_maybe_inside_graph(fb)          #   plan + HEAD verify/write
-              original forward                        #   attention reads/writes the KV
-              post_ops_maybe_inside_graph(fb, plans)  #   TAIL verify/write
-      # leaving with_ops_outside_graph: SFM post-ops, perturbation post-hook, radix sweep,
-      #   step += 1, pump -> reporter (modes), health check, stats line, SWA divergence
-    Engine.step(): scheduler.step(); canary.end_step()  # abort mode acts between steps
+    host forward(batch):
+      canary.before_forward(batch)     SFM pre-ops, perturbation pre-forward hook, then per
+                                       group: plan -> holes -> HEAD verify / write
+      ... the host's own pre-forward work (attention metadata), the model forward ...
+      canary.after_forward(batch)      per group: TAIL verify / write (+ store check); SFM
+                                       post-ops, perturbation post-forward hook, radix
+                                       sweep, step += 1, pump -> reporter (modes), health
+                                       check, stats line, SWA divergence
+    host step loop:
+      canary.end_step()                abort mode acts between steps; end-of-step injection
+
+``forward_scope(batch)`` is the same pair as a context manager. Calls must alternate:
+``before_forward`` twice, or ``after_forward`` without ``before_forward``, is an error.
 
 Observability (each opt-in by its interval; all read the device on the delayed schedule of
 :mod:`.delayed`): :mod:`.sweep` (radix sweep), :mod:`.stats_logger`, :mod:`.health`,
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -46,19 +48,28 @@ from kvcanary.canary.constants import (
 )
 from kvcanary.canary.delayed import DelayedDeviceHostHandler
 from kvcanary.canary.health import KernelRunHealthChecker
+from kvcanary.canary.host import (
+    AbortHandler,
+    ExpectedInputs,
+    ForwardBatchView,
+    KVPool,
+    PrefixCacheView,
+    ReqToTokenTable,
+)
 from kvcanary.canary.plan import CanaryPlans
 from kvcanary.canary.pump import ViolationPump
 from kvcanary.canary.reporter import CanaryViolationRow, ImplicatedSlots, ViolationReporter
 from kvcanary.canary.ring import RunCounters, ViolationRing
-from kvcanary.canary.single_forward import CanaryRuntime, ExpectedInputs, SingleForwardManager
+from kvcanary.canary.single_forward import CanaryRuntime, SingleForwardManager
 from kvcanary.canary.stats_logger import PeriodicStatsLogger
 from kvcanary.canary.store_check import StoreChecker
 from kvcanary.canary.swa_divergence import SwaDivergenceReporter, VerifyTotals
 from kvcanary.canary.sweep import SweepOrchestrator
+from kvcanary.canary.violation import ViolationRecord
 
 logger = logging.getLogger("kvcanary.canary")
 
-AbortHandler = Callable[[torch.Tensor, torch.Tensor], list[int]]
+__all__ = ["AbortHandler", "CanaryManager"]
 
 
 class CanaryManager:
@@ -66,11 +77,14 @@ class CanaryManager:
         self,
         config: CanaryConfig,
         groups: list[CanaryBufferGroup],
-        req_to_token_pool: Any,
+        req_to_token_pool: ReqToTokenTable,
         *,
         device: torch.device,
         num_single_forward_managers: int = 1,
+        pool: KVPool | None = None,
     ):
+        """``pool``: the host's KV pool the groups are attached to (fault injection breaks
+        its stores); ``req_to_token_pool``: the host's req->token table."""
         if not groups:
             raise ValueError("kv-canary: no buffer group to protect")
         if num_single_forward_managers < 1:
@@ -80,6 +94,7 @@ class CanaryManager:
         self.config = config
         self.groups = groups
         self.device = device
+        self.pool = pool
         factor = envs.KVCANARY_KV_CANARY_VERIFY_CAPACITY_FACTOR.get()
         self.runtime = CanaryRuntime(
             config=config,
@@ -102,16 +117,17 @@ class CanaryManager:
         )
         self.abort_handler: AbortHandler | None = None
         self.aborted_request_ids: list[int] = []
-        self.step = 0  # forward steps completed (leaving with_ops_outside_graph)
+        self.step = 0  # forwards completed (after_forward calls)
         self.init_finished = False
-        self._active: int | None = None
-        self._bracket_depth = 0
+        # The forward between before_forward and after_forward: (SFM index, its plans).
+        self._open: tuple[int, list[CanaryPlans]] | None = None
         self.perturber: Any = None  # kvcanary.canary.perturb.Perturber, when injecting faults
         self._init_observability(config, groups, req_to_token_pool)
 
     def _init_observability(
-        self, config: CanaryConfig, groups: list[CanaryBufferGroup], req_to_token_pool: Any
-    ) -> None:
+        self, config: CanaryConfig, groups: list[CanaryBufferGroup],
+        req_to_token_pool: ReqToTokenTable,
+    ) -> None:  # fmt: skip
         rt, device = self.runtime, self.device
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # shared D2H stream
 
@@ -150,43 +166,45 @@ class CanaryManager:
                 None if swa is None else swa.swa_index_lut, req_to_token_pool.req_to_token,
             )  # fmt: skip
 
-    # ------------------------------------------------------------------ contexts
-    @contextlib.contextmanager
-    def with_active_single_forward_manager(self, index: int) -> Iterator[None]:
-        """Route the patched ``model.forward`` to SFM ``index``; nesting is an error."""
-        if self._active is not None:
+    # ------------------------------------------------------------------ the host's calls
+    def before_forward(self, batch: ForwardBatchView, forward_index: int = 0) -> None:
+        """Before the host's forward of ``batch`` (and before it gathers slot tables for
+        attention): single-forward manager ``forward_index``'s host pre-ops, the
+        perturbation pre-forward hook (faults must be what attention reads), then per group
+        plan -> holes -> HEAD verify / write."""
+        if self._open is not None:
             raise RuntimeError(
-                f"kv-canary: single forward manager {self._active} is already active "
-                f"(nested with_active_single_forward_manager({index}))"
+                f"kv-canary: before_forward called while forward {self._open[0]} is still "
+                "open; call after_forward(batch) after each forward first"
             )
-        if not 0 <= index < len(self.single_forward_managers):
+        if not 0 <= forward_index < len(self.single_forward_managers):
             raise ValueError(
-                f"single forward manager index {index}; allowed: "
-                f"[0, {len(self.single_forward_managers)})"
+                f"forward_index={forward_index}; allowed: "
+                f"[0, {len(self.single_forward_managers)}) (num_single_forward_managers)"
             )
-        self._active = index
-        try:
-            yield
-        finally:
-            self._active = None
+        sfm = self.single_forward_managers[forward_index]
+        sfm.pre_ops_outside_graph(batch)
+        if self.perturber is not None:
+            self.perturber.pre_forward(batch)
+        plans = sfm.pre_ops_maybe_inside_graph(batch)
+        self._open = (forward_index, plans)
 
-    @contextlib.contextmanager
-    def with_ops_outside_graph(
-        self, single_forward_indices: Sequence[int], maybe_inaccurate_forward_batch: Any = None
-    ) -> Iterator[None]:
-        """Host-side work around one step's forward(s): pre-ops, then (on success) post-ops,
-        the step counter and the pump (which may raise in ``raise`` mode)."""
-        fb = maybe_inaccurate_forward_batch
-        sfms = [self.single_forward_managers[i] for i in single_forward_indices]
-        for sfm in sfms:
-            sfm.pre_ops_outside_graph(fb)
+    def after_forward(self, batch: ForwardBatchView) -> None:
+        """After the host's forward of ``batch`` (the one :meth:`before_forward` saw): per
+        group TAIL verify / write (+ store check) on the plans HEAD used, then the host-side
+        work: overflow warning, perturbation post-forward hook, radix sweep, step += 1,
+        pump -> reporter (``raise`` mode raises here), health check, stats line, SWA
+        divergence sample."""
+        if self._open is None:
+            raise RuntimeError(
+                "kv-canary: after_forward called without before_forward(batch) for this forward"
+            )
+        (index, plans), self._open = self._open, None
+        sfm = self.single_forward_managers[index]
+        sfm.post_ops_maybe_inside_graph(batch, plans)
+        sfm.post_ops_outside_graph()
         if self.perturber is not None:
-            self.perturber.pre_forward(fb)
-        yield
-        for sfm in sfms:
-            sfm.post_ops_outside_graph()
-        if self.perturber is not None:
-            self.perturber.post_forward(fb)
+            self.perturber.post_forward(batch)
         self.sweep.maybe_run(self.step)
         self.step += 1
         self._report(self.pump.step())
@@ -195,42 +213,20 @@ class CanaryManager:
         if self.stats_logger is not None:
             self.stats_logger.step(self.step)
         if self.swa_divergence is not None:
-            self.swa_divergence.step(self.step, fb)
+            self.swa_divergence.step(self.step, batch)
 
     @contextlib.contextmanager
-    def forward_scope(self, forward_batch: Any) -> Iterator[None]:
-        """What an engine's plain forward wraps itself in (SFM 0)."""
-        with (
-            self.with_ops_outside_graph([0], forward_batch),
-            self.with_active_single_forward_manager(0),
-        ):
-            yield
+    def forward_scope(self, batch: ForwardBatchView, forward_index: int = 0) -> Iterator[None]:
+        """``before_forward(batch, forward_index)`` on entry, ``after_forward(batch)`` on a
+        clean exit (a convenience for hosts; a forward that raises stays open)."""
+        self.before_forward(batch, forward_index)
+        yield
+        self.after_forward(batch)
 
-    @contextlib.contextmanager
-    def model_forward_bracket_scope(self) -> Iterator[bool]:
-        """Yields True for the outermost ``model.forward`` call only (nested calls of the
-        patched forward, e.g. a wrapper model calling its inner model, must not re-run
-        the canary)."""
-        self._bracket_depth += 1
-        try:
-            yield self._bracket_depth == 1
-        finally:
-            self._bracket_depth -= 1
-
-    # ------------------------------------------------------------------ in-graph ops
-    def _active_sfm(self) -> SingleForwardManager:
-        if self._active is None:
-            raise RuntimeError(
-                "kv-canary: model.forward ran outside with_active_single_forward_manager(...); "
-                "wrap the forward in canary.forward_scope(forward_batch)"
-            )
-        return self.single_forward_managers[self._active]
-
-    def pre_ops_maybe_inside_graph(self, forward_batch: Any) -> list[CanaryPlans]:
-        return self._active_sfm().pre_ops_maybe_inside_graph(forward_batch)
-
-    def post_ops_maybe_inside_graph(self, forward_batch: Any, plans: list[CanaryPlans]) -> None:
-        self._active_sfm().post_ops_maybe_inside_graph(forward_batch, plans)
+    @property
+    def forward_open(self) -> bool:
+        """True between :meth:`before_forward` and :meth:`after_forward`."""
+        return self._open is not None
 
     # ------------------------------------------------------------------ lifecycle
     def mark_init_finished(self) -> None:
@@ -238,7 +234,7 @@ class CanaryManager:
         self.runtime.chain_position_assert = True
         self.init_finished = True
 
-    def attach_store_check(self, pool: Any) -> bool:
+    def attach_store_check(self, pool: KVPool) -> bool:
         """Watch the stores of ``pool``'s fingerprinted buffers (:mod:`.store_check`);
         False when nothing could be watched (no real-KV sources, or no patchable store)."""
         checker = StoreChecker.for_groups(self.groups, self.config.v_half)
@@ -255,8 +251,8 @@ class CanaryManager:
         """``handler(full_slots, swa_slots) -> aborted request ids`` (abort mode)."""
         self.abort_handler = handler
 
-    def attach_radix_cache(self, cache: Any) -> None:
-        """The engine's prefix cache, for the radix sweep (and cached-slot perturbations);
+    def attach_radix_cache(self, cache: PrefixCacheView | None) -> None:
+        """The host's prefix cache, for the radix sweep (and cached-slot perturbations);
         it needs ``iter_cached()`` (see :mod:`.sweep`). None: no cache."""
         self.sweep.attach_radix_cache(cache)
 
@@ -266,7 +262,7 @@ class CanaryManager:
         self.runtime.expected_inputs = expected_inputs
 
     def end_step(self) -> list[int]:
-        """Between engine steps: in abort mode, abort the requests referencing the slots of
+        """Between host steps: in abort mode, abort the requests referencing the slots of
         the rows reported since the last call; then the end-of-step perturbation hook.
         Returns the aborted request ids."""
         slots = self.reporter.take_implicated_slots()
@@ -286,7 +282,7 @@ class CanaryManager:
         if slots is not None:
             self._abort(slots)
 
-    def _report(self, records: list) -> None:
+    def _report(self, records: list[ViolationRecord]) -> None:
         self.reporter.report(
             records, total=self.pump.total_seen, capacity=self.runtime.ring.capacity,
             step=self.step,

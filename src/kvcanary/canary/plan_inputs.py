@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcanary.canary.plan import PlanInputs
+from kvcanary.canary.plan_types import PlanInputs
 from kvcanary.canary.row_plan import HostInputs
 
 

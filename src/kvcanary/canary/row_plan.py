@@ -40,8 +40,15 @@ import numpy as np
 import torch
 
 from kvcanary.canary.constants import NO_SLOT, NO_TOKEN, REQ_POOL_IDX_PADDING
-from kvcanary.canary.plan import CanaryPlans, PlanInputs, check_plan_args, check_plan_inputs
-from kvcanary.canary.plan_numba import plan_counts, rows_in_range, translate_slot
+from kvcanary.canary.plan_jit import plan_counts, rows_in_range, translate_slot
+from kvcanary.canary.plan_types import (
+    CanaryPlans,
+    HostWritePlan,
+    PlanInputs,
+    RowVerifyPlan,
+    check_plan_args,
+    check_plan_inputs,
+)
 
 # Rows of a row plan's ``requests`` array.
 FIRST_ENTRY, FIRST_POS, NUM_ENTRIES, FIRST_PREV, SEED, TOKEN_START, NUM_TOKENS = range(7)
@@ -49,37 +56,6 @@ FIRST_ENTRY, FIRST_POS, NUM_ENTRIES, FIRST_PREV, SEED, TOKEN_START, NUM_TOKENS =
 _EMPTY_TABLE = np.zeros((1, 1), dtype=np.int64)
 _EMPTY_LENS = np.zeros(1, dtype=np.int64)
 _EMPTY_LUT = np.zeros(1, dtype=np.int64)
-
-
-class RowVerifyPlan(NamedTuple):
-    """The verify entries of one group (module doc): rows ``[0, bs)`` of ``requests``,
-    entries ``[0, num_requested_entries)`` of ``entries`` (when enabled)."""
-
-    requests: np.ndarray  # int64 [7, >= bs]
-    bs: int
-    entries: np.ndarray  # int64 [2, >= num entries]: slots, expected tokens
-    has_tokens: bool
-    enabled: bool  # False: more entries than the verify capacity; verify skipped
-    num_requested_entries: int
-
-    @property
-    def num_entries(self) -> int:
-        return self.num_requested_entries if self.enabled else 0
-
-
-class HostWritePlan(NamedTuple):
-    """:class:`.plan.WritePlan` on the CPU: requests ``[0, bs)`` of ``requests`` (rows
-    SEED, TOKEN_START, NUM_TOKENS) over the flat per-token arrays."""
-
-    requests: np.ndarray
-    bs: int
-    token_ids: np.ndarray
-    positions: np.ndarray
-    slots: np.ndarray  # [>= len(token_ids)], LUT-translated out_cache_loc
-    max_num_tokens: int
-    total_num_tokens: int
-    expected_token_ids: np.ndarray | None = None
-    expected_positions: np.ndarray | None = None
 
 
 class HostInputs(NamedTuple):

@@ -1,9 +1,12 @@
 """SingleForwardManager: the canary work of one model forward, over every buffer group.
 
+Called by :class:`~kvcanary.canary.manager.CanaryManager` (``before_forward`` runs the
+first two, ``after_forward`` the last two)::
+
     pre_ops_outside_graph      host only: reset the step's overflow notes
     pre_ops_maybe_inside_graph  per group: plan -> holes -> verify HEAD -> write HEAD   (K, V)
                                 (holes: positions attention reads that have no slot)
-    -- the model forward: attention reads the verified prefix, writes this forward's KV --
+    -- the host's forward: attention reads the verified prefix, writes this forward's KV --
     post_ops_maybe_inside_graph per group: verify TAIL -> write TAIL           (K, then V)
                                 (TAIL fingerprints the live KV: real-data modes)
     post_ops_outside_graph      host only: warn when a verify plan overflowed
@@ -20,9 +23,8 @@ tensor work cost several times the checks themselves.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -31,6 +33,7 @@ from kvcanary.canary import kernels
 from kvcanary.canary.buffers import CanaryBufferGroup
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.constants import KvHalf, LaunchStage, launch_tag
+from kvcanary.canary.host import ExpectedInputs, ForwardBatchView, ReqToTokenTable, TokenMirror
 from kvcanary.canary.plan import CanaryPlans, PlanInputs, build_plans
 from kvcanary.canary.plan_inputs import (
     compress_plan_inputs,
@@ -42,7 +45,7 @@ from kvcanary.canary.row_plan import HostInputs, RowPlanner
 from kvcanary.canary.store_check import StoreChecker, StoreWatch
 from kvcanary.canary.swa_divergence import VerifyTotals
 
-ExpectedInputs = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
+__all__ = ["CanaryRuntime", "ExpectedInputs", "SingleForwardManager"]
 
 logger = logging.getLogger("kvcanary.canary")
 
@@ -53,7 +56,7 @@ class CanaryRuntime:
 
     config: CanaryConfig
     groups: list[CanaryBufferGroup]
-    req_to_token_pool: Any
+    req_to_token_pool: ReqToTokenTable  # + TokenMirror when config.verify_tokens
     ring: ViolationRing
     verify_counters: RunCounters
     write_counters: RunCounters
@@ -112,10 +115,12 @@ class SingleForwardManager:
                     for tag, rec, src, _ in launches
                 ]
 
-    def pre_ops_outside_graph(self, maybe_inaccurate_forward_batch: Any = None) -> None:
+    def pre_ops_outside_graph(
+        self, maybe_inaccurate_forward_batch: ForwardBatchView | None = None
+    ) -> None:
         self._overflows = []
 
-    def pre_ops_maybe_inside_graph(self, fb: Any) -> list[CanaryPlans]:
+    def pre_ops_maybe_inside_graph(self, fb: ForwardBatchView) -> list[CanaryPlans]:
         rt = self.rt
         if rt.store_checker is not None:
             rt.store_checker.begin_forward(int(fb.out_cache_loc.shape[0]))
@@ -164,7 +169,7 @@ class SingleForwardManager:
         )  # fmt: skip
 
     def _host_inputs(
-        self, fb: Any, expected_inputs: tuple[torch.Tensor, torch.Tensor] | None
+        self, fb: ForwardBatchView, expected_inputs: tuple[torch.Tensor, torch.Tensor] | None
     ) -> HostInputs:
         """The batch as numpy views (the pool's tables: views made once)."""
         pool = self.rt.req_to_token_pool
@@ -172,11 +177,14 @@ class SingleForwardManager:
         if self._req_to_token is None or self._req_to_token[0] is not r2t:
             self._req_to_token = (r2t, r2t.numpy())  # a view: the table mutates in place
         token_table = None
-        if self.rt.config.verify_tokens:
-            token_table = (pool.token_ids.numpy(), pool.token_lens)
+        if self.rt.config.verify_tokens:  # install_canary checked the mirror is there
+            mirror = cast(TokenMirror, pool)
+            token_table = (mirror.token_ids.numpy(), mirror.token_lens)
         return host_inputs_from_batch(fb, self._req_to_token[1], token_table, expected_inputs)
 
-    def post_ops_maybe_inside_graph(self, fb: Any, all_plans: list[CanaryPlans]) -> None:
+    def post_ops_maybe_inside_graph(
+        self, fb: ForwardBatchView, all_plans: list[CanaryPlans]
+    ) -> None:
         for group, plans in zip(self.rt.groups, all_plans, strict=True):
             self._launch(group, LaunchStage.TAIL, plans)
 

@@ -45,10 +45,9 @@ from kvcanary.canary.constants import (
 )
 from kvcanary.canary.hashing import fold_real_kv_words_t, splitmix64_nb, splitmix64_t
 from kvcanary.canary.kernels_numba import _record
-from kvcanary.canary.plan import WritePlan
+from kvcanary.canary.plan_types import HostWritePlan, WritePlan
 from kvcanary.canary.real_kv import RealKvSource
 from kvcanary.canary.ring import ViolationRing
-from kvcanary.canary.row_plan import HostWritePlan
 
 _KV_STORE = int(FailReason.WRITE_KV_STORE_MISMATCH)
 _UNALIGNED = -2  # target of a store that did not cover the forward's tokens one to one

@@ -29,7 +29,8 @@ import torch
 
 from kvcanary.canary import kernels
 from kvcanary.canary.constants import NO_SLOT, CanaryLaunchTag, LaunchStage
-from kvcanary.canary.plan import VerifyPlan, translate_slots
+from kvcanary.canary.plan import translate_slots
+from kvcanary.canary.plan_types import VerifyPlan
 from kvcanary.canary.single_forward import CanaryRuntime
 
 logger = logging.getLogger("kvcanary.canary")

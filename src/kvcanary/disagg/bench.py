@@ -38,7 +38,7 @@ def _admitted_at_once(config: EngineConfig, disagg: DisaggConfig, prompts: list[
                       params: SamplingParams) -> dict[str, Any]:  # fmt: skip
     """Pre-allocate into idle pools until admission stops; then give everything back."""
     engine = Engine(config)
-    queue = DecodePreallocQueue(engine.scheduler, disagg)
+    queue = DecodePreallocQueue(engine.kv, engine.scheduler, disagg)
     queue.queue.extend(Req(rid=i + 1, prompt_ids=p, params=params) for i, p in enumerate(prompts))
     admitted = queue.pop_preallocated()
     charge = queue._prealloc_required_tokens(admitted[0]) if admitted else (0, 0)

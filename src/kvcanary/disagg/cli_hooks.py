@@ -15,6 +15,7 @@ import dataclasses
 import time
 from typing import Any
 
+from kvcanary.cli_args import engine_config_from_args
 from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.disagg.config import DIST_BACKENDS, TRANSFER_BACKENDS, DisaggConfig
 
@@ -77,9 +78,7 @@ def run_disagg(a: argparse.Namespace, config: EngineConfig | None = None) -> dic
     from kvcanary.workload import WorkloadSpec, make_prompts
 
     if config is None:
-        from kvcanary.cli import _engine_config
-
-        config = _engine_config(a)
+        config = engine_config_from_args(a)
     disagg = disagg_config_from_args(a)
     decode = dataclasses.replace(
         config,
@@ -114,7 +113,7 @@ def summarize_disagg(config: EngineConfig, disagg: DisaggConfig, outs: list[Any]
     return {
         "model": config.model,
         "page_size": config.page_size,
-        "kv_canary": config.kv_canary,
+        "kv_canary": config.canary.mode,
         "disagg_transfer_backend": disagg.transfer_backend,
         "swa_tail_prealloc": dec.get("tail_prealloc", False),
         "requests": len(outs),

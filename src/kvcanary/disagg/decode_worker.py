@@ -49,7 +49,7 @@ class DecodeWorker:
         self.faults = faults or DisaggFaults()
         self.engine = Engine(config)
         self.scheduler = self.engine.scheduler
-        self.prealloc = DecodePreallocQueue(self.scheduler, disagg)
+        self.prealloc = DecodePreallocQueue(self.engine.kv, self.scheduler, disagg)
         self.io = PageIO(self.engine.runner.token_to_kv_pool)
         self.layout = kv_layout(self.engine, self.io)
         self.link = link
@@ -176,24 +176,24 @@ class DecodeWorker:
             return
         self._forget(rid)
         del self.prealloc.transferring[rid]
-        sched = self.scheduler
+        sched, stats = self.scheduler, self.engine.stats
         token = int(body["token"])
         if body.get("generator_state") is not None and req.generator is not None:
             req.generator.set_state(torch.tensor(body["generator_state"], dtype=torch.uint8))
         req.output_ids.append(token)
-        sched.req_to_token_pool.append_tokens([req.req_pool_idx], [req.kv_len], [token])
+        self.engine.kv.req_to_token_pool.append_tokens([req.req_pool_idx], [req.kv_len], [token])
         req.admitted_once = True
         req.num_cached_prompt_tokens = req.cache_protected_len
-        sched.stats.num_prompt_tokens += len(req.prompt_ids)
-        sched.stats.num_cached_prompt_tokens += req.cache_protected_len
+        stats.num_prompt_tokens += len(req.prompt_ids)
+        stats.num_cached_prompt_tokens += req.cache_protected_len
         if sched.check_finish(req, token):
-            sched.release(req, insert=True)
+            sched.finish(req)
             self._outputs[rid] = DisaggOutput(
                 rid, list(req.prompt_ids), list(req.output_ids), req.finish_reason or "",
                 None, req.num_cached_prompt_tokens, 0,
             )  # fmt: skip
         else:
-            sched.running.append(req)
+            sched.adopt(req)
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> bool:
@@ -283,7 +283,7 @@ class DecodeWorker:
             "peak_transferring": self.peak_transferring,
             "peak_admitted": self.peak_admitted,
             "link_error": self.link_error,
-            "stats": dataclasses.asdict(self.scheduler.stats),
+            "stats": dataclasses.asdict(self.engine.stats),
             "canary": canary_report(self.engine),
             **memory_report(self.engine),
         }

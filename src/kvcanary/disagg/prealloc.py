@@ -28,13 +28,15 @@ same number (``min(full, swa)`` free for SWA pools, so the SWA pool is charged w
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 
 from kvcanary.disagg.config import DisaggConfig
+from kvcanary.engine.kv_manager import KVManager
 from kvcanary.engine.request import Req
-from kvcanary.memory.swa_pool import BaseSWAKVPool
+from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.utils import cdiv, swa_tail_len
 
 
@@ -52,17 +54,27 @@ class TokenBudgets(NamedTuple):
     swa: int
 
 
+class ActiveRequests(Protocol):
+    """The decode side's requests holding KV besides the transferring ones (the
+    scheduler's queues: ``running`` decode, ``waiting`` holds only retracted requests)."""
+
+    @property
+    def running(self) -> Sequence[Req]: ...
+
+    @property
+    def waiting(self) -> Sequence[Req]: ...
+
+
 class DecodePreallocQueue:
     """Requests waiting for decode-side KV (``queue``, FIFO) and those whose KV is reserved
-    but not landed yet (``transferring``). The scheduler's ``running`` requests decode;
-    its ``waiting`` queue holds only retracted requests on the decode side."""
+    but not landed yet (``transferring``); the KV itself through the engine's KV manager."""
 
-    def __init__(self, scheduler: Any, config: DisaggConfig):
-        self.scheduler = scheduler
-        self.allocator = scheduler.allocator
-        self.pool = scheduler.runner.token_to_kv_pool
-        self.page_size: int = scheduler.page_size
-        self.window: int | None = scheduler.window
+    def __init__(self, kv: KVManager, active: ActiveRequests, config: DisaggConfig):
+        self.kv = kv
+        self.active = active
+        self.allocator = kv.allocator
+        self.page_size = kv.spec.page_size
+        self.window = kv.spec.window
         self.config = config
         self.queue: deque[Req] = deque()
         self.transferring: dict[int, Req] = {}
@@ -72,13 +84,7 @@ class DecodePreallocQueue:
 
     # ------------------------------------------------------------------ lengths
     def _uses_swa_tail_prealloc(self) -> bool:
-        return (
-            self.config.swa_tail_prealloc
-            and isinstance(self.pool, BaseSWAKVPool)
-            and self.page_size > 1
-            and self.window is not None
-            and hasattr(self.allocator, "alloc_extend_swa_tail")
-        )
+        return self.config.swa_tail_prealloc and self.kv.spec.windowed and self.page_size > 1
 
     def _swa_tail_len(self, seq_len: int) -> int:
         if not self.tail_mode:
@@ -130,31 +136,31 @@ class DecodePreallocQueue:
         requests can still grow towards a window each (``n_active * W - swa_used``).
         Retracted requests' own needs come off the top (``count_retracted``).
         """
-        sched, alloc = self.scheduler, self.allocator
-        running, retracted = sched.running, list(sched.waiting)
+        alloc, cache = self.allocator, self.kv.prefix_cache
+        running, retracted = self.active.running, list(self.active.waiting)
         n_active = len(running) + len(self.transferring) + len(retracted)
         reserved = self.config.num_reserved_decode_tokens * n_active
         retractable = sum(len(r.prompt_ids) + len(r.output_ids) for r in running)
         need = max(
             (self._max_new(r) + len(r.prompt_ids) - retractable for r in running), default=0
         )
-        available = alloc.full_available_size() if self.tail_mode else alloc.available_size()
-        if sched.cache is not None:
-            available += sched.cache.evictable_size()
+        swa_alloc = alloc if isinstance(alloc, SWAAllocator) and self.tail_mode else None
+        available = alloc.available_size() if swa_alloc is None else swa_alloc.full_available_size()
+        if cache is not None:
+            available += cache.evictable_size()
         full = available - max(reserved, need)
         if count_retracted:
             full -= sum(self._prealloc_required_tokens(r)[0] for r in retracted)
-        if not self.tail_mode:
+        if swa_alloc is None or self.window is None:
             return TokenBudgets(full, full)
-        assert self.window is not None  # tail mode implies a window
-        swa_available = alloc.swa_available_size()
+        swa_available = swa_alloc.swa_available_size()
         swa_retractable = sum(self._swa_retractable_len(r) for r in running)
         swa_need = max(
             (self._swa_tail_len(len(r.prompt_ids)) + self._max_new(r) - swa_retractable
              for r in running),
             default=0,
         )  # fmt: skip
-        growth = max(0, n_active * self.window - (alloc.size_swa - swa_available))
+        growth = max(0, n_active * self.window - (swa_alloc.size_swa - swa_available))
         swa = swa_available - max(min(reserved, growth), swa_need)
         if count_retracted:
             swa -= sum(self._prealloc_required_tokens(r)[1] for r in retracted)
@@ -167,15 +173,16 @@ class DecodePreallocQueue:
         fill_len, swa_len = self._prealloc_kv_lens(req)
         full_req, swa_req = self._prealloc_required_tokens(req)
         alloc, max_new = self.allocator, self._max_new(req)
-        full_size = alloc.size_full if self.tail_mode else alloc.size
+        swa_alloc = alloc if isinstance(alloc, SWAAllocator) and self.tail_mode else None
+        full_size = alloc.size if swa_alloc is None else swa_alloc.size_full
         full_need = max(full_req, fill_len + max_new)
         if full_need > full_size:
             return f"request {req.rid} needs {full_need} KV tokens; the decode pool holds {full_size}"
         swa_need = max(swa_req, swa_len + max_new)
-        if self.tail_mode and swa_need > alloc.size_swa:
+        if swa_alloc is not None and swa_need > swa_alloc.size_swa:
             return (
                 f"request {req.rid} needs {swa_need} SWA tokens; the decode SWA pool holds "
-                f"{alloc.size_swa}"
+                f"{swa_alloc.size_swa}"
             )
         return None
 
@@ -187,12 +194,12 @@ class DecodePreallocQueue:
         self.last_rejection = None
         if not self.queue:
             return admitted
-        sched = self.scheduler
+        running = self.active.running
         full_budget, swa_budget = self._allocatable_token_budgets()
-        retractable = sum(len(r.prompt_ids) + len(r.output_ids) for r in sched.running)
-        swa_retractable = sum(self._swa_retractable_len(r) for r in sched.running)
+        retractable = sum(len(r.prompt_ids) + len(r.output_ids) for r in running)
+        swa_retractable = sum(self._swa_retractable_len(r) for r in running)
         while self.queue:
-            if sched.req_to_token_pool.available_size() == 0:
+            if self.kv.req_to_token_pool.available_size() == 0:
                 self.last_rejection = "no free req_to_token row"
                 break
             req = self.queue[0]
@@ -201,14 +208,17 @@ class DecodePreallocQueue:
             full_budget -= locked_tokens  # locking took those tokens out of the evictable part
             full_req, swa_req = self._prealloc_required_tokens(req, prefix_len)
             max_new = self._max_new(req)
+            plan = self._prealloc_plan(fill_len, prefix_len)
             if max(full_req, fill_len - prefix_len + max_new - retractable) > full_budget:
                 self.last_rejection = "full budget" if self.tail_mode else "budget"
             elif self.tail_mode and max(swa_req, swa_len + max_new - swa_retractable) > swa_budget:
                 self.last_rejection = "swa budget"
-            elif not self._pre_alloc(req, self._prealloc_plan(fill_len, prefix_len), prefix_slots):
+            elif not self.kv.preallocate(
+                req, prefix_slots, plan.prefix_len, plan.fill_len, plan.swa_tail_len
+            ):
                 self.last_rejection = "allocation failed"
             if self.last_rejection is not None:
-                self._unlock(req)
+                self.kv.unlock_prefix(req)
                 break
             self.queue.popleft()
             self.transferring[req.rid] = req
@@ -219,58 +229,17 @@ class DecodePreallocQueue:
 
     def _match_and_lock(self, req: Req, fill_len: int) -> tuple[int, torch.Tensor | None, int]:
         """Decode-side prefix-cache hit: (prefix_len, its slots, tokens the lock took out of
-        the evictable part). The lock is held from here (released by :meth:`_unlock`)."""
-        cache = self.scheduler.cache
+        the evictable part). The lock is held from here (``kv.unlock_prefix`` releases it)."""
+        cache = self.kv.prefix_cache
         if cache is None:
             return 0, None, 0
         match = cache.match_prefix(req.prompt_ids[: fill_len - 1])
         before = cache.evictable_size()
-        self.scheduler.lock_prefix(req, match.last_node)
+        self.kv.lock_prefix(req, match.last_node)
         return match.num_tokens, match.device_indices, before - cache.evictable_size()
-
-    def _unlock(self, req: Req) -> None:
-        self.scheduler.unlock_prefix(req.last_node, req.cache_lock)
-        req.last_node = req.cache_lock = None
-
-    def _pre_alloc(self, req: Req, plan: PreallocPlan, prefix_slots: torch.Tensor | None) -> bool:
-        """A row and the KV of ``[prefix_len, fill_len)``; False with nothing taken (the
-        caller still holds the prefix lock) when either pool is short even after evicting
-        unlocked cache entries."""
-        sched = self.scheduler
-        r2t_pool = sched.req_to_token_pool
-        row = r2t_pool.alloc(1)[0]
-        if plan.prefix_len:
-            assert prefix_slots is not None
-            r2t_pool.write(row, 0, prefix_slots)
-        last_loc = int(r2t_pool.req_to_token[row, plan.prefix_len - 1]) if plan.prefix_len else -1
-        out = self._alloc(plan, last_loc)
-        if out is None and sched.cache is not None:
-            sched.evict_cache(plan.num_full_pages * self.page_size)
-            out = self._alloc(plan, last_loc)
-        if out is None:
-            r2t_pool.free(row)
-            return False
-        r2t_pool.write(row, plan.prefix_len, out)
-        r2t_pool.set_tokens(row, req.all_ids())
-        req.req_pool_idx = row
-        req.kv_len = plan.fill_len  # committed: the transfer fills it
-        req.cache_protected_len = plan.prefix_len
-        if plan.takes_tail_path:
-            req.swa_evicted_seqlen = plan.fill_len - plan.swa_tail_len
-        else:  # the tree-owned prefix's SWA is the tree's business
-            req.swa_evicted_seqlen = plan.prefix_len if self.window is not None else 0
-        return True
-
-    def _alloc(self, plan: PreallocPlan, last_loc: int) -> torch.Tensor | None:
-        if plan.takes_tail_path:
-            return self.allocator.alloc_extend_swa_tail(
-                plan.prefix_len, plan.fill_len, last_loc, plan.swa_tail_len
-            )
-        last = torch.tensor([last_loc], dtype=torch.int64)
-        return self.allocator.alloc_extend([plan.prefix_len], [plan.fill_len], last)
 
     def release(self, req: Req) -> None:
         """Give back everything a transferring request holds (its transfer failed)."""
         self.transferring.pop(req.rid, None)
         if req.has_row:
-            self.scheduler.release(req, insert=False)
+            self.kv.release(req, insert=False)

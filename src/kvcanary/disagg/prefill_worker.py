@@ -72,7 +72,7 @@ class PrefillWorker:
         self.transfer_bytes = 0
         self.stopped = False
         self.link_error: str | None = None
-        self.engine.scheduler.before_release = self._on_prefilled
+        self.engine.set_before_release(self._on_prefilled)
         if self.faults.real_kv_post_forward:
             _install_real_kv_post_forward(self.engine, config.seed)
         link.send({"type": "hello", "role": "prefill", "layout": self.layout})
@@ -123,7 +123,7 @@ class PrefillWorker:
             if ceil_page(len(prompt), self.config.page_size) > full_size:
                 # The scheduler would stall on it (and fail the whole worker).
                 raise ValueError(f"prompt of {len(prompt)} tokens; the prefill pool holds {full_size}")
-            self.engine.scheduler.add(req)
+            self.engine.enqueue(req)
         except ValueError as e:
             self._send_failed(rid, f"prefill rejected the request: {e}")
             return
@@ -189,7 +189,7 @@ class PrefillWorker:
             "transfers": self.num_transfers,
             "transfer_bytes": self.transfer_bytes,
             "link_error": self.link_error,
-            "stats": dataclasses.asdict(self.engine.scheduler.stats),
+            "stats": dataclasses.asdict(self.engine.stats),
             "canary": canary_report(self.engine),
             **memory_report(self.engine),
         }

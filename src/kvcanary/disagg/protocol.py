@@ -68,8 +68,8 @@ def kv_layout(engine: Engine, io: PageIO) -> dict[str, Any]:
         "page_size": cfg.page_size,
         "sliding_window": runner.sliding_window,
         "pool": type(runner.token_to_kv_pool).__name__,
-        "kv_canary_records": None if cfg.kv_canary == "none" else
-        [cfg.kv_canary_real_data, cfg.kv_canary_real_data_layers, cfg.kv_canary_v_half],
+        "kv_canary_records": None if not cfg.canary.enabled else
+        [cfg.canary.real_data, cfg.canary.real_data_layers, cfg.canary.v_half],
         **io.layout(),
     }  # fmt: skip
 
@@ -100,12 +100,12 @@ def engine_request_pages(engine: Engine, req: Req, prefix_len: int, fill_len: in
 def memory_report(engine: Engine) -> dict[str, Any]:
     """Integrity, then whether every slot and row is free once the prefix cache lets go
     (call when no request is left)."""
-    sched, runner = engine.scheduler, engine.runner
+    cache, runner = engine.kv.prefix_cache, engine.runner
     out: dict[str, Any] = {"integrity_ok": False, "integrity_error": None, "memory_free": False}
     try:
         engine.check_integrity()
-        if sched.cache is not None:
-            sched.cache.free_all()
+        if cache is not None:
+            cache.free_all()
         engine.check_integrity()
         out["integrity_ok"] = True
     except Exception as e:  # noqa: BLE001 - reported, not raised
@@ -123,7 +123,7 @@ def memory_report(engine: Engine) -> dict[str, Any]:
     rows = runner.req_to_token_pool
     free["rows_free"] = rows.available_size() == rows.size
     out.update(free)
-    out["memory_free"] = all(free.values()) and not sched.has_unfinished()
+    out["memory_free"] = all(free.values()) and not engine.has_unfinished()
     return out
 
 

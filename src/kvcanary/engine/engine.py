@@ -14,11 +14,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import torch
+
 from kvcanary.config import EngineConfig, SamplingParams
+from kvcanary.engine.kv_manager import KVManager
 from kvcanary.engine.model_runner import ModelRunner
 from kvcanary.engine.request import Req
 from kvcanary.engine.sampling import make_generator
-from kvcanary.engine.scheduler import Scheduler
+from kvcanary.engine.scheduler import Scheduler, SchedulerStats
+from kvcanary.memory.radix_cache import RadixCache
 
 Prompt = str | Sequence[int]
 
@@ -54,35 +58,31 @@ class Engine:
         self.canary: Any = self._install_canary()
 
     def _install_canary(self) -> Any:
-        """The KV canary (kvcanary.canary.manager.CanaryManager), or None when it is off."""
-        if self.config.kv_canary == "none":
+        """The KV canary (kvcanary.canary.manager.CanaryManager), or None when it is off.
+        The engine is one host of the canary (kvcanary.integrations.engine_host)."""
+        if not self.config.canary.enabled:
             return None
-        from kvcanary.canary.install import install_canary  # the canary is a guest: lazy
+        from kvcanary.integrations.engine_host import install_on_engine  # a guest: lazy
 
-        canary = install_canary(self.runner, self.config.canary_config())
-        if canary is None:
-            return None
-        if self.config.kv_canary == "abort":
-            abort = getattr(self.scheduler, "abort_requests_referencing", None)
-            if abort is None:
-                raise NotImplementedError(
-                    "--kv-canary=abort needs Scheduler.abort_requests_referencing"
-                )
-            canary.set_abort_handler(abort)
-        canary.attach_radix_cache(self.scheduler.cache)  # the radix sweep walks it
-        if self.config.token_oracle:  # every fed token is known: arm the write-input assert
-            from kvcanary.canary.token_oracle import TokenOracleExpectations
-
-            canary.set_expected_inputs(
-                TokenOracleExpectations(self.runner.vocab_size, self._prompt_lens)
-            )
-        canary.mark_init_finished()  # no warm-up or capture to wait for
+        canary = install_on_engine(self, self.config.canary)
+        self.runner.canary = canary  # ModelRunner.forward calls its before/after hooks
         return canary
 
-    def _prompt_lens(self, rids: list[int]) -> list[int]:
+    def prompt_lens(self, rids: list[int]) -> list[int]:
         """Prompt length of each running request id (0 for padding / unknown ids)."""
         lens = {r.rid: len(r.prompt_ids) for r in self.scheduler.running}
         return [lens.get(rid, 0) for rid in rids]
+
+    def override_next_token(self, rid: int, token: int) -> None:
+        """Replace running request ``rid``'s last sampled, not yet fed token, as a sampler
+        mixing up rows would (fault injection: the canary's ``next_token_swap``); the
+        req->token token mirror follows."""
+        req = next((r for r in self.scheduler.running if r.rid == rid), None)
+        if req is None or not req.output_ids:
+            raise ValueError(f"request {rid} is not running with a sampled token")
+        req.output_ids[-1] = token
+        if req.req_pool_idx:
+            self.runner.req_to_token_pool.token_ids[req.req_pool_idx, req.seq_len - 1] = token
 
     def _encode(self, prompt: Prompt) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -115,6 +115,10 @@ class Engine:
             RunningRequest(r.rid, r.req_pool_idx, list(r.prompt_ids), list(r.output_ids), r.kv_len)
             for r in self.scheduler.running
         ]
+
+    def queue_lengths(self) -> tuple[int, int]:
+        """(running, waiting) request counts."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -156,6 +160,34 @@ class Engine:
             num_cached_prompt_tokens=req.num_cached_prompt_tokens,
             num_retractions=req.num_retractions,
         )
+
+    @property
+    def kv(self) -> KVManager:
+        """The KV lifecycle (pools, allocator, req->token rows, prefix cache)."""
+        return self.scheduler.kv
+
+    @property
+    def prefix_cache(self) -> RadixCache | None:
+        return self.scheduler.kv.prefix_cache
+
+    def abort_requests_referencing(
+        self, full_slots: torch.Tensor, swa_slots: torch.Tensor | None = None
+    ) -> list[int]:
+        """Abort the running requests whose KV includes ``full_slots`` (or maps to
+        ``swa_slots``) and quarantine those slots (see the scheduler's method)."""
+        return self.scheduler.abort_requests_referencing(full_slots, swa_slots)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats
+
+    def enqueue(self, req: Req) -> None:
+        """Queue a request built by the caller (its own id and generator)."""
+        self.scheduler.add(req)
+
+    def set_before_release(self, hook: Callable[[Req], None] | None) -> None:
+        """Call ``hook(req)`` with each finished request while its KV is still in place."""
+        self.scheduler.before_release = hook
 
     def check_integrity(self) -> bool:
         return self.scheduler.check_integrity()

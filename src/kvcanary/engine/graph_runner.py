@@ -12,11 +12,12 @@ A decode batch of ``bs`` requests runs as the smallest bucket ``B >= bs``; rows
 Inputs and the attention key tables live in buffers allocated once (full tables padded
 to a multiple of ``KEY_WIDTH_BUCKET`` keys when graphs are captured — exact width on CPU,
 where padding would only cost — sliding tables ``W`` wide), so every replay of a bucket
-``(B, key width)`` reads the same addresses. On CUDA, without a canary (its
-per-forward plans are host-driven), each bucket is captured once as a CUDA graph and
-replayed; a capture failure falls back to eager replay with a warning. Everywhere else the
-same buffers are used eagerly, so the padding and static-table semantics a graph relies
-on are exercised by the CPU tests.
+``(B, key width)`` reads the same addresses. On CUDA, without forward hooks (the canary's
+per-forward plans are host-driven, so its ``before_forward`` / ``after_forward`` must run
+around every replay), each bucket is captured once as a CUDA graph and replayed; a capture
+failure falls back to eager replay with a warning. Everywhere else the same buffers are
+used eagerly through ``ModelRunner.forward`` (hooks included), so the padding and
+static-table semantics a graph relies on are exercised by the CPU tests.
 """
 
 from __future__ import annotations

@@ -7,19 +7,24 @@ Who owns what:
   * ``allocator`` — which slots are live (PagedAllocator/TokenAllocator or SWAAllocator,
     the latter also owns the full→SWA mapping); mutated only by the scheduler.
   * ``req_to_token_pool`` — per-request slot rows; written only by the scheduler.
+  * ``canary`` — the forward hooks of a guest (the KV canary, installed by
+    ``kvcanary.integrations.engine_host``); None: no guest, no cost.
+
+The runner is also the KV canary's host object (``kvcanary.canary.host.CanaryHost``:
+``token_to_kv_pool``, ``req_to_token_pool``, ``device``, ``sliding_window``,
+``is_draft_worker``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
-from typing import Any
 
 import torch
 
 from kvcanary.config import EngineConfig
 from kvcanary.engine.attention import PagedAttentionBackend
 from kvcanary.engine.forward_batch import ForwardBatch
+from kvcanary.engine.hooks import ForwardHooks
 from kvcanary.memory.allocator import PagedAllocator, make_allocator
 from kvcanary.memory.mha_pool import MHAKVPool
 from kvcanary.memory.req_to_token import ReqToTokenPool
@@ -86,8 +91,9 @@ class ModelRunner:
             self.token_to_kv_pool, self.req_to_token_pool, self.sliding_window
         )
         self.forward_ct = 0
-        # Set by kvcanary.canary.install.install_canary; None: no canary, no cost.
-        self.canary: Any = None
+        self.is_draft_worker = False  # a speculative draft worker would hold token p + 1 at p
+        # Set by kvcanary.integrations.engine_host; None: no canary, no cost.
+        self.canary: ForwardHooks | None = None
 
     @property
     def is_swa(self) -> bool:
@@ -112,11 +118,15 @@ class ModelRunner:
         request's last new token. ``static`` (graph runner): called after the attention
         metadata is built, to move it into persistent buffers."""
         self.begin_forward(fb)
-        with nullcontext() if self.canary is None else self.canary.forward_scope(fb):
-            # Inside the scope: the canary's host pre-ops (fault injection included) run
-            # before attention gathers its slot tables, as before a real forward.
-            self.attn_backend.init_forward_metadata(fb)
-            if static is not None:
-                static()
-            hidden = self.model(fb.input_ids, fb.positions, fb)
+        hooks = self.canary
+        if hooks is not None:
+            # Before attention gathers its slot tables: the canary's host pre-ops (fault
+            # injection included) must be what attention reads, as in a real forward.
+            hooks.before_forward(fb)
+        self.attn_backend.init_forward_metadata(fb)
+        if static is not None:
+            static()
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        if hooks is not None:
+            hooks.after_forward(fb)
         return self.model.compute_logits(hidden[fb.last_token_indices()])

@@ -20,6 +20,17 @@ from typing import Any
 import torch
 
 from kvcanary.config import SamplingParams
+from kvcanary.memory.radix_cache import RadixNode, SwaLock
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLock:
+    """Opaque to everyone but the KV manager: the prefix-cache node a request locked for
+    its protected prefix, and the lock token (its SWA part may be released early, which
+    replaces the handle)."""
+
+    node: RadixNode
+    lock: SwaLock
 
 
 @dataclass(slots=True, eq=False)
@@ -32,8 +43,7 @@ class Req:
     req_pool_idx: int = 0  # 0: holds no row
     kv_len: int = 0
     cache_protected_len: int = 0
-    last_node: Any = None  # radix node locked for the protected prefix
-    cache_lock: Any = None  # the radix lock token of last_node (its SWA part may be released)
+    prefix: PrefixLock | None = None  # the prefix-cache lock on the protected prefix
     swa_evicted_seqlen: int = 0
     finish_reason: str | None = None
     host_copy: dict[str, Any] | None = None  # KV saved at retraction (host offload)

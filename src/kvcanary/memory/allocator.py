@@ -19,10 +19,11 @@ raises :class:`DoubleFreeError` on a page that is already free.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvcanary.memory.base import Lens, PageAllocator
 from kvcanary.memory.errors import DoubleFreeError, raise_if_problems
 
 
@@ -31,7 +32,7 @@ def _nonempty(pages: torch.Tensor) -> torch.Tensor:
     return pages if pages.numel() else torch.zeros(1, dtype=torch.int64)
 
 
-def _as_cpu_lens(lens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+def _as_cpu_lens(lens: Lens) -> torch.Tensor:
     return torch.as_tensor(lens, dtype=torch.int64, device="cpu").reshape(-1)
 
 
@@ -86,22 +87,22 @@ class PagedAllocator:
         return (pages[:, None] * self.page_size + offsets).reshape(-1)
 
     def num_new_pages_extend(
-        self, prefix_lens: Sequence[int] | torch.Tensor, seq_lens: Sequence[int] | torch.Tensor
+        self, prefix_lens: Lens, seq_lens: Lens
     ) -> int:
         """Pages ``alloc_extend`` would take: Σ ceil(seq/P) − ceil(prefix/P)."""
         pre, seq = _as_cpu_lens(prefix_lens), _as_cpu_lens(seq_lens)
         p = self.page_size
         return int(((seq + p - 1) // p - (pre + p - 1) // p).sum())
 
-    def num_new_pages_decode(self, seq_lens: Sequence[int] | torch.Tensor) -> int:
+    def num_new_pages_decode(self, seq_lens: Lens) -> int:
         """Pages ``alloc_decode`` would take: requests whose new token starts a page."""
         seq = _as_cpu_lens(seq_lens)
         return int(((seq - 1) % self.page_size == 0).sum())
 
     def alloc_extend(
         self,
-        prefix_lens: Sequence[int] | torch.Tensor,
-        seq_lens: Sequence[int] | torch.Tensor,
+        prefix_lens: Lens,
+        seq_lens: Lens,
         last_locs: torch.Tensor,
     ) -> torch.Tensor | None:
         """Slots for positions ``[prefix_len, seq_len)`` of each request, flat in batch order.
@@ -139,7 +140,7 @@ class PagedAllocator:
         return out.to(self.device)
 
     def alloc_decode(
-        self, seq_lens: Sequence[int] | torch.Tensor, last_locs: torch.Tensor
+        self, seq_lens: Lens, last_locs: torch.Tensor
     ) -> torch.Tensor | None:
         """One slot per request for position ``seq_len - 1`` (``seq_len`` counts the new token)."""
         seq = _as_cpu_lens(seq_lens)
@@ -161,7 +162,8 @@ class PagedAllocator:
         if self._free_group_depth:
             self._pending_free.append(slots.reshape(-1).to(self.device))
             return
-        pages = torch.unique(slots.reshape(-1).to(self.device, torch.int64) // self.page_size)
+        slot_ids = slots.reshape(-1).to(self.device, torch.int64)
+        pages: torch.Tensor = torch.unique(slot_ids // self.page_size)
         if bool((pages <= 0).any()) or bool((pages > self.num_pages).any()):
             raise ValueError(
                 f"free: slots {slots.tolist()[:16]} fall outside pages [1, {self.num_pages}] "
@@ -176,7 +178,8 @@ class PagedAllocator:
     def quarantine(self, slots: torch.Tensor) -> int:
         """Take the pages holding ``slots`` out of circulation for good: free ones leave the
         free list now, allocated ones when freed. Returns pages newly quarantined."""
-        pages = torch.unique(slots.reshape(-1).to(self.device, torch.int64) // self.page_size)
+        slot_ids = slots.reshape(-1).to(self.device, torch.int64)
+        pages: torch.Tensor = torch.unique(slot_ids // self.page_size)
         pages = pages[(pages > 0) & (pages <= self.num_pages)]
         pages = pages[~self.page_quarantined[pages]]
         self.page_quarantined[pages] = True
@@ -239,3 +242,6 @@ def make_allocator(size: int, page_size: int, device: torch.device | str = "cpu"
     return TokenAllocator(size, device) if page_size == 1 else PagedAllocator(size, page_size, device)
 
 
+if TYPE_CHECKING:  # mypy: the contracts of kvcanary.memory.base hold
+    _paged: type[PageAllocator] = PagedAllocator
+    _token: type[PageAllocator] = TokenAllocator

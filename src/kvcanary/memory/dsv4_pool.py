@@ -28,10 +28,11 @@ for C4, 0 for C128.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from kvcanary.memory.base import BufInfos, WindowedKVPool
 from kvcanary.memory.mha_pool import buf_infos
 from kvcanary.memory.swa_pool import BaseSWAKVPool
 
@@ -57,7 +58,7 @@ class LatentKVPool:
             torch.zeros((self.num_slots, dim), dtype=dtype, device=device) for _ in range(layer_num)
         ]
 
-    def buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+    def buf_infos(self) -> BufInfos:
         """One item = one page (``rows_per_page`` rows)."""
         return buf_infos(self.buffers, self.rows_per_page)
 
@@ -194,12 +195,12 @@ class DSV4KVPool(BaseSWAKVPool):
         buf[self.compressed_loc(layer_id, full_loc)] = k.to(buf.dtype)
 
     # ------------------------------------------------------------ transfer
-    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+    def get_contiguous_buf_infos(self) -> BufInfos:
         """C4 KV, C4 indexer, C128 KV buffers; one item = one compressed page (= full page)."""
         parts = [self.c4_kv_pool, self.c4_indexer_kv_pool, self.c128_kv_pool]
         return _concat_infos([p.buf_infos() for p in parts])
 
-    def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+    def get_state_buf_infos(self) -> BufInfos:
         """SWA latent buffers (item = one SWA page), then C4 and C128 compress states
         (item = one ring of ``ring_size`` rows, i.e. one SWA page's state)."""
         parts = [self.swa_kv_pool, *self.compress_state_pools.values()]
@@ -207,11 +208,15 @@ class DSV4KVPool(BaseSWAKVPool):
 
 
 def _concat_infos(
-    infos: list[tuple[list[int], list[int], list[int]]],
-) -> tuple[list[int], list[int], list[int]]:
+    infos: list[BufInfos],
+) -> BufInfos:
     ptrs, lens, items = [], [], []
     for p, n, i in infos:
         ptrs += p
         lens += n
         items += i
     return ptrs, lens, items
+
+
+if TYPE_CHECKING:  # mypy: the contracts of kvcanary.memory.base hold
+    _dsv4: type[WindowedKVPool] = DSV4KVPool

@@ -1,4 +1,6 @@
-"""Host (CPU) copies of a request's KV, for retraction and offload.
+"""Host (CPU) copies of a request's KV, for retraction and offload: the one place that
+takes them (``get_cpu_copy(pool, slots)`` / ``load_cpu_copy(pool, copy, slots)``); the
+pools themselves know nothing of host copies.
 
 A copy holds one CPU tensor per *row buffer* of each sub-pool, in a fixed order::
 
@@ -27,14 +29,19 @@ its SWA-group records on ``pool.swa_kv_pool``; callers of ``get_cpu_copy`` need 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
-from kvcanary.memory.mha_pool import BaseKVPool, MHAKVPool
+from kvcanary.memory.base import KVPool
+from kvcanary.memory.mha_pool import MHAKVPool
 from kvcanary.memory.swa_pool import SWAKVPool
 
 DEFAULT_CHUNK_SIZE = 8192
+
+# {"full": list[Tensor]} or {"full": ..., "swa": list[Tensor], "swa_mask": Tensor} (see
+# above). Values stay Any: callers keep it as ``Req.host_copy`` and read ``["swa_mask"]``.
+HostCopy: TypeAlias = dict[str, Any]
 
 
 def _row_buffers(sub: MHAKVPool) -> list[torch.Tensor]:
@@ -82,21 +89,21 @@ def _load(
             buf[slots[s : s + chunk_size]] = rows.to(buf.device)
 
 
-def _slots(pool: BaseKVPool, indices: torch.Tensor, chunk_size: int) -> torch.Tensor:
+def _slots(pool: KVPool, indices: torch.Tensor, chunk_size: int) -> torch.Tensor:
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size}: must be >= 1 (default {DEFAULT_CHUNK_SIZE})")
     return indices.reshape(-1).to(pool.device, torch.int64)
 
 
-def _unsupported(pool: BaseKVPool) -> NotImplementedError:
+def _unsupported(pool: KVPool) -> NotImplementedError:
     return NotImplementedError(
         f"host copy of {type(pool).__name__}: supported pools are MHAKVPool, SWAKVPool"
     )
 
 
 def get_cpu_copy(
-    pool: BaseKVPool, indices: torch.Tensor, chunk_size: int | None = None
-) -> dict[str, Any]:
+    pool: KVPool, indices: torch.Tensor, chunk_size: int | None = None
+) -> HostCopy:
     """Copy the KV (and registered slot buffers) of full slots ``indices`` to the CPU."""
     chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
     slots = _slots(pool, indices, chunk_size)
@@ -114,8 +121,8 @@ def get_cpu_copy(
 
 
 def load_cpu_copy(
-    pool: BaseKVPool,
-    copy: dict[str, Any],
+    pool: KVPool,
+    copy: HostCopy,
     indices: torch.Tensor,
     chunk_size: int | None = None,
 ) -> None:
@@ -131,7 +138,7 @@ def load_cpu_copy(
         return
     if not isinstance(pool, SWAKVPool):
         raise _unsupported(pool)
-    old_mask = copy["swa_mask"].to(slots.device)
+    old_mask: torch.Tensor = copy["swa_mask"].to(slots.device)
     if old_mask.numel() != slots.numel():
         raise ValueError(f"load_cpu_copy: copy has {old_mask.numel()} indices, got {slots.numel()}")
     _check_rows(pool.full_kv_pool, copy["full"], slots.numel(), "full")

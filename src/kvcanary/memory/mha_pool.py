@@ -8,13 +8,16 @@ stores: which slots are live is the allocator's business.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvcanary.memory.base import BufInfos, KVPairPool
+
 
 class BaseKVPool:
-    """What every pool offers to the engine, the host-copy code and the canary."""
+    """Common base of the pools; their contract is :class:`~kvcanary.memory.base.KVPool`.
+    Host copies are :mod:`~kvcanary.memory.host_pool`'s functions, not pool methods."""
 
     size: int
     page_size: int
@@ -30,31 +33,14 @@ class BaseKVPool:
     def invalidate_loc_cache(self) -> None:
         """No translation cache here; SWA pools override. Safe to call any time."""
 
-    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+    def get_contiguous_buf_infos(self) -> BufInfos:
         raise NotImplementedError
 
-    def get_cpu_copy(self, indices: torch.Tensor, chunk_size: int | None = None) -> dict[str, Any]:
-        """CPU copy of the KV (and registered slot buffers) of full slots ``indices``;
-        see :mod:`kvcanary.memory.host_pool` (``chunk_size`` None: its default)."""
-        from kvcanary.memory import host_pool  # host_pool imports the pool classes
-
-        return host_pool.get_cpu_copy(self, indices, chunk_size)
-
-    def load_cpu_copy(
-        self, copy: dict[str, Any], indices: torch.Tensor, chunk_size: int | None = None
-    ) -> None:
-        """Restore a :meth:`get_cpu_copy` result into full slots ``indices``."""
-        from kvcanary.memory import host_pool
-
-        host_pool.load_cpu_copy(self, copy, indices, chunk_size)
-
-    def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+    def get_state_buf_infos(self) -> BufInfos:
         return [], [], []
 
 
-def buf_infos(
-    buffers: list[torch.Tensor], page_size: int
-) -> tuple[list[int], list[int], list[int]]:
+def buf_infos(buffers: list[torch.Tensor], page_size: int) -> BufInfos:
     """(data_ptrs, data_lens, item_lens): page ``p`` of buffer ``i`` starts at
     ``data_ptrs[i] + p * item_lens[i]``; ``item_lens`` = bytes of one page."""
     ptrs = [b.data_ptr() for b in buffers]
@@ -138,10 +124,14 @@ class MHAKVPool(BaseKVPool):
     def get_kv_size_bytes(self) -> tuple[int, int]:
         return sum(b.nbytes for b in self.k_buffer), sum(b.nbytes for b in self.v_buffer)
 
-    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+    def get_contiguous_buf_infos(self) -> BufInfos:
         """All K buffers first, then all V buffers."""
         return buf_infos(self.k_buffer + self.v_buffer, self.page_size)
 
     def all_buffers(self) -> list[torch.Tensor]:
         """Buffers in buf-info order (all K, then all V)."""
         return self.k_buffer + self.v_buffer
+
+
+if TYPE_CHECKING:  # mypy: the contracts of kvcanary.memory.base hold
+    _mha: type[KVPairPool] = MHAKVPool

@@ -54,54 +54,17 @@ descendants and SWA eviction tombstones the prefix far from the window first.
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvcanary.memory.allocator import PagedAllocator
+from kvcanary.memory.base import Allocator, PageAllocator, PrefixCache, WindowedAllocator
 from kvcanary.memory.errors import raise_if_problems
-from kvcanary.memory.swa_allocator import SWAAllocator
+from kvcanary.memory.radix_types import CachedSpan, MatchResult, RadixNode, SwaLock
 from kvcanary.utils import ceil_page, floor_page
 
-_node_ids = itertools.count()
-
-
-@dataclass(slots=True, eq=False)
-class RadixNode:
-    key: list[int]
-    value: torch.Tensor  # full slots, one per key token
-    parent: RadixNode | None = field(default=None, repr=False)
-    children: dict[int | tuple[int, ...], RadixNode] = field(default_factory=dict, repr=False)
-    lock_ref: int = 0  # full locks: no eviction
-    swa_lock_ref: int = 0  # SWA locks (<= lock_ref): no tombstoning
-    tombstone: bool = False  # SWA slots freed (mapping 0); full slots still valid
-    last_access: int = 0
-    node_id: int = field(default_factory=lambda: next(_node_ids))
-
-
-class MatchResult(NamedTuple):
-    device_indices: torch.Tensor  # full slots of the usable prefix (tree-owned)
-    last_node: RadixNode  # lock this; the root when nothing matched
-    num_tokens: int
-
-
-class SwaLock(NamedTuple):
-    """What one :meth:`RadixCache.inc_lock_ref` holds, as positions on the path root → node:
-    full locks on ``[0, path_len)``, SWA locks on ``[swa_start, path_len)`` (empty when
-    ``swa_start == path_len``). Splits only add node boundaries, so a release by position
-    takes back exactly the nodes (and split halves) that were locked."""
-
-    path_len: int  # tokens on the path, the locked node included
-    swa_start: int  # first SWA-locked position (a node boundary)
-
-
-class CachedSpan(NamedTuple):
-    node: RadixNode
-    prefix_len: int  # tokens on the path before this node: slot i sits at position prefix_len + i
-    slots: torch.Tensor
+__all__ = ["CachedSpan", "MatchResult", "RadixCache", "RadixNode", "SwaLock"]
 
 
 class _Freed:
@@ -116,7 +79,7 @@ class _Freed:
 class RadixCache:
     def __init__(
         self,
-        allocator: PagedAllocator | SWAAllocator,
+        allocator: PageAllocator | WindowedAllocator,
         page_size: int,
         sliding_window: int | None = None,
     ):
@@ -126,14 +89,19 @@ class RadixCache:
             )
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window={sliding_window}: must be >= 1 or None")
-        self.allocator = allocator
+        self.allocator: Allocator = allocator
         self.page_size = page_size
         self.device = allocator.device
-        self._full_allocator: PagedAllocator = (
-            allocator.full_attn_allocator if isinstance(allocator, SWAAllocator) else allocator
-        )
-        # None: plain cache (an SWAAllocator's SWA slots then simply follow the full ones).
-        self.window: int | None = sliding_window if isinstance(allocator, SWAAllocator) else None
+        # Window-aware (_swa_allocator set) only for a windowed allocator with a window;
+        # otherwise a plain cache (an SWA allocator's SWA slots then follow the full ones).
+        self._swa_allocator: WindowedAllocator | None = None
+        if isinstance(allocator, WindowedAllocator):
+            self._full_allocator: PageAllocator = allocator.full_attn_allocator
+            if sliding_window is not None:
+                self._swa_allocator = allocator
+        else:
+            self._full_allocator = allocator
+        self.window: int | None = sliding_window if self._swa_allocator is not None else None
         self._clock = 0
         self.reset()
 
@@ -216,13 +184,16 @@ class RadixCache:
 
     def _usable_len(self, path: list[tuple[RadixNode, int]]) -> int:
         """Largest matched length whose window is resident (see the module diagram)."""
+        window = self.window
+        if window is None:  # nothing is tombstoned: all of it
+            return sum(n for _, n in path)
         best = pos = 0
         tomb_end: int | None = None
         for node, n in path:
-            if node.tombstone and self.window is not None:
+            if node.tombstone:
                 tomb_end = pos + n
             pos += n
-            if tomb_end is None or pos - tomb_end >= self.window:  # type: ignore[operator]
+            if tomb_end is None or pos - tomb_end >= window:
                 best = pos
         return best
 
@@ -320,11 +291,11 @@ class RadixCache:
         if num_keep == 0:
             return None
         ids, slots = token_ids[:num_keep], slots[:num_keep]
-        if self.window is not None:
+        if self._swa_allocator is not None:
             # The last page must become a live node: it needs SWA, and a tail left as
             # tombstones would be freed by insert under the running request.
             last_page = slots[num_keep - self.page_size :].to(self.device, torch.int64)
-            mapping = self.allocator.full_to_swa_index_mapping  # type: ignore[union-attr]
+            mapping = self._swa_allocator.full_to_swa_index_mapping
             if ceil_page(swa_evicted_seqlen, self.page_size) >= num_keep or bool(
                 (mapping[last_page] <= 0).any()
             ):
@@ -348,7 +319,7 @@ class RadixCache:
             tree = torch.cat([node.value[:n] for node, n in path])
             owned[: tree.numel()] = value[: tree.numel()] != tree
         owned[:swa_start] = False
-        mapping = self.allocator.full_to_swa_index_mapping  # type: ignore[union-attr]
+        mapping = self._swa().full_to_swa_index_mapping
         if bool((mapping[value[owned]] <= 0).any()):
             raise ValueError(
                 f"insert: own slots at or past swa_evicted_seqlen (page start {swa_start}) "
@@ -356,7 +327,7 @@ class RadixCache:
             )
 
     def _recover(self, node: RadixNode, incoming: torch.Tensor, freed: _Freed) -> None:
-        alloc: SWAAllocator = self.allocator  # type: ignore[assignment]
+        alloc = self._swa()
         swa = alloc.full_to_swa_index_mapping[incoming]
         alloc.set_full_to_swa_mapping(node.value, swa)
         alloc.set_full_to_swa_mapping(incoming, torch.zeros_like(swa))
@@ -522,7 +493,7 @@ class RadixCache:
     def _flush(self, freed: _Freed) -> None:
         # One free per side; SWA-only frees first so the mapping they zero is not read twice.
         if freed.swa_slots:
-            self.allocator.free_swa(torch.cat(freed.swa_slots))  # type: ignore[union-attr]
+            self._swa().free_swa(torch.cat(freed.swa_slots))
         if freed.full_slots:
             self.allocator.free(torch.cat(freed.full_slots))
 
@@ -548,11 +519,17 @@ class RadixCache:
         return torch.cat(values) if values else self._empty()
 
     # ------------------------------------------------------------------ helpers
+    def _swa(self) -> WindowedAllocator:
+        """The windowed allocator: only window-aware paths (``window`` set) get here."""
+        if self._swa_allocator is None:
+            raise RuntimeError("RadixCache: an SWA-only path ran on a cache without a window")
+        return self._swa_allocator
+
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
 
     def _page_key(self, token_ids: Sequence[int] | torch.Tensor) -> list[int]:
-        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        ids: list[int] = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
         return ids[: floor_page(len(ids), self.page_size)]
 
     def _child_key(self, key: list[int], start: int) -> int | tuple[int, ...]:
@@ -678,8 +655,8 @@ class RadixCache:
             problems.append("a slot is held by two nodes")
         if values.numel() and not bool(self._full_allocator.page_allocated[values // p].all()):
             problems.append("the tree holds a free slot")
-        if self.window is not None:
-            mapping = self.allocator.full_to_swa_index_mapping  # type: ignore[union-attr]
+        if self._swa_allocator is not None:
+            mapping = self._swa_allocator.full_to_swa_index_mapping
             for node in self._iter_nodes():
                 m = mapping[node.value]
                 if node.tombstone and bool((m != 0).any()):
@@ -687,3 +664,7 @@ class RadixCache:
                 if not node.tombstone and bool((m <= 0).any()):
                     problems.append(f"live node {node.node_id} has unmapped slots")
         return raise_if_problems("RadixCache", problems)
+
+
+if TYPE_CHECKING:  # mypy: the contracts of kvcanary.memory.base hold
+    _radix: type[PrefixCache] = RadixCache

@@ -10,42 +10,22 @@ SWA-layer KV lives::
     mapping[-1] = -1     sentinel: ``mapping[last_loc=-1]`` reads "no prefix"
 
 Invariant: every live SWA slot is referenced by exactly one full slot. Every
-mapping write goes through :class:`SwaIndexMapping`, which bumps ``version`` so
-translation caches keyed on it can never outlive a mutation.
+mapping write goes through :class:`~kvcanary.memory.swa_mapping.SwaIndexMapping`, which
+bumps ``version`` so translation caches keyed on it can never outlive a mutation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvcanary.memory.allocator import PagedAllocator, _as_cpu_lens, make_allocator
+from kvcanary.memory.base import Lens, WindowedAllocator, WindowedKVPool
 from kvcanary.memory.errors import raise_if_problems
+from kvcanary.memory.swa_mapping import SwaIndexMapping
 
-
-class SwaIndexMapping:
-    """The full→SWA mapping tensor plus its mutation counter."""
-
-    def __init__(self, full_size: int, page_size: int, device: torch.device):
-        self.tensor = torch.cat(
-            [
-                torch.zeros(full_size + page_size, dtype=torch.int64, device=device),
-                torch.full((1,), -1, dtype=torch.int64, device=device),
-            ]
-        )
-        self.version = 0
-
-    def write(self, full_slots: torch.Tensor, swa_slots: torch.Tensor | int) -> None:
-        self.tensor[full_slots] = swa_slots if isinstance(swa_slots, int) else swa_slots.to(torch.int64)
-        self.version += 1
-
-    def clear(self) -> None:
-        self.tensor[:-1] = 0
-        self.version += 1
-
-    def translate(self, full_slots: torch.Tensor) -> torch.Tensor:
-        return self.tensor[full_slots.to(torch.int64)]
+__all__ = ["SWAAllocator", "SwaIndexMapping"]
 
 
 class SWAAllocator:
@@ -61,7 +41,7 @@ class SWAAllocator:
         swa_size: int,
         page_size: int,
         device: torch.device | str = "cpu",
-        kvcache: object | None = None,
+        kvcache: WindowedKVPool | None = None,
     ):
         self.page_size = page_size
         self.device = torch.device(device)
@@ -70,7 +50,7 @@ class SWAAllocator:
         self.mapping = SwaIndexMapping(self.full_attn_allocator.size, page_size, self.device)
         self.full_to_swa_index_mapping = self.mapping.tensor
         if kvcache is not None:
-            kvcache.register_mapping(self.mapping)  # type: ignore[attr-defined]
+            kvcache.register_mapping(self.mapping)
 
     # ----------------------------------------------------------------- sizes
     @property
@@ -119,8 +99,8 @@ class SWAAllocator:
 
     def alloc_extend(
         self,
-        prefix_lens: Sequence[int] | torch.Tensor,
-        seq_lens: Sequence[int] | torch.Tensor,
+        prefix_lens: Lens,
+        seq_lens: Lens,
         last_locs: torch.Tensor,
     ) -> torch.Tensor | None:
         """Positions ``[prefix_len, seq_len)`` in both pools with identical page arithmetic."""
@@ -143,7 +123,7 @@ class SWAAllocator:
         return full
 
     def alloc_decode(
-        self, seq_lens: Sequence[int] | torch.Tensor, last_locs: torch.Tensor
+        self, seq_lens: Lens, last_locs: torch.Tensor
     ) -> torch.Tensor | None:
         n = self.full_attn_allocator.num_new_pages_decode(seq_lens)
         if not self.new_pages_available(n, n):
@@ -208,7 +188,7 @@ class SWAAllocator:
         p = self.page_size
         if p == 1:
             return full_slots.reshape(-1).to(torch.int64)
-        pages = torch.unique(full_slots.reshape(-1).to(torch.int64) // p)
+        pages: torch.Tensor = torch.unique(full_slots.reshape(-1).to(torch.int64) // p)
         return (pages[:, None] * p + torch.arange(p, device=pages.device)).reshape(-1)
 
     def free_swa(self, full_slots: torch.Tensor) -> None:
@@ -282,10 +262,14 @@ class SWAAllocator:
                 problems.append("a free full slot is still mapped")
             if not bool(self.swa_attn_allocator.page_allocated[swa_slots // p].all()):
                 problems.append("a mapped SWA slot is free")
-        mapped_pages = torch.unique(swa_slots // p)
+        mapped_pages: torch.Tensor = torch.unique(swa_slots // p)
         used_pages = self.swa_attn_allocator.num_used_pages()
         if int(mapped_pages.numel()) != used_pages:
             problems.append(
                 f"SWA pages allocated ({used_pages}) != SWA pages referenced ({mapped_pages.numel()}): leak"
             )
         return raise_if_problems("SWAAllocator", problems)
+
+
+if TYPE_CHECKING:  # mypy: the contracts of kvcanary.memory.base hold
+    _swa: type[WindowedAllocator] = SWAAllocator

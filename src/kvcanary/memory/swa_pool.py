@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvcanary.memory.base import BufInfos, KVPairPool, WindowedKVPool
 from kvcanary.memory.mha_pool import BaseKVPool, MHAKVPool
 
 if TYPE_CHECKING:
-    from kvcanary.memory.swa_allocator import SwaIndexMapping
+    from kvcanary.memory.swa_mapping import SwaIndexMapping
 
 
 class BaseSWAKVPool(BaseKVPool):
@@ -37,7 +38,7 @@ class BaseSWAKVPool(BaseKVPool):
         self._cache_key: tuple[object, ...] | None = None
         self._cache_loc: torch.Tensor | None = None  # held only to pin the key's address
         self._cache_val: torch.Tensor | None = None
-        self.translation_stats = {"hits": 0, "misses": 0, "gathers": 0}
+        self.translation_stats: dict[str, int] = {"hits": 0, "misses": 0, "gathers": 0}
 
     def register_mapping(self, mapping: SwaIndexMapping) -> None:
         """Adopt the allocator's mapping (same object for the pool's life)."""
@@ -149,10 +150,15 @@ class SWAKVPool(BaseSWAKVPool):
         return fk + sk, fv + sv
 
     # ------------------------------------------------------------ transfer
-    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+    def get_contiguous_buf_infos(self) -> BufInfos:
         """The full sub-pool only (the "KV" channel)."""
         return self.full_kv_pool.get_contiguous_buf_infos()
 
-    def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+    def get_state_buf_infos(self) -> BufInfos:
         """The SWA sub-pool (the "state" channel)."""
         return self.swa_kv_pool.get_contiguous_buf_infos()
+
+
+if TYPE_CHECKING:  # mypy: the contracts of kvcanary.memory.base hold
+    _swa_pair: type[KVPairPool] = SWAKVPool
+    _swa_windowed: type[WindowedKVPool] = SWAKVPool

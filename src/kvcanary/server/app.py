@@ -77,7 +77,7 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
         try:
             return await asyncio.wrap_future(loop.submit(req.prompt, req.params))
         except InvalidRequestError as e:
-            raise engine_error(str(e)) from None
+            raise engine_error(e.cause) from None
         except Exception as e:  # noqa: BLE001 -- the engine's failure, reported to the client
             raise EngineFailure(f"{type(e).__name__}: {e}") from e
 

@@ -35,7 +35,12 @@ logger = logging.getLogger(__name__)
 
 
 class InvalidRequestError(ValueError):
-    """The engine rejected a request's input; the message names what and why."""
+    """The engine rejected a request's input; the message names what and why, ``cause`` is
+    the engine's own (typed) exception."""
+
+    def __init__(self, cause: Exception):
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 class EngineLoopStopped(RuntimeError):
@@ -152,7 +157,7 @@ class EngineLoop:
         try:
             rid = self.engine.add_request(item.prompt, item.params)
         except (ValueError, TokenizerUnavailableError) as e:
-            item.future.set_exception(InvalidRequestError(str(e)))
+            item.future.set_exception(InvalidRequestError(e))
         except Exception as e:  # noqa: BLE001 -- an engine bug fails this request only
             item.future.set_exception(e)
         else:

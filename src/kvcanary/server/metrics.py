@@ -28,12 +28,12 @@ class EngineCollector(Collector):
         self.loop = loop
 
     def collect(self) -> Iterator[Metric]:
-        sched = self.loop.engine.scheduler
+        running, waiting = self.loop.engine.queue_lengths()
         st = self.loop.stats
         yield GaugeMetricFamily("kvcanary_engine_running_requests", "Requests admitted and not finished",
-                                value=len(sched.running))  # fmt: skip
+                                value=running)  # fmt: skip
         yield GaugeMetricFamily("kvcanary_engine_waiting_requests", "Requests queued for admission",
-                                value=len(sched.waiting))  # fmt: skip
+                                value=waiting)  # fmt: skip
         yield CounterMetricFamily("kvcanary_engine_prompt_tokens", "Prompt tokens of finished requests",
                                   value=st.num_prompt_tokens)  # fmt: skip
         yield CounterMetricFamily("kvcanary_engine_generated_tokens", "Output tokens of finished requests",

@@ -24,6 +24,7 @@ from typing import Any
 
 from kvcanary.config import SamplingParams
 from kvcanary.engine.engine import Prompt, RequestOutput
+from kvcanary.engine.errors import ContextLengthError
 
 _SP_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
 # SamplingParams field -> request field, where the OpenAI spelling differs.
@@ -158,16 +159,16 @@ def sampling_error(e: ValueError) -> BadRequest:
     return BadRequest(message, name)
 
 
-def engine_error(message: str) -> BadRequest:
-    """An ``Engine.add_request`` rejection (all concern the prompt, or the prompt and
-    max_tokens together: the context length), without the engine's internal request id."""
-    message = re.sub(r"^request \d+: ", "", message)
-    for ours, theirs in _FIELD_NAMES.items():
-        message = message.replace(ours, theirs)
-    m = re.search(r"exceeds max_context_len=(\d+)$", message)
-    if m:
-        message += f": allowed prompt tokens + max_tokens <= {m.group(1)}"
-    return BadRequest(message, "prompt")
+def engine_error(e: Exception) -> BadRequest:
+    """An ``Engine.add_request`` rejection, mapped by type: all concern the prompt, or the
+    prompt and max_tokens together (:class:`ContextLengthError`, in the request's terms)."""
+    if isinstance(e, ContextLengthError):
+        return BadRequest(
+            f"prompt ({e.prompt_len}) + max_tokens ({e.max_new_tokens}) exceeds "
+            f"max_context_len={e.limit}: allowed prompt tokens + max_tokens <= {e.limit}",
+            "prompt",
+        )
+    return BadRequest(str(e), "prompt")
 
 
 def completion_response(out: RequestOutput, model: str) -> dict[str, Any]:

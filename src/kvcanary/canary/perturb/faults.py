@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,22 +177,22 @@ def stale_reuse(fb: Any, r2t: torch.Tensor, rng: random.Random, step: int) -> In
         "position": w.position, "lost_slot": w.slot}, undo)  # fmt: skip
 
 
-def next_token_swap(running: list[Any], token_ids: torch.Tensor | None, rng: random.Random,
-                    step: int) -> Injection | None:  # fmt: skip
+def next_token_swap(running: Sequence[Any], override_next_token: Callable[[int, int], None],
+                    rng: random.Random, step: int) -> Injection | None:  # fmt: skip
     """Swap the freshly sampled (not yet fed) next tokens of two running requests, as a
-    sampler returning rows in the wrong order would. ``running``: requests with ``rid``,
-    ``req_pool_idx``, ``output_ids``, ``seq_len``, ``decode_ready``."""
-    ready = [r for r in running if r.decode_ready and r.output_ids]
+    sampler returning rows in the wrong order would. ``running``: snapshots with ``rid``,
+    ``req_pool_idx``, ``prompt_ids``, ``output_ids``, ``kv_len``; ``override_next_token(rid,
+    token)``: the host replaces a request's last sampled token (its token mirror follows)."""
+    ready = [r for r in running if r.output_ids and r.req_pool_idx != 0  # one decode continues it
+             and r.kv_len == len(r.prompt_ids) + len(r.output_ids) - 1]  # fmt: skip
     pairs = [(a, b) for i, a in enumerate(ready) for b in ready[i + 1 :]
              if a.output_ids[-1] != b.output_ids[-1]]  # fmt: skip
     if not pairs:
         return None
     a, b = rng.choice(pairs)
     ta, tb = a.output_ids[-1], b.output_ids[-1]
-    a.output_ids[-1], b.output_ids[-1] = tb, ta
-    if token_ids is not None:  # the row's token mirror follows what the sampler "returned"
-        token_ids[a.req_pool_idx, a.seq_len - 1] = tb
-        token_ids[b.req_pool_idx, b.seq_len - 1] = ta
+    override_next_token(a.rid, tb)
+    override_next_token(b.rid, ta)
     logger.warning(
         "kv_canary perturb next_token_swap: swapped rids=(%d, %d) req_pool_idx=(%d, %d) "
         "tokens=(%d, %d) -> (%d, %d)", a.rid, b.rid, a.req_pool_idx, b.req_pool_idx, ta, tb, tb, ta,

@@ -1,12 +1,18 @@
 """Perturber: the fault injector attached to a canary (``canary.perturber``).
 
-The canary manager calls it at three host-side points of every step, outside the forward::
+The canary manager calls it at the host's three calls, outside the forward::
 
-    pre_forward(fb)    before the forward (and before attention reads its slot tables):
-                       req_to_token, real_kv_used, real_kv_unused_cache (sweep steps only),
-                       swa_mapping, stale_reuse, page_shift
-    post_forward(fb)   after TAIL: undo the transient metadata faults; real_kv_post_forward
-    end_step()         after the step's sampling: next_token_swap
+    pre_forward(fb)    in before_forward, before HEAD (and before the host's attention reads
+                       its slot tables): req_to_token, real_kv_used, real_kv_unused_cache
+                       (sweep steps only), swa_mapping, stale_reuse, page_shift,
+                       premature_window_eviction, lost_kv_store
+    post_forward(fb)   in after_forward, after TAIL: undo the transient metadata faults;
+                       real_kv_post_forward
+    end_step()         in end_step, after the step's sampling: next_token_swap
+
+It needs nothing of the host beyond the canary (its groups, req->token table and pool),
+except ``next_token_swap``: the host's running requests and a way to replace a sampled
+token (see :func:`install_perturbation`).
 
 Each call of a hook draws from one seeded RNG in a fixed order, so a campaign replays
 exactly. Every injection is kept in ``injections`` (mode, the first forward step that can
@@ -18,9 +24,10 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
+from kvcanary.canary.buffers import CanaryBufferGroup
 from kvcanary.canary.constants import PoolKind, RealKvHashMode
 from kvcanary.canary.perturb import faults
 from kvcanary.canary.perturb.config import BYTE_FLIP_MODES, PerturbConfig, PerturbMode
@@ -30,26 +37,49 @@ from kvcanary.canary.perturb.slots import prefix_entries, unlocked_cached_slots,
 logger = logging.getLogger("kvcanary.canary")
 
 
+class RunningRequestView(Protocol):
+    """A host's snapshot of one running request (our engine: ``RunningRequest``)."""
+
+    @property
+    def rid(self) -> int: ...
+
+    @property
+    def req_pool_idx(self) -> int: ...  # its req->token row (0: none)
+
+    @property
+    def prompt_ids(self) -> list[int]: ...
+
+    @property
+    def output_ids(self) -> list[int]: ...
+
+    @property
+    def kv_len(self) -> int: ...  # positions [0, kv_len) have K/V in the cache
+
+
+RunningRequests = Callable[[], Sequence[RunningRequestView]]
+OverrideNextToken = Callable[[int, int], None]  # (rid, token): replace the last sampled token
+
+
 class Perturber:
     def __init__(
         self,
         config: PerturbConfig,
         canary: Any,
         *,
-        running_requests: Callable[[], list[Any]] | None = None,
-        token_ids: Any = None,
+        running_requests: RunningRequests | None = None,
+        override_next_token: OverrideNextToken | None = None,
         pool: Any = None,
     ):
-        """``canary``: the CanaryManager; ``running_requests`` / ``token_ids``: the engine's
-        running requests and req->token token mirror (``next_token_swap`` only); ``pool``:
-        the engine's KV pool, whose stores ``lost_kv_store`` breaks."""
+        """``canary``: the CanaryManager; ``running_requests`` / ``override_next_token``:
+        the host's running requests and its sampled-token override (``next_token_swap``
+        only); ``pool``: the host's KV pool, whose stores ``lost_kv_store`` breaks."""
         self.config = config
         self.pool = pool
         self.canary = canary
         self.running_requests = running_requests
-        self.token_ids = token_ids
+        self.override_next_token = override_next_token
         self.rng = random.Random(config.seed)
-        self.groups = {g.kind: g for g in canary.groups}
+        self.groups: dict[PoolKind, CanaryBufferGroup] = {g.kind: g for g in canary.groups}
         self.target = self._resolve_target()
         self._check_requirements()
         self.req_to_token = canary.runtime.req_to_token_pool.req_to_token
@@ -96,11 +126,17 @@ class Perturber:
         if PerturbMode.SWA_MAPPING in modes and PoolKind.SWA not in self.groups:
             raise ValueError("perturbation swa_mapping needs a pool with an SWA group")
         if PerturbMode.NEXT_TOKEN_SWAP in modes and (
-            self.running_requests is None or self.canary.runtime.expected_inputs is None
+            self.running_requests is None or self.override_next_token is None
         ):
             raise ValueError(
-                "perturbation next_token_swap needs the engine's token oracle "
-                "(EngineConfig(token_oracle=True)): only then is a swapped token detectable"
+                "perturbation next_token_swap needs the host's running_requests() and "
+                "override_next_token(rid, token)"
+            )
+        if PerturbMode.NEXT_TOKEN_SWAP in modes and self.canary.runtime.expected_inputs is None:
+            raise ValueError(
+                "perturbation next_token_swap needs the host's expected inputs (ours: the "
+                "engine's token oracle, token_oracle=True): only then is a swapped token "
+                "detectable"
             )
 
     # ------------------------------------------------------------------ gate
@@ -172,8 +208,10 @@ class Perturber:
         if step == self._last_swap_step:  # no forward (so nothing sampled) since last time
             return
         self._last_swap_step = step
-        if self.running_requests is not None and self._fire(PerturbMode.NEXT_TOKEN_SWAP):
-            self._record(faults.next_token_swap(self.running_requests(), self.token_ids, self.rng, step))
+        if (self.running_requests is not None and self.override_next_token is not None
+                and self._fire(PerturbMode.NEXT_TOKEN_SWAP)):  # fmt: skip
+            self._record(faults.next_token_swap(self.running_requests(), self.override_next_token,
+                                                self.rng, step))  # fmt: skip
 
     # ------------------------------------------------------------------ byte flips
     def _flip(self, mode: PerturbMode, full_slots: list[int], step: int) -> Injection | None:
@@ -205,18 +243,20 @@ class Perturber:
         return self._flip(PerturbMode.REAL_KV_POST_FORWARD, slots, step + 1)
 
 
-def install_perturbation(engine: Any, config: PerturbConfig) -> Perturber:
-    """Attach fault injection to an engine's canary (``engine.canary``); returns it."""
-    canary = getattr(engine, "canary", None)
+def install_perturbation(host: Any, config: PerturbConfig) -> Perturber:
+    """Attach fault injection to a host's canary (``host.canary``; our engine is one);
+    returns it. ``next_token_swap`` also uses the host's ``running_requests()`` (snapshots:
+    :class:`RunningRequestView`) and ``override_next_token(rid, token)`` when it has them."""
+    canary = getattr(host, "canary", None)
     if canary is None:
         raise ValueError("fault injection needs the KV canary: --kv-canary is 'none'; allowed log, raise or abort")
     if canary.perturber is not None:
         raise RuntimeError("kv-canary: a perturber is already attached to this canary")
     perturber = Perturber(
         config, canary,
-        running_requests=lambda: engine.scheduler.running,
-        token_ids=engine.runner.req_to_token_pool.token_ids,
-        pool=engine.runner.token_to_kv_pool,
+        running_requests=getattr(host, "running_requests", None),
+        override_next_token=getattr(host, "override_next_token", None),
+        pool=canary.pool,
     )  # fmt: skip
     canary.perturber = perturber
     return perturber

@@ -1,0 +1,30 @@
+"""ForwardHooks: what ``ModelRunner.forward`` calls around each forward.
+
+A guest that must see every forward (the KV canary: ``kvcanary.canary.manager.CanaryManager``
+satisfies this structurally) is set as ``runner.canary``; the engine never imports it::
+
+    runner.begin_forward(fb)
+    hooks.before_forward(fb)                  # before attention gathers its slot tables
+    attn_backend.init_forward_metadata(fb); model forward
+    hooks.after_forward(fb)
+
+``before_forward`` runs before ``init_forward_metadata`` on purpose: whatever the hooks do
+to the req->token table or the SWA mapping (fault injection) is what attention reads.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from kvcanary.engine.forward_batch import ForwardBatch
+
+
+@runtime_checkable
+class ForwardHooks(Protocol):
+    def before_forward(self, batch: ForwardBatch, forward_index: int = 0) -> None:
+        """Before the forward of ``batch`` (``forward_index``: which forward of the step)."""
+        ...
+
+    def after_forward(self, batch: ForwardBatch) -> None:
+        """After the forward of ``batch`` (the one ``before_forward`` saw)."""
+        ...

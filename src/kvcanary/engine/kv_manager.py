@@ -1,0 +1,469 @@
+"""KVManager: one object owning each request's KV lifecycle over the memory system.
+
+The scheduler decides *who* runs; this decides *where their KV lives*. Verbs come in the
+pairs of nano-vllm's block manager and vLLM v1's ``KVCacheManager``::
+
+    can_admit(need, headroom)  room for a new request (evicts unlocked cache entries)
+    admit(req)                 a req->token row + its cached prefix (locked) or host copy
+    extend(req, end)           slots for a prefill chunk [kv_len, end)
+    extend_decode(reqs)        one slot per request for a decode step
+    cache(req)                 share freshly prefilled whole pages through the prefix cache
+    evict_window(reqs)         free the SWA slots that left each request's window
+    release(req, insert)       give everything back (finished: into the prefix cache)
+    retract(req)               release a running request (its KV saved to the host first
+                               with host offload); restore() loads it on readmission
+    quarantine(full, swa, reqs) never hand out corrupt slots again; drop the requests
+                               that reference them and free what nothing holds any more
+
+There is no separate ``can_extend``: allocators change nothing when they fail, so an
+allocation is its own exact check (``extend`` returns False / ``extend_decode`` None with
+nothing held). Each allocation that fails first evicts unlocked prefix-cache entries and
+retries once.
+
+The window policy is decided once, in :class:`KVSpec` (``window`` is None for pools
+without sliding layers); the prefix cache and the disagg pre-allocation read it from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary.engine.request import PrefixLock, Req
+from kvcanary.memory import host_pool
+from kvcanary.memory.allocator import PagedAllocator, TokenAllocator
+from kvcanary.memory.mha_pool import MHAKVPool
+from kvcanary.memory.radix_cache import RadixCache, RadixNode
+from kvcanary.memory.req_to_token import ReqToTokenPool
+from kvcanary.memory.swa_allocator import SWAAllocator
+from kvcanary.memory.swa_pool import SWAKVPool
+from kvcanary.utils import cdiv, floor_page
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The KV policy of one engine, decided once.
+
+    ``window``: the sliding window when the pools have sliding layers (an SWA allocator),
+    else None; SWA slots of positions before ``kv_len - window - page_size`` (page floored)
+    are freed after every forward. ``page_size``: slots per page in both pools.
+    """
+
+    page_size: int
+    window: int | None
+
+    @property
+    def windowed(self) -> bool:
+        return self.window is not None
+
+
+@dataclass
+class KVStats:
+    """Memory counters (the scheduler's stats embed them)."""
+
+    num_retractions: int = 0
+    num_swa_slots_evicted: int = 0  # SWA slots freed by window eviction
+    num_swa_slots_tombstoned: int = 0  # SWA slots the prefix cache gave back (tombstones)
+    peak_full_used: int = 0
+    peak_swa_used: int = 0
+    peak_full_active: int = 0  # minus the prefix cache's evictable part
+    peak_swa_active: int = 0
+
+
+class KVManager:
+    def __init__(
+        self,
+        allocator: PagedAllocator | TokenAllocator | SWAAllocator,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: MHAKVPool | SWAKVPool,
+        spec: KVSpec,
+        *,
+        enable_prefix_cache: bool,
+        enable_host_offload: bool,
+        stats: KVStats,
+    ):
+        if spec.windowed != isinstance(allocator, SWAAllocator):
+            raise ValueError(
+                f"KVSpec.window={spec.window} does not match the allocator "
+                f"({type(allocator).__name__}): a window needs an SWA allocator and vice versa"
+            )
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.kv_pool = kv_pool
+        self.spec = spec
+        self.enable_host_offload = enable_host_offload
+        self.stats = stats
+        self.prefix_cache: RadixCache | None = (
+            RadixCache(allocator, spec.page_size, spec.window) if enable_prefix_cache else None
+        )
+
+    # ------------------------------------------------------------------ sizes
+    def available(self) -> int:
+        return self.allocator.available_size()
+
+    def swa(self) -> SWAAllocator:
+        """The SWA allocator (only windowed code paths ask)."""
+        if not isinstance(self.allocator, SWAAllocator):
+            raise RuntimeError("kv manager: an SWA-only path ran on a pool without SWA layers")
+        return self.allocator
+
+    def last_locs(self, reqs: Sequence[Req]) -> torch.Tensor:
+        """Each request's last slot (-1 for none): where a paged allocation continues."""
+        rows = torch.tensor([r.req_pool_idx for r in reqs])
+        kv = torch.tensor([r.kv_len for r in reqs])
+        last = self.req_to_token[rows, (kv - 1).clamp(min=0)].to(torch.int64)
+        return torch.where(kv > 0, last, torch.full_like(last, -1))
+
+    def slots(self, req: Req, end: int | None = None) -> torch.Tensor:
+        """Full slots of ``req``'s positions ``[0, end)`` (default ``kv_len``), int64."""
+        n = req.kv_len if end is None else end
+        return self.req_to_token[req.req_pool_idx, :n].to(torch.int64)
+
+    # ------------------------------------------------------------------ admit
+    def can_admit(self, need: int, headroom: int) -> bool:
+        """Whether ``need`` more tokens fit with ``headroom`` to spare, after evicting
+        unlocked prefix-cache entries if that is what it takes."""
+        if self.available() - need >= headroom:
+            return True
+        self.evict_cache(need + headroom - self.available())
+        return self.available() - need >= headroom
+
+    def admit(self, req: Req) -> bool:
+        """Give ``req`` a row and its cached prefix (locked) or, after a retraction with
+        host offload, its saved KV. False with nothing held when the saved KV does not fit."""
+        row = self.req_to_token_pool.alloc(1)[0]
+        req.req_pool_idx = row
+        self.req_to_token_pool.set_tokens(row, req.all_ids())
+        if req.host_copy is not None:
+            if not self.restore(req):
+                self.req_to_token_pool.free(row)
+                req.req_pool_idx = 0
+                return False
+            return True
+        if self.prefix_cache is not None:
+            # Match at most seq_len - 1 tokens (the last one must be computed to sample);
+            # truncating a longer match instead could cut where the window is not resident.
+            match = self.prefix_cache.match_prefix(req.all_ids()[: req.seq_len - 1])
+            prefix_len = match.num_tokens
+            if prefix_len:
+                self.req_to_token[row, :prefix_len] = match.device_indices.to(torch.int32)
+            self.lock_prefix(req, match.last_node)
+            req.kv_len = req.cache_protected_len = prefix_len
+            # SWA eviction of the tree-owned prefix is the tree's business.
+            req.swa_evicted_seqlen = prefix_len if self.spec.windowed else 0
+        return True
+
+    def preallocate(
+        self,
+        req: Req,
+        prefix_slots: torch.Tensor | None,
+        prefix_len: int,
+        fill_len: int,
+        swa_tail_len: int = 0,
+    ) -> bool:
+        """Admit ``req`` with KV reserved for a transfer (a disaggregated decode worker): a
+        row holding the locked cached prefix ``[0, prefix_len)`` (``prefix_slots``) and new
+        slots for ``[prefix_len, fill_len)``; ``swa_tail_len`` > 0: the SWA pool gets only
+        that page-aligned window tail (tail pre-allocation). False with nothing taken (the
+        prefix lock stays the caller's) when either pool is short even after evicting."""
+        pool = self.req_to_token_pool
+        row = pool.alloc(1)[0]
+        if prefix_len:
+            if prefix_slots is None:
+                raise ValueError(f"preallocate: prefix_len={prefix_len} without prefix_slots")
+            pool.write(row, 0, prefix_slots)
+        last_loc = int(self.req_to_token[row, prefix_len - 1]) if prefix_len else -1
+        last = torch.tensor([last_loc], dtype=torch.int64)
+
+        def alloc() -> torch.Tensor | None:
+            if swa_tail_len:
+                return self.swa().alloc_extend_swa_tail(prefix_len, fill_len, last_loc, swa_tail_len)
+            return self.allocator.alloc_extend([prefix_len], [fill_len], last)
+
+        page = self.spec.page_size
+        out = self._alloc_or_evict(alloc, (cdiv(fill_len, page) - cdiv(prefix_len, page)) * page)
+        if out is None:
+            pool.free(row)
+            return False
+        pool.write(row, prefix_len, out)
+        pool.set_tokens(row, req.all_ids())
+        req.req_pool_idx = row
+        req.kv_len = fill_len  # committed: the transfer fills it
+        req.cache_protected_len = prefix_len
+        if swa_tail_len:
+            req.swa_evicted_seqlen = fill_len - swa_tail_len
+        else:  # the tree-owned prefix's SWA is the tree's business
+            req.swa_evicted_seqlen = prefix_len if self.spec.windowed else 0
+        return True
+
+    # ------------------------------------------------------------------ extend
+    def extend(self, req: Req, end: int) -> bool:
+        """Allocate and map slots for positions ``[kv_len, end)``; False, nothing held, when
+        the pool cannot take them even after evicting the prefix cache."""
+        start = req.kv_len
+        last = self.last_locs([req])
+        out = self._alloc_or_evict(
+            lambda: self.allocator.alloc_extend([start], [end], last),
+            end - start + self.spec.page_size,
+        )
+        if out is None:
+            return False
+        self.req_to_token[req.req_pool_idx, start:end] = out.to(torch.int32)
+        return True
+
+    def extend_decode(self, reqs: Sequence[Req]) -> torch.Tensor | None:
+        """One slot per request at position ``kv_len`` (mapped); None, nothing held, when
+        they do not all fit."""
+        seq_lens = [r.kv_len + 1 for r in reqs]
+        last_locs = self.last_locs(reqs)
+        out = self._alloc_or_evict(
+            lambda: self.allocator.alloc_decode(seq_lens, last_locs),
+            len(reqs) * self.spec.page_size,
+        )
+        if out is not None:
+            rows = torch.tensor([r.req_pool_idx for r in reqs])
+            self.req_to_token[rows, torch.tensor([r.kv_len for r in reqs])] = out.to(torch.int32)
+        return out
+
+    def _alloc_or_evict(
+        self, alloc: Callable[[], torch.Tensor | None], num_tokens: int
+    ) -> torch.Tensor | None:
+        """``alloc()``; when it fails, evict ``num_tokens`` from the prefix cache and retry
+        once (allocators mutate nothing on failure, so the retry is clean)."""
+        out = alloc()
+        if out is None and self.prefix_cache is not None:
+            self.evict_cache(num_tokens)
+            out = alloc()
+        return out
+
+    def evict_cache(self, num_tokens: int) -> int:
+        """Evict up to ``num_tokens`` unlocked prefix-cache tokens; full tokens freed."""
+        if self.prefix_cache is None:
+            return 0
+        freed_full, freed_swa = self.prefix_cache.evict(num_tokens, num_tokens if self.spec.windowed else 0)
+        self.stats.num_swa_slots_tombstoned += freed_swa
+        return freed_full
+
+    # ------------------------------------------------------------------ prefix cache
+    def lock_prefix(self, req: Req, node: RadixNode) -> None:
+        """Lock ``node`` (a prefix-cache match's last node) for ``req``."""
+        if self.prefix_cache is None:
+            raise RuntimeError("kv manager: lock_prefix without a prefix cache")
+        req.prefix = PrefixLock(node, self.prefix_cache.inc_lock_ref(node))
+
+    def unlock_prefix(self, req: Req) -> None:
+        """Drop ``req``'s prefix lock (if it holds one)."""
+        if self.prefix_cache is not None and req.prefix is not None:
+            self.prefix_cache.dec_lock_ref(req.prefix.node, req.prefix.lock)
+        req.prefix = None
+
+    def cache(self, req: Req) -> None:
+        """Share a request's freshly prefilled whole pages (after every prefill chunk,
+        before window eviction can free their SWA) through the prefix cache while it still
+        runs, so requests arriving meanwhile reuse them and find the window resident; the
+        request adopts the tree's slots and locks them."""
+        page = self.spec.page_size
+        if self.prefix_cache is None or floor_page(req.kv_len, page) <= req.cache_protected_len:
+            return
+        match = self.prefix_cache.cache_unfinished(
+            req.all_ids()[: req.kv_len], self.slots(req), req.swa_evicted_seqlen
+        )
+        if match is None:
+            return
+        self.req_to_token[req.req_pool_idx, : match.num_tokens] = match.device_indices.to(torch.int32)
+        old = req.prefix
+        self.lock_prefix(req, match.last_node)
+        if old is not None:
+            self.prefix_cache.dec_lock_ref(old.node, old.lock)
+        req.cache_protected_len = match.num_tokens
+
+    # ------------------------------------------------------------------ window
+    def evict_window(self, reqs: Sequence[Req]) -> None:
+        """Free, in one call, the SWA slots that left each request's window:
+        ``frontier = floor_page(max(swa_evicted, protected, kv_len - W - P))``."""
+        window = self.spec.window
+        if window is None:
+            return
+        p = self.spec.page_size
+        spans = []
+        for req in reqs:
+            held = req.prefix
+            if (
+                held is not None
+                and held.lock.swa_start < held.lock.path_len
+                and req.kv_len - window >= req.cache_protected_len
+            ):
+                # The window left the cached prefix: the tree may tombstone its SWA now.
+                if self.prefix_cache is None:
+                    raise RuntimeError("kv manager: a prefix lock without a prefix cache")
+                req.prefix = PrefixLock(held.node, self.prefix_cache.dec_swa_lock_only(held.node, held.lock))
+            start = max(req.swa_evicted_seqlen, req.cache_protected_len)
+            frontier = floor_page(max(start, req.kv_len - window - p), p)
+            if frontier > start:
+                spans.append(self.req_to_token[req.req_pool_idx, start:frontier])
+                req.swa_evicted_seqlen = frontier
+        if not spans:
+            return
+        slots = torch.cat(spans).to(torch.int64)
+        swa = self.swa()
+        self.stats.num_swa_slots_evicted += int((swa.full_to_swa_index_mapping[slots] > 0).sum())
+        swa.free_swa(slots)
+
+    # ------------------------------------------------------------------ release
+    def release(self, req: Req, insert: bool) -> None:
+        """Give back everything ``req`` holds: its own slots go to the cache (``insert``,
+        a finished request) or the free lists, the protected prefix is unlocked, the row
+        is freed."""
+        if self.prefix_cache is not None and insert:
+            slots = self.slots(req)
+            # The tree takes whole pages (duplicates of cached pages it frees itself);
+            # the partial last page stays ours.
+            self.prefix_cache.insert(req.all_ids()[: req.kv_len], slots, req.swa_evicted_seqlen)
+            self.allocator.free(slots[floor_page(req.kv_len, self.spec.page_size) :])
+        else:
+            row = self.req_to_token[req.req_pool_idx]
+            self.allocator.free(row[req.cache_protected_len : req.kv_len].to(torch.int64))
+        self._drop_row(req)
+
+    def _drop_row(self, req: Req) -> None:
+        """Unlock ``req``'s protected prefix and give its row back; its slots are the
+        caller's business."""
+        self.unlock_prefix(req)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = 0
+        req.kv_len = req.cache_protected_len = req.swa_evicted_seqlen = 0
+
+    # ------------------------------------------------------------------ retract / restore
+    def retract(self, req: Req) -> None:
+        """Release a running request's KV (saved to host memory first with host offload;
+        :meth:`restore` reloads it when the request is admitted again)."""
+        if self.enable_host_offload and req.kv_len > 0:
+            req.host_copy = host_pool.get_cpu_copy(self.kv_pool, self.slots(req))
+            req.host_kv_len = req.kv_len
+        self.release(req, insert=False)
+        req.num_retractions += 1
+        self.stats.num_retractions += 1
+
+    def restore(self, req: Req) -> bool:
+        """Reallocate ``[0, host_kv_len)`` and load the saved KV (SWA: only the window
+        tail). A saved copy lacking part of the window is dropped (recomputed instead)."""
+        n = req.host_kv_len
+        if req.host_copy is None:
+            raise RuntimeError(f"kv manager: request {req.rid} has no host copy to restore")
+        window, page = self.spec.window, self.spec.page_size
+        if window is not None:
+            tail = n - floor_page(max(0, n - window), page)
+            if not bool(req.host_copy["swa_mask"][n - tail :].all()):
+                req.host_copy = None
+                return True
+            out = self._alloc_or_evict(lambda: self.swa().alloc_extend_swa_tail(0, n, -1, tail), n)
+            req.swa_evicted_seqlen = n - tail
+        else:
+            no_prefix = torch.full((1,), -1, dtype=torch.int64)
+            out = self._alloc_or_evict(lambda: self.allocator.alloc_extend([0], [n], no_prefix), n)
+        if out is None:
+            req.swa_evicted_seqlen = 0
+            return False
+        host_pool.load_cpu_copy(self.kv_pool, req.host_copy, out)
+        self.req_to_token[req.req_pool_idx, :n] = out.to(torch.int32)
+        req.kv_len = n
+        req.host_copy = None
+        return True
+
+    # ------------------------------------------------------------------ quarantine
+    def quarantine(
+        self, full_slots: torch.Tensor, swa_slots: torch.Tensor | None, running: Sequence[Req]
+    ) -> list[Req]:
+        """Quarantine ``full_slots`` / ``swa_slots`` (never handed out again), drop the rows
+        of the ``running`` requests whose KV includes them (or maps to them), free every
+        page nothing references any more and invalidate the prefix cache's copies. Returns
+        the dropped requests (the caller aborts them); the others keep everything."""
+        full_slots = full_slots.reshape(-1).to(torch.int64)
+        swa = (
+            swa_slots.reshape(-1).to(torch.int64)
+            if swa_slots is not None and self.spec.windowed
+            else torch.zeros(0, dtype=torch.int64)
+        )
+        full_slots, swa = full_slots[full_slots > 0], swa[swa > 0]
+        hit = [req for req in running if self._references(req, full_slots, swa)]
+        self.allocator.quarantine(full_slots)
+        if swa.numel():
+            self.swa().quarantine_swa(swa)
+        # A corrupt entry can make the dropped requests share pages with each other, a
+        # survivor or the prefix cache: drop their rows, then free what nothing holds.
+        for req in hit:
+            self._drop_row(req)
+        if hit:
+            survivors = [r for r in running if all(r is not h for h in hit)]
+            self._free_unreferenced_pages(survivors)
+        if self.prefix_cache is not None:
+            # No later request may be served the corrupt KV from the prefix cache.
+            corrupt = full_slots
+            if swa.numel():
+                mapping = self.swa().full_to_swa_index_mapping[:-1]
+                corrupt = torch.cat([corrupt, torch.nonzero(torch.isin(mapping, swa)).reshape(-1)])
+            self.prefix_cache.invalidate(corrupt)
+        return hit
+
+    def _references(self, req: Req, full_slots: torch.Tensor, swa_slots: torch.Tensor) -> bool:
+        """Whether ``req``'s KV includes one of ``full_slots`` or maps to one of ``swa_slots``."""
+        slots = self.slots(req)
+        if bool(torch.isin(slots, full_slots).any()):
+            return True
+        if not swa_slots.numel():
+            return False
+        return bool(torch.isin(self.swa().full_to_swa_index_mapping[slots], swa_slots).any())
+
+    def _free_unreferenced_pages(self, running: Sequence[Req]) -> None:
+        """Free, each exactly once, the allocated pages nothing references any more: the
+        own pages of requests whose rows were just dropped (pages they shared included) and
+        the slot a corrupt req->token entry orphaned. Never a page a live row or the prefix
+        cache holds. SWA pools: then every allocated SWA page no full slot maps to."""
+        p, alloc = self.spec.page_size, self.allocator
+        full = alloc.full_attn_allocator if isinstance(alloc, SWAAllocator) else alloc
+        pages = torch.nonzero(full.page_allocated).reshape(-1)
+        alloc.free(pages[~torch.isin(pages, self._referenced_slots(running) // p)] * p)
+        if isinstance(alloc, SWAAllocator):
+            mapping = alloc.full_to_swa_index_mapping[:-1]
+            pages = torch.nonzero(alloc.swa_attn_allocator.page_allocated).reshape(-1)
+            alloc.swa_attn_allocator.free(pages[~torch.isin(pages, mapping[mapping > 0] // p)] * p)
+
+    def _referenced_slots(self, running: Sequence[Req]) -> torch.Tensor:
+        """Every full slot still referenced: running requests' KV, the sequences of rows
+        held outside ``running`` (a disaggregated decode worker's transfers), the tree."""
+        pool, rows = self.req_to_token_pool, {r.req_pool_idx for r in running}
+        spans = [self.req_to_token[r.req_pool_idx, : r.kv_len] for r in running]
+        for row in torch.nonzero(pool.token_lens > 0).reshape(-1).tolist():
+            if row not in rows:
+                spans.append(self.req_to_token[row, : int(pool.token_lens[row])])
+        if self.prefix_cache is not None:
+            spans.append(self.prefix_cache.all_values())
+        spans.append(torch.zeros(0, dtype=torch.int64, device=self.req_to_token.device))
+        return torch.cat([s.to(torch.int64) for s in spans])
+
+    # ------------------------------------------------------------------ accounting
+    def track_peak(self) -> None:
+        """Peak slots allocated, and peak slots requests actually need ("active": minus
+        what the prefix cache could give back right now)."""
+        a, st = self.allocator, self.stats
+        if isinstance(a, SWAAllocator):
+            full_used = a.size_full - a.full_available_size()
+            swa_used = a.size_swa - a.swa_available_size()
+        else:
+            full_used, swa_used = a.size - a.available_size(), 0
+        full_idle = self.prefix_cache.evictable_size() if self.prefix_cache is not None else 0
+        swa_idle = self.prefix_cache.swa_evictable_size() if self.prefix_cache is not None and self.spec.windowed else 0
+        st.peak_full_used = max(st.peak_full_used, full_used)
+        st.peak_swa_used = max(st.peak_swa_used, swa_used)
+        st.peak_full_active = max(st.peak_full_active, full_used - full_idle)
+        st.peak_swa_active = max(st.peak_swa_active, swa_used - swa_idle)
+
+    def check_integrity(self) -> bool:
+        self.allocator.check_integrity()
+        self.req_to_token_pool.check_integrity()
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity()
+        return True
