@@ -16,9 +16,18 @@ __all__ = ["CanaryConfig", "EngineConfig", "SamplingParams"]
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+class ConfigFieldError(ValueError):
+    """An invalid field value: ``field``, ``value`` and what is ``allowed`` (the message
+    reads ``field=value is invalid: allowed ...``)."""
+
+    def __init__(self, field: str, value: Any, allowed: str):
+        super().__init__(f"{field}={value!r} is invalid: allowed {allowed}")
+        self.field, self.value, self.allowed = field, value, allowed
+
+
 def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{field}={value!r} is invalid: allowed {allowed}")
+        raise ConfigFieldError(field, value, allowed)
 
 
 @dataclass(frozen=True)

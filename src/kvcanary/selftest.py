@@ -32,6 +32,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvcanary.canary.constants import PoolKind
+from kvcanary.canary.manager import CanaryManager
 from kvcanary.canary.perturb import (
     PERTURB_MODES,
     PerturbConfig,
@@ -97,8 +98,14 @@ def cases_for(model: str, group_kinds: set[PoolKind], modes: list[str],
     return out
 
 
+def _canary(engine: Engine) -> CanaryManager:
+    if engine.canary is None:  # engine_config always enables it
+        raise RuntimeError("selftest: the engine has no canary installed")
+    return engine.canary
+
+
 def _rows(engine: Engine, start: int) -> list[Any]:
-    return engine.canary.violations[start:]
+    return _canary(engine).violations[start:]
 
 
 def run_case(model: str, case: FaultCase | None, seed: int = 0) -> tuple[dict[str, Any], Engine]:
@@ -106,7 +113,7 @@ def run_case(model: str, case: FaultCase | None, seed: int = 0) -> tuple[dict[st
     engine = Engine(engine_config(model, seed))
     (wave1, new1), (wave2, new2) = workload(seed)
     engine.generate(wave1, SamplingParams(max_new_tokens=new1, ignore_eos=True))
-    canary = engine.canary
+    canary = _canary(engine)
     first_row = 0 if case is None else len(canary.violations)
     perturber = None
     if case is not None:
@@ -189,7 +196,7 @@ def run_selftest(
         raise ValueError("--num-seeds=0 is invalid: allowed an integer >= 1")
     plans: list[tuple[FaultCase | None, str, int]] = []
     for model in models:
-        groups = Engine(engine_config(model)).canary.groups  # which classes apply
+        groups = _canary(Engine(engine_config(model))).groups  # which classes apply
         kinds = {g.kind for g in groups}
         byte_groups = {g.kind.name.lower() for g in groups if g.real_kv_sources_k}
         plans += [(None, model, seed) for seed in seeds]

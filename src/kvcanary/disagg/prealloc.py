@@ -36,7 +36,6 @@ import torch
 from kvcanary.disagg.config import DisaggConfig
 from kvcanary.engine.kv_manager import KVManager
 from kvcanary.engine.request import Req
-from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.utils import cdiv, swa_tail_len
 
 
@@ -144,7 +143,7 @@ class DecodePreallocQueue:
         need = max(
             (self._max_new(r) + len(r.prompt_ids) - retractable for r in running), default=0
         )
-        swa_alloc = alloc if isinstance(alloc, SWAAllocator) and self.tail_mode else None
+        swa_alloc = self.kv.swa() if self.tail_mode else None
         available = alloc.available_size() if swa_alloc is None else swa_alloc.full_available_size()
         if cache is not None:
             available += cache.evictable_size()
@@ -173,7 +172,7 @@ class DecodePreallocQueue:
         fill_len, swa_len = self._prealloc_kv_lens(req)
         full_req, swa_req = self._prealloc_required_tokens(req)
         alloc, max_new = self.allocator, self._max_new(req)
-        swa_alloc = alloc if isinstance(alloc, SWAAllocator) and self.tail_mode else None
+        swa_alloc = self.kv.swa() if self.tail_mode else None
         full_size = alloc.size if swa_alloc is None else swa_alloc.size_full
         full_need = max(full_req, fill_len + max_new)
         if full_need > full_size:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcanary.engine.forward_batch import ForwardBatch
+from kvcanary.memory.mha_pool import MHAKVPool
+from kvcanary.memory.req_to_token import ReqToTokenPool
 from kvcanary.memory.swa_pool import SWAKVPool
 from kvcanary.model.base import AttentionLayerSpec
 
@@ -65,11 +67,17 @@ class StaticKeyBuffers:
 
 
 class PagedAttentionBackend:
-    def __init__(self, pool, req_to_token_pool, sliding_window: int | None):
+    def __init__(
+        self,
+        pool: MHAKVPool | SWAKVPool,
+        req_to_token_pool: ReqToTokenPool,
+        sliding_window: int | None,
+    ):
         self.pool = pool
         self.req_to_token_pool = req_to_token_pool
         self.sliding_window = sliding_window
-        self.is_swa_pool = isinstance(pool, SWAKVPool)
+        self.swa_pool = pool if isinstance(pool, SWAKVPool) else None
+        self.is_swa_pool = self.swa_pool is not None
         self._full: _KeyView | None = None
         self._sliding: _KeyView | None = None
         self._q_index: torch.Tensor | None = None  # [bs, max_q] flat token index (clamped)
@@ -116,10 +124,10 @@ class PagedAttentionBackend:
             w = self.sliding_window
             slots, mask = key_view((pre - w + 1).clamp(min=0), w)
             write_loc = fb.out_cache_loc
-            if self.is_swa_pool:
+            if self.swa_pool is not None:
                 # One gather for this forward's write locations and the whole read table.
                 both = torch.cat([fb.out_cache_loc.to(torch.int64), slots.reshape(-1)])
-                swa = self.pool.translate_loc_from_full_to_swa(both).clamp(min=0)
+                swa = self.swa_pool.translate_loc_from_full_to_swa(both).clamp(min=0)
                 write_loc = swa[: fb.num_tokens]
                 slots = swa[fb.num_tokens :].reshape(slots.shape)
             self._sliding = _KeyView(slots, mask, write_loc)
@@ -173,8 +181,8 @@ class PagedAttentionBackend:
         self, layer: AttentionLayerSpec, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         lid = layer.layer_id
-        if self.is_swa_pool:
-            sub, local = self.pool._sub(lid)
+        if self.swa_pool is not None:
+            sub, local = self.swa_pool._sub(lid)
             sub.set_kv_buffer(local, loc, k, v)  # loc is pre-translated for SWA layers
             return sub.get_key_buffer(local), sub.get_value_buffer(local)
         self.pool.set_kv_buffer(lid, loc, k, v)

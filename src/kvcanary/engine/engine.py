@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 
@@ -22,7 +22,10 @@ from kvcanary.engine.model_runner import ModelRunner
 from kvcanary.engine.request import Req
 from kvcanary.engine.sampling import make_generator
 from kvcanary.engine.scheduler import Scheduler, SchedulerStats
-from kvcanary.memory.radix_cache import RadixCache
+from kvcanary.memory.base import PrefixCache
+
+if TYPE_CHECKING:  # the canary is a guest: imported only when enabled
+    from kvcanary.canary.manager import CanaryManager
 
 Prompt = str | Sequence[int]
 
@@ -55,9 +58,9 @@ class Engine:
         self.scheduler = Scheduler(config, self.runner)
         self.tokenizer = self.runner.tokenizer
         self._rids = itertools.count(1)
-        self.canary: Any = self._install_canary()
+        self.canary: CanaryManager | None = self._install_canary()
 
-    def _install_canary(self) -> Any:
+    def _install_canary(self) -> CanaryManager | None:
         """The KV canary (kvcanary.canary.manager.CanaryManager), or None when it is off.
         The engine is one host of the canary (kvcanary.integrations.engine_host)."""
         if not self.config.canary.enabled:
@@ -130,11 +133,9 @@ class Engine:
         on_step: Callable[[list[RequestOutput]], None] | None = None,
     ) -> list[RequestOutput]:
         """Run ``prompts`` to completion; outputs in prompt order."""
-        batch: list[Prompt]
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            batch = [prompts]  # type: ignore[list-item]  # one prompt
-        else:
-            batch = list(prompts)  # type: ignore[arg-type]
+        items = [prompts] if isinstance(prompts, str) else list(prompts)
+        one_id_prompt = bool(items) and isinstance(items[0], int)
+        batch = [cast(Prompt, prompts)] if one_id_prompt else cast(list[Prompt], items)
         plist = list(params) if isinstance(params, Sequence) else [params] * len(batch)
         if len(plist) != len(batch):
             raise ValueError(f"got {len(plist)} sampling params for {len(batch)} prompts")
@@ -167,7 +168,7 @@ class Engine:
         return self.scheduler.kv
 
     @property
-    def prefix_cache(self) -> RadixCache | None:
+    def prefix_cache(self) -> PrefixCache | None:
         return self.scheduler.kv.prefix_cache
 
     def abort_requests_referencing(

@@ -46,7 +46,9 @@ class GraphRunner:
         self.batch_sizes = tuple(batch_sizes)
         self.max_bs = self.batch_sizes[-1]
         dev = runner.device
-        z = lambda: torch.zeros(self.max_bs, dtype=torch.int64, device=dev)  # noqa: E731
+        def z() -> torch.Tensor:
+            return torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+
         self.input_ids, self.positions, self.req_pool_indices = z(), z(), z()
         self.seq_lens, self.out_cache_loc = z(), z()
         self.max_keys = ceil_page(runner.max_context_len, KEY_WIDTH_BUCKET)

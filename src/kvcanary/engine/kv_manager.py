@@ -33,12 +33,9 @@ import torch
 
 from kvcanary.engine.request import PrefixLock, Req
 from kvcanary.memory import host_pool
-from kvcanary.memory.allocator import PagedAllocator, TokenAllocator
-from kvcanary.memory.mha_pool import MHAKVPool
+from kvcanary.memory.base import KVPool, PageAllocator, PrefixCache, WindowedAllocator
 from kvcanary.memory.radix_cache import RadixCache, RadixNode
 from kvcanary.memory.req_to_token import ReqToTokenPool
-from kvcanary.memory.swa_allocator import SWAAllocator
-from kvcanary.memory.swa_pool import SWAKVPool
 from kvcanary.utils import cdiv, floor_page
 
 
@@ -75,28 +72,30 @@ class KVStats:
 class KVManager:
     def __init__(
         self,
-        allocator: PagedAllocator | TokenAllocator | SWAAllocator,
+        allocator: PageAllocator | WindowedAllocator,
         req_to_token_pool: ReqToTokenPool,
-        kv_pool: MHAKVPool | SWAKVPool,
+        kv_pool: KVPool,
         spec: KVSpec,
         *,
         enable_prefix_cache: bool,
         enable_host_offload: bool,
         stats: KVStats,
     ):
-        if spec.windowed != isinstance(allocator, SWAAllocator):
+        windowed = allocator if isinstance(allocator, WindowedAllocator) else None
+        if spec.windowed != (windowed is not None):
             raise ValueError(
                 f"KVSpec.window={spec.window} does not match the allocator "
                 f"({type(allocator).__name__}): a window needs an SWA allocator and vice versa"
             )
         self.allocator = allocator
+        self._windowed = windowed
         self.req_to_token_pool = req_to_token_pool
         self.req_to_token = req_to_token_pool.req_to_token
         self.kv_pool = kv_pool
         self.spec = spec
         self.enable_host_offload = enable_host_offload
         self.stats = stats
-        self.prefix_cache: RadixCache | None = (
+        self.prefix_cache: PrefixCache | None = (
             RadixCache(allocator, spec.page_size, spec.window) if enable_prefix_cache else None
         )
 
@@ -104,11 +103,11 @@ class KVManager:
     def available(self) -> int:
         return self.allocator.available_size()
 
-    def swa(self) -> SWAAllocator:
+    def swa(self) -> WindowedAllocator:
         """The SWA allocator (only windowed code paths ask)."""
-        if not isinstance(self.allocator, SWAAllocator):
+        if self._windowed is None:
             raise RuntimeError("kv manager: an SWA-only path ran on a pool without SWA layers")
-        return self.allocator
+        return self._windowed
 
     def last_locs(self, reqs: Sequence[Req]) -> torch.Tensor:
         """Each request's last slot (-1 for none): where a paged allocation continues."""
@@ -422,14 +421,16 @@ class KVManager:
         own pages of requests whose rows were just dropped (pages they shared included) and
         the slot a corrupt req->token entry orphaned. Never a page a live row or the prefix
         cache holds. SWA pools: then every allocated SWA page no full slot maps to."""
-        p, alloc = self.spec.page_size, self.allocator
-        full = alloc.full_attn_allocator if isinstance(alloc, SWAAllocator) else alloc
+        p, alloc, swa = self.spec.page_size, self.allocator, self._windowed
+        full = swa.full_attn_allocator if swa is not None else alloc
+        if not isinstance(full, PageAllocator):
+            raise TypeError(f"kv manager: {type(full).__name__} has no page flags")
         pages = torch.nonzero(full.page_allocated).reshape(-1)
         alloc.free(pages[~torch.isin(pages, self._referenced_slots(running) // p)] * p)
-        if isinstance(alloc, SWAAllocator):
-            mapping = alloc.full_to_swa_index_mapping[:-1]
-            pages = torch.nonzero(alloc.swa_attn_allocator.page_allocated).reshape(-1)
-            alloc.swa_attn_allocator.free(pages[~torch.isin(pages, mapping[mapping > 0] // p)] * p)
+        if swa is not None:
+            mapping = swa.full_to_swa_index_mapping[:-1]
+            pages = torch.nonzero(swa.swa_attn_allocator.page_allocated).reshape(-1)
+            swa.swa_attn_allocator.free(pages[~torch.isin(pages, mapping[mapping > 0] // p)] * p)
 
     def _referenced_slots(self, running: Sequence[Req]) -> torch.Tensor:
         """Every full slot still referenced: running requests' KV, the sequences of rows
@@ -448,10 +449,10 @@ class KVManager:
     def track_peak(self) -> None:
         """Peak slots allocated, and peak slots requests actually need ("active": minus
         what the prefix cache could give back right now)."""
-        a, st = self.allocator, self.stats
-        if isinstance(a, SWAAllocator):
-            full_used = a.size_full - a.full_available_size()
-            swa_used = a.size_swa - a.swa_available_size()
+        a, swa, st = self.allocator, self._windowed, self.stats
+        if swa is not None:
+            full_used = swa.size_full - swa.full_available_size()
+            swa_used = swa.size_swa - swa.swa_available_size()
         else:
             full_used, swa_used = a.size - a.available_size(), 0
         full_idle = self.prefix_cache.evictable_size() if self.prefix_cache is not None else 0

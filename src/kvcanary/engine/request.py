@@ -15,11 +15,11 @@ request runs; the tree-owned prefix's SWA is the tree's business.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from kvcanary.config import SamplingParams
+from kvcanary.memory.host_pool import HostCopy
 from kvcanary.memory.radix_cache import RadixNode, SwaLock
 
 
@@ -46,7 +46,7 @@ class Req:
     prefix: PrefixLock | None = None  # the prefix-cache lock on the protected prefix
     swa_evicted_seqlen: int = 0
     finish_reason: str | None = None
-    host_copy: dict[str, Any] | None = None  # KV saved at retraction (host offload)
+    host_copy: HostCopy | None = None  # KV saved at retraction (host offload)
     host_kv_len: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission
     num_retractions: int = 0

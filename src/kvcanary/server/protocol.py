@@ -16,13 +16,12 @@ Extensions to OpenAI's schema: ``top_k``, ``stop_token_ids``, ``ignore_eos`` in 
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvcanary.config import SamplingParams
+from kvcanary.config import ConfigFieldError, SamplingParams
 from kvcanary.engine.engine import Prompt, RequestOutput
 from kvcanary.engine.errors import ContextLengthError
 
@@ -150,13 +149,10 @@ def parse_chat(body: Any, served_model: str) -> CompletionRequest:
 
 def sampling_error(e: ValueError) -> BadRequest:
     """SamplingParams' ``field=value is invalid: allowed ...`` in the request's spelling."""
-    message = str(e)
-    m = re.match(r"(\w+)=", message)
-    name = m.group(1) if m else None
-    if name in _FIELD_NAMES:
-        message = _FIELD_NAMES[name] + message[len(name):]
-        name = _FIELD_NAMES[name]
-    return BadRequest(message, name)
+    if not isinstance(e, ConfigFieldError):
+        return BadRequest(str(e))
+    name = _FIELD_NAMES.get(e.field, e.field)
+    return BadRequest(f"{name}={e.value!r} is invalid: allowed {e.allowed}", name)
 
 
 def engine_error(e: Exception) -> BadRequest:
