@@ -120,13 +120,13 @@ def write(
     check_inputs = expected_token_t is not None and expected_position_t is not None
     expected_tokens = expected_token_t.tolist() if expected_token_t is not None else []
     expected_positions = expected_position_t.tolist() if expected_position_t is not None else []
-    seed_records = []
-    for seed in seeds:  # all seeds are read before any store
+    for seed in seeds:  # every seed is range-checked before any store
         if seed >= 0:
             _check_slot(seed, len(table))
-        seed_records.append(list(table[seed]) if seed >= 0 else None)
     num_written = 0
-    for r, seed_record in enumerate(seed_records):
+    for r, seed in enumerate(seeds):
+        # read when request r starts: earlier requests' stores to it are seen
+        seed_record = list(table[seed]) if seed >= 0 else None
         if counts[r] > 0 and (starts[r] < 0 or starts[r] + counts[r] > len(token_ids)):
             raise IndexError(f"request {r}: token range out of the flat token arrays")
         running = to_i64(ANCHOR_HASH) if seed_record is None else slot_hash(seed_record)

@@ -17,7 +17,9 @@ test-only Python reference implement exactly this, bit for bit (ring rows in the
     any bit → ring row (tag, slot, stored position, stored token, expected token or -1 when
               check_token is off, stored prev_hash, expected_chain, bits)
 
-**write(records, plan, ring, tag)** — all seeds are read first; then per request, in order::
+**write(records, plan, ring, tag)** — all seeds are range-checked first; then per request, in
+order (each seed read when its request starts, so an earlier request's store to it — a
+remapped entry — is seen, as in SGLang's ``write_ref``)::
 
     running = ANCHOR_HASH if seed < 0 else chain_hash(record[seed])
     position assert armed iff chain_position_assert and seed >= 0; prev = record[seed].position

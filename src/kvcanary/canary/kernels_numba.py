@@ -233,22 +233,20 @@ def _write_kernel(
             raise IndexError("kv-canary: write plan token range out of the flat token arrays")
         written_slots[token_starts[r] : end] = slots[token_starts[r] : end]
     real = real_kv_hashes_nb(written_slots, words0, words1, words2, words3, meta, num_sources)
-    # Every seed is read before any store: the launch sees the records as they were.
-    seed_chain = np.empty(num_reqs, dtype=np.int64)
-    seed_position = np.zeros(num_reqs, dtype=np.int64)
-    for r in range(num_reqs):
-        seed = seed_slots[r]
-        if seed < 0:
-            seed_chain[r] = _ANCHOR
-        else:
-            _check_slot(seed, num_slots)
-            seed_chain[r] = np.int64(chain_hash_nb(rec[seed, 2], rec[seed, 0], rec[seed, 1]))
-            seed_position[r] = rec[seed, 1]
+    for r in range(num_reqs):  # every seed is range-checked before any store
+        if seed_slots[r] >= 0:
+            _check_slot(seed_slots[r], num_slots)
     num_written = 0
     for r in range(num_reqs):
-        running = seed_chain[r]
-        assert_position = position_assert and seed_slots[r] >= 0
-        prev_position = seed_position[r]
+        # Each seed is read when its request starts (SGLang's write_ref): a store of an
+        # earlier request to it (a remapped entry) is seen.
+        seed = seed_slots[r]
+        running = _ANCHOR
+        prev_position = np.int64(0)
+        if seed >= 0:
+            running = np.int64(chain_hash_nb(rec[seed, 2], rec[seed, 0], rec[seed, 1]))
+            prev_position = rec[seed, 1]
+        assert_position = position_assert and seed >= 0
         for i in range(token_starts[r], token_starts[r] + num_tokens[r]):
             slot = slots[i]
             if slot < 0:

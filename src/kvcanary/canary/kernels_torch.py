@@ -9,6 +9,7 @@ Semantics are those of :mod:`kvcanary.canary.kernels`, bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -108,6 +109,30 @@ def _last_writer(targets: torch.Tensor, priority: torch.Tensor) -> torch.Tensor:
     return winner
 
 
+def _write_one_request_at_a_time(
+    records: torch.Tensor,
+    plan: WritePlan,
+    ring: ViolationRing,
+    launch_tag: int,
+    real_kv_sources: Sequence[RealKvSource],
+    chain_position_assert: bool,
+) -> None:
+    for r in range(plan.num_tokens.shape[0]):
+        count = int(plan.num_tokens[r])
+        if count == 0:
+            continue
+        one = dataclasses.replace(
+            plan,
+            seed_slots=plan.seed_slots[r : r + 1],
+            token_starts=plan.token_starts[r : r + 1],
+            num_tokens=plan.num_tokens[r : r + 1],
+            max_num_tokens=count,
+            total_num_tokens=count,
+        )
+        write(records, one, ring, launch_tag, real_kv_sources=real_kv_sources,
+              chain_position_assert=chain_position_assert)  # fmt: skip
+
+
 def write(
     records: torch.Tensor,
     plan: WritePlan,
@@ -141,8 +166,17 @@ def write(
     position = plan.positions.index_select(0, tok_idx)
     active = slots >= 0
 
-    # Seeds are read before any store.
     seeds = plan.seed_slots
+    if num_reqs > 1 and bool(torch.isin(seeds[seeds >= 0], slots[active]).any()):
+        # A seed this launch also stores to (a remapped entry): each seed must be read after
+        # the earlier requests' stores, so run the requests one at a time.
+        _write_one_request_at_a_time(
+            records, plan, ring, launch_tag, real_kv_sources, chain_position_assert
+        )
+        if counters is not None:
+            counters.add(launch_tag, active.sum())
+        return
+    # No seed is stored to by this launch: reading them all first is the same.
     seed_rec = rec.index_select(0, seeds.clamp(min=0))
     seed_chain = torch.where(seeds < 0, ANCHOR_HASH_I64, _slot_hash(seed_rec))
 

@@ -78,8 +78,12 @@ def format_violation_line(r: ViolationRecord) -> str:
 
 
 def _canary_kind(tag: int) -> str:
+    """SGLang's label: ``sweep_*`` as is, ``per_forward_*`` for the rest, ``unknown(n)``
+    (a corrupt ring row's tag) unchanged."""
     name = launch_tag_name(tag).lower()
-    return name if name.startswith("sweep_") else f"per_forward_{name}"
+    if name.startswith(("sweep_", "unknown")):
+        return name
+    return f"per_forward_{name}"
 
 
 def format_violation_message(
