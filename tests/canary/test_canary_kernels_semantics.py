@@ -222,3 +222,33 @@ def test_write_input_assert(impl_name: str) -> None:
     ]
     seed_hash = slot_hash(list(read_record(written_chain(impl_name)[0], CHAIN_SLOTS[-1])))
     assert rows[0].stored_chain_hash == slot_hash([60, 4, seed_hash])  # running hash before it
+
+
+def test_a_seed_stored_to_earlier_in_the_same_write_is_read_after_that_store(
+    impl_name: str,
+) -> None:
+    """Request 1 chains from slot 5, which request 0 (a remapped entry) writes in the same
+    launch: request 1's chain and position assert see request 0's record, as SGLang's
+    ``write_ref`` does, not the record slot 5 held before the launch."""
+    records = alloc_canary_buffer(16)
+    rec = as_int64_records(records)
+    rec[5, :3] = torch.tensor([77, 3, 1234])  # before the launch: token 77 at position 3
+    plan = WritePlan(
+        seed_slots=torch.tensor([-1, 5]),
+        token_starts=torch.tensor([0, 1]),
+        num_tokens=torch.tensor([1, 1]),
+        token_ids=torch.tensor([40, 41]),
+        positions=torch.tensor([0, 1]),
+        slots=torch.tensor([5, 6]),
+        max_num_tokens=1,
+        total_num_tokens=2,
+    )
+    ring, counters = ViolationRing(8), RunCounters()
+    IMPLS[impl_name].write(records, plan, ring, Tag.HEAD_K_FULL, chain_position_assert=True,
+                           counters=counters)  # fmt: skip
+    after = read_record(records, 5)
+    assert (after.token, after.position) == (40, 0)
+    assert int(rec[6, 2]) == to_i64(slot_hash(rec[5].tolist()))  # chained from the new record
+    assert ring.num_recorded() == 0  # position 1 follows the new record's position 0
+    assert counters.kernel_runs[Tag.HEAD_K_FULL] == 1
+    assert counters.slots_processed[Tag.HEAD_K_FULL] == 2
