@@ -1,6 +1,7 @@
 """kvcanary: a runtime KV-cache integrity canary, and the hybrid sliding-window engine it guards.
 
-Subcommands: run | serve | selftest | explain | bench (overhead, engine, prealloc).
+Subcommands: run | serve | selftest | explain | bench (overhead, engine, serve, prealloc).
+Also ``python -m kvcanary``.
 
 Defaults come from the config dataclasses; bad values are rejected before anything starts,
 with the flag, the value and what is allowed.
@@ -16,7 +17,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvcanary.cli_args import add_engine_flags, engine_config_from_args
-from kvcanary.config import EngineConfig
+from kvcanary.config import DEFAULT_MAX_QUEUED_REQUESTS, EngineConfig
+from kvcanary.utils import show
 from kvcanary.workload import WorkloadSpec
 
 _E = EngineConfig.field_default
@@ -24,7 +26,8 @@ _W = WorkloadSpec()
 
 
 def _workload_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", type=int, default=_W.num_requests, help="(default: %(default)s)")
+    p.add_argument("--num-requests", type=int, default=_W.num_requests,
+                   help="requests in the synthetic workload (default: %(default)s)")
     p.add_argument("--input-len", type=int, default=_W.input_len,
                    help="max prompt length; prompts vary in [input_len/2, input_len] (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=_W.output_len, help="new tokens per request (default: %(default)s)")
@@ -59,7 +62,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
     spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
     for flag, out in (("--json", a.json), ("--metrics-file", a.metrics_file)):
         if out and not Path(out).resolve().parent.is_dir():
-            raise ValueError(f"{flag} {out!r}: directory {str(Path(out).parent)!r} does not exist")
+            raise ValueError(f"{flag} {show(out)}: directory {show(str(Path(out).parent))} does not exist")
     if a.disagg:
         if a.metrics_file:
             raise ValueError("--metrics-file is not available with --disagg (two engines)")
@@ -81,26 +84,33 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
 def _cmd_serve(a: argparse.Namespace) -> int:
     if not 0 <= a.port <= 65535:
-        raise ValueError(f"--port={a.port!r} is invalid: allowed an integer in [0, 65535]")
+        raise ValueError(f"--port={show(a.port)} is invalid: allowed an integer in [0, 65535]")
     import uvicorn
 
     from kvcanary import Engine
     from kvcanary.server import create_app
 
+    if a.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests={a.max_queued_requests} is invalid: allowed an integer >= 0")
+    if a.api_key is not None and not a.api_key:
+        raise ValueError('--api-key="" is invalid: allowed a non-empty string')
     config = engine_config_from_args(a)  # bad flags fail here, before anything starts
     with _log_to_stderr(a.log_level):
-        app = create_app(Engine(config), served_model_name=a.served_model_name)
+        app = create_app(Engine(config), served_model_name=a.served_model_name, api_key=a.api_key,
+                         max_queued_requests=a.max_queued_requests)  # fmt: skip
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level or "info")
     return 0
 
 
 def _cmd_bench_overhead(a: argparse.Namespace) -> int:
     from kvcanary.bench.overhead import bench_overhead
+    from kvcanary.engine.pool_check import check_workload
     from kvcanary.report import render_matrix, render_table, write_json
 
     spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     _set_threads(a.threads)
+    check_workload(engine_config_from_args(a), spec)  # before any engine starts
     summary = bench_overhead(engine_config_from_args(a), spec, repeats=a.repeats, variants=variants,
                              progress=not a.no_progress)  # fmt: skip
     head = {k: v for k, v in summary.items() if k != "variants"}
@@ -116,7 +126,7 @@ def _set_threads(threads: int | None) -> None:
     if threads is None:
         return
     if threads < 1:
-        raise ValueError(f"--threads={threads!r} is invalid: allowed an integer >= 1")
+        raise ValueError(f"--threads={show(threads)} is invalid: allowed an integer >= 1")
     import torch
 
     torch.set_num_threads(threads)
@@ -127,7 +137,7 @@ def _cmd_bench_engine(a: argparse.Namespace) -> int:
     from kvcanary.report import emit
 
     if a.repeats < 1:
-        raise ValueError(f"--repeats={a.repeats!r} is invalid: allowed an integer >= 1")
+        raise ValueError(f"--repeats={show(a.repeats)} is invalid: allowed an integer >= 1")
     _set_threads(a.threads)
     spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
     summary = bench_engine(a.model, spec, repeats=a.repeats, page_size=a.page_size,
@@ -145,7 +155,7 @@ def _cmd_selftest(a: argparse.Namespace) -> int:
     from kvcanary.selftest import render_selftest, run_selftest
 
     if a.num_seeds < 1:
-        raise ValueError(f"--num-seeds={a.num_seeds!r} is invalid: allowed an integer >= 1")
+        raise ValueError(f"--num-seeds={show(a.num_seeds)} is invalid: allowed an integer >= 1")
     seeds = list(range(a.seed, a.seed + a.num_seeds))
     canary_log = logging.getLogger("kvcanary.canary")
     level = canary_log.level
@@ -170,13 +180,30 @@ def _cmd_explain(a: argparse.Namespace) -> int:
     else:
         path = Path(a.logfile)
         if not path.is_file():
-            raise ValueError(f"LOGFILE={a.logfile!r} is invalid: allowed an existing file or '-' (stdin)")
+            raise ValueError(f"LOGFILE={show(a.logfile)} is invalid: allowed an existing file or \"-\" (stdin)")
         text = path.read_text(errors="replace")
     summary = {"log": a.logfile, **explain(text)}
     print(render_explain(summary))
     if a.json:
         write_json(a.json, summary)
     return 0
+
+
+def _cmd_bench_serve(a: argparse.Namespace) -> int:
+    from kvcanary.bench.serve import BenchServeError, bench_ok, bench_serve
+    from kvcanary.report import emit
+
+    _set_threads(a.threads)
+    spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
+    try:
+        with _log_to_stderr(a.log_level):
+            summary = bench_serve(engine_config_from_args(a), spec, concurrency=a.concurrency,
+                                  deadline_s=a.deadline, progress=not a.no_progress)  # fmt: skip
+    except BenchServeError as e:  # the server failed, not the input: one line, exit 1
+        print(f"kvcanary bench serve: failed: {e}", file=sys.stderr)
+        return 1
+    emit("kvcanary bench serve (streams on loopback)", summary, a.json)
+    return 0 if bench_ok(summary) else 1
 
 
 def _cmd_bench_prealloc(a: argparse.Namespace) -> int:
@@ -205,13 +232,20 @@ def build_parser() -> argparse.ArgumentParser:
                           "canary's stats, sweep and SWA divergence lines)")
     run.set_defaults(func=_cmd_run)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
-                                         "/v1/chat/completions, /v1/models, /health, /metrics)")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions and "
+                                         "/v1/chat/completions, streamed or not; SGLang's /generate; "
+                                         "/v1/models, /health, /metrics)")
     add_engine_flags(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send and see (default: the --model value)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* and /generate "
+                            "(default: no key; /health and /metrics stay open)")
+    serve.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                       help="requests that may wait beyond --max-running-requests; more get "
+                            "HTTP 503 with Retry-After (default: %(default)s)")
     serve.add_argument("--log-level", choices=("debug", "info", "warning"), default=None,
                        help="kvcanary's and uvicorn's log level (default: uvicorn's info, "
                             "kvcanary's own lines hidden)")
@@ -272,12 +306,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--model", default="builtin:tiny-swa",
                         help="builtin:tiny-swa | builtin:tiny-swa-all | builtin:tiny-mha (default: %(default)s)")
-    engine.add_argument("--page-size", type=int, default=_E("page_size"), help="(default: %(default)s)")
-    engine.add_argument("--num-requests", type=int, default=16, help="(default: %(default)s)")
-    engine.add_argument("--input-len", type=int, default=128, help="(default: %(default)s)")
-    engine.add_argument("--output-len", type=int, default=64, help="(default: %(default)s)")
-    engine.add_argument("--shared-prefix-len", type=int, default=0, help="(default: %(default)s)")
-    engine.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    engine.add_argument("--page-size", type=int, default=_E("page_size"),
+                        help="KV page size in tokens (default: %(default)s)")
+    engine.add_argument("--num-requests", type=int, default=16,
+                        help="requests in the synthetic workload (default: %(default)s)")
+    engine.add_argument("--input-len", type=int, default=128,
+                        help="max prompt length; prompts vary in [input_len/2, input_len] (default: %(default)s)")
+    engine.add_argument("--output-len", type=int, default=64, help="new tokens per request (default: %(default)s)")
+    engine.add_argument("--shared-prefix-len", type=int, default=0,
+                        help="tokens every prompt shares (default: %(default)s)")
+    engine.add_argument("--seed", type=int, default=0,
+                        help="seeds the weights and the workload (default: %(default)s)")
     engine.add_argument("--repeats", type=int, default=5,
                         help="interleaved repeats; figures are medians (default: %(default)s)")
     engine.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -285,22 +324,57 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     engine.set_defaults(func=_cmd_bench_engine)
 
+    serve_bench = benches.add_parser(
+        "serve", help="the HTTP server under N concurrent streams on loopback: TTFT and "
+                      "inter-token latency p50/p99, tokens/s, errors, then leaked slots and "
+                      "canary violations; exit 1 on any error, leak or violation",
+    )  # fmt: skip
+    add_engine_flags(serve_bench)
+    _workload_flags(serve_bench)
+    serve_bench.add_argument("--concurrency", type=int, default=64,
+                             help="concurrent streaming requests (default: %(default)s)")
+    serve_bench.add_argument("--deadline", type=float, default=600.0,
+                             help="seconds for the whole load; requests unfinished by then "
+                                  "are cut and count as errors (default: %(default)s)")
+    serve_bench.add_argument("--threads", type=int, default=None,
+                             help="torch CPU threads (default: torch's choice)")
+    serve_bench.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
+    serve_bench.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    serve_bench.add_argument("--log-level", choices=("debug", "info", "warning"), default=None,
+                             help="print kvcanary's log lines at this level to stderr")
+    serve_bench.set_defaults(func=_cmd_bench_serve)
+
     prealloc = benches.add_parser(
         "prealloc", help="disaggregated decode: admitted concurrency with vs without SWA tail pre-allocation"
     )
     add_bench_prealloc_flags(prealloc)
     prealloc.set_defaults(func=_cmd_bench_prealloc)
+    _describe_subcommands(parser)
     return parser
+
+
+def _describe_subcommands(parser: argparse.ArgumentParser) -> None:
+    """A subcommand's ``--help`` page opens with its one-line help (where it has no longer
+    description of its own)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, sub in action.choices.items():
+                sub.description = sub.description or helps.get(name)
+                _describe_subcommands(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from kvcanary import envs
     from kvcanary.canary.errors import KVCanaryViolation
+    from kvcanary.engine.errors import KVPoolTooSmallError
 
     try:
+        envs.check_all()
         return int(args.func(args))
-    except ValueError as e:  # bad input: one clear line, no traceback
+    except (ValueError, KVPoolTooSmallError) as e:  # bad input / sizes: one clear line
         print(f"kvcanary {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KVCanaryViolation as e:  # --kv-canary raise: the reports, no traceback

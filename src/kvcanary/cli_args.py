@@ -44,7 +44,7 @@ def add_dataclass_flags(p: argparse.ArgumentParser, cls: type) -> None:
     hints = typing.get_type_hints(cls)
     for f, flag, dest in _flag_fields(cls):
         kind = hints[f.name]
-        default = f.default_factory() if callable(f.default_factory) else f.default
+        default = _default(f)
         kw: dict[str, Any] = {"dest": dest, "help": f.metadata.get("help")}
         if kind is bool:
             if default is not False:
@@ -59,10 +59,23 @@ def add_dataclass_flags(p: argparse.ArgumentParser, cls: type) -> None:
         p.add_argument(flag, **kw)
 
 
+def _default(f: dataclasses.Field[Any]) -> Any:
+    """A field's default; None where its factory (an environment variable) fails, so that
+    ``--help`` still works: the command itself reports the variable (see ``dataclass_from_args``)."""
+    if not callable(f.default_factory):
+        return f.default
+    try:
+        return f.default_factory()
+    except ValueError:
+        return None
+
+
 def dataclass_from_args(cls: type[T], a: argparse.Namespace) -> T:
     """``cls`` from the parsed flags of :func:`add_dataclass_flags`; fields whose flag the
-    command lacks (and fields that are no flag) keep their defaults."""
-    kwargs = {f.name: getattr(a, dest) for f, _, dest in _flag_fields(cls) if hasattr(a, dest)}
+    command lacks (and fields that are no flag) keep their defaults. A None left by
+    :func:`_default` is not passed, so the field's factory runs and raises its own error."""
+    kwargs = {f.name: getattr(a, dest) for f, _, dest in _flag_fields(cls)
+              if hasattr(a, dest) and not (getattr(a, dest) is None and callable(f.default_factory))}  # fmt: skip
     return cls(**kwargs)
 
 
@@ -80,13 +93,14 @@ def add_engine_flags(p: argparse.ArgumentParser, with_canary: bool = True) -> No
     p.add_argument("--chunked-prefill-size", type=int, default=_E("chunked_prefill_size"),
                    help="max tokens per prefill forward, <= 0 disables chunking (default: %(default)s)")
     p.add_argument("--max-running-requests", type=int, default=_E("max_running_requests"),
-                   help="(default: %(default)s)")
+                   help="most requests decoding at once; more wait for admission (default: %(default)s)")
     p.add_argument("--disable-prefix-cache", action="store_true", help="turn the radix prefix cache off")
     p.add_argument("--enable-host-offload", action="store_true",
                    help="retracted requests keep their KV in host memory instead of recomputing it")
     p.add_argument("--disable-graph", action="store_true", help="decode without the static-shape graph runner")
     p.add_argument("--device", default=_E("device"), help="torch device (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=_E("seed"), help="(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=_E("seed"),
+                   help="seeds weights of builtin models, sampling and the workload (default: %(default)s)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

@@ -10,10 +10,14 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from kvcanary.canary.config import CanaryConfig
+from kvcanary.utils import show
 
 __all__ = ["CanaryConfig", "EngineConfig", "SamplingParams"]
 
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
+# `kvcanary serve`: requests that may wait beyond max_running_requests (more get HTTP 503).
+DEFAULT_MAX_QUEUED_REQUESTS = 256
 
 
 class ConfigFieldError(ValueError):
@@ -21,7 +25,7 @@ class ConfigFieldError(ValueError):
     reads ``field=value is invalid: allowed ...``)."""
 
     def __init__(self, field: str, value: Any, allowed: str):
-        super().__init__(f"{field}={value!r} is invalid: allowed {allowed}")
+        super().__init__(f"{field}={show(value)} is invalid: allowed {allowed}")
         self.field, self.value, self.allowed = field, value, allowed
 
 
@@ -58,7 +62,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", self.model,
-               "'builtin:tiny-mha', 'builtin:tiny-swa', 'builtin:tiny-swa-all' or a HF model directory")
+               "\"builtin:tiny-mha\", \"builtin:tiny-swa\", \"builtin:tiny-swa-all\" or a HF model directory")
         _check(self.page_size >= 1, "page_size", self.page_size, "an integer >= 1")
         _check(self.max_total_tokens >= 2 * self.page_size, "max_total_tokens",
                self.max_total_tokens, f">= 2 * page_size ({2 * self.page_size})")
@@ -72,7 +76,7 @@ class EngineConfig:
                and list(self.graph_batch_sizes) == sorted(set(self.graph_batch_sizes)),
                "graph_batch_sizes", self.graph_batch_sizes,
                "strictly increasing positive integers, or () to disable")
-        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {show(DTYPES)}")
         _check(isinstance(self.canary, CanaryConfig), "canary", self.canary,
                "a kvcanary.canary.config.CanaryConfig")
         _check(isinstance(self.device, str) and bool(self.device), "device", self.device,
@@ -95,12 +99,17 @@ class SamplingParams:
     seed: int | None = None  # per-request generator seed (sampling only)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Log-probabilities of each sampled token plus its `logprobs` most likely alternatives
+    # (None: not computed, no cost).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
         _check(self.temperature >= 0.0, "temperature", self.temperature, "a number >= 0")
         _check(self.top_k >= 0, "top_k", self.top_k, "an integer >= 0 (0 = off)")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "a number in (0, 1]")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+               self.logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]")  # fmt: skip
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property

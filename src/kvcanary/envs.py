@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from kvcanary.utils import show
+
 T = TypeVar("T")
 
 
@@ -31,7 +33,7 @@ class EnvVar(Generic[T]):
         try:
             return self.parse(raw.strip())
         except ValueError:
-            raise ValueError(f"{self.name}={raw!r} is invalid: allowed {self.allowed}") from None
+            raise ValueError(f"{self.name}={show(raw)} is invalid: allowed {self.allowed}") from None
 
 
 def _int_at_least(lo: int) -> Callable[[str], int]:
@@ -80,3 +82,10 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     KVCANARY_KV_CANARY_KERNEL_BACKEND,
     KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL,
 )
+
+
+def check_all() -> None:
+    """Read every variable: a malformed one raises its ``ValueError`` (commands call this
+    first, so a bad variable is one clean line whatever the command touches)."""
+    for var in ALL_ENV_VARS:
+        var.get()

@@ -8,6 +8,8 @@ from typing import Any
 
 from tabulate import tabulate
 
+from kvcanary.utils import show
+
 
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
@@ -35,7 +37,7 @@ def write_file_atomically(path: str | Path, data: bytes, flag: str = "--json") -
     a file; a missing directory is a ``ValueError`` naming ``flag``."""
     path = Path(path)
     if not path.parent.exists():
-        raise ValueError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
+        raise ValueError(f"{flag} {show(str(path))}: directory {show(str(path.parent))} does not exist")
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
     tmp.replace(path)

@@ -8,7 +8,8 @@ from typing import Any
 from tqdm import tqdm
 
 from kvcanary.config import EngineConfig, SamplingParams
-from kvcanary.engine.engine import Engine
+from kvcanary.engine.engine import Engine, RequestOutput
+from kvcanary.engine.pool_check import check_engine_pools, check_workload
 from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.memory.swa_pool import BaseSWAKVPool
 from kvcanary.workload import WorkloadSpec, make_prompts
@@ -17,14 +18,29 @@ from kvcanary.workload import WorkloadSpec, make_prompts
 def run_workload(
     config: EngineConfig, spec: WorkloadSpec, progress: bool = True
 ) -> tuple[dict[str, Any], Engine]:
-    """Run every request to completion; return the summary (stable JSON keys) and engine."""
+    """Run every request to completion; return the summary (stable JSON keys) and engine.
+
+    The progress bar counts tokens (prompt tokens with KV + output tokens), so it moves
+    with every forward rather than with each finished request."""
+    check_workload(config, spec)
     engine = Engine(config)
     prompts = make_prompts(spec, engine.runner.vocab_size)
+    check_engine_pools(engine, max(map(len, prompts)), spec.output_len)
     params = SamplingParams(max_new_tokens=spec.output_len, ignore_eos=True)
-    bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=not progress)
+    total = sum(map(len, prompts)) + len(prompts) * spec.output_len
+    bar = tqdm(total=total, desc="tokens", unit="tok", unit_scale=True, disable=not progress)
+    num_finished_tokens = 0
+
+    def on_step(done: list[RequestOutput]) -> None:
+        nonlocal num_finished_tokens
+        num_finished_tokens += sum(len(o.prompt_ids) + len(o.output_ids) for o in done)
+        running = sum(r.kv_len for r in engine.running_requests())
+        bar.update(max(0, min(total, num_finished_tokens + running) - bar.n))  # never backwards
+
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, params, on_step=lambda done: bar.update(len(done)))
+    outs = engine.generate(prompts, params, on_step=on_step)
     wall = time.perf_counter() - t0
+    bar.update(total - bar.n)
     bar.close()
     engine.check_integrity()
     return summarize(engine, outs, wall), engine

@@ -43,6 +43,7 @@ from kvcanary.canary.perturb import (
 from kvcanary.canary.perturb.config import BYTE_FLIP_MODES
 from kvcanary.config import CanaryConfig, EngineConfig, SamplingParams
 from kvcanary.engine.engine import Engine
+from kvcanary.utils import show
 
 SELFTEST_MODELS = ("builtin:tiny-mha", "builtin:tiny-swa", "builtin:tiny-swa-all")
 WARMUP_STEPS = 6  # forward steps into wave 2 (prefill done, decoding) before the injection
@@ -176,6 +177,22 @@ def run_case(model: str, case: FaultCase | None, seed: int = 0) -> tuple[dict[st
     return result, engine
 
 
+def _check_every_mode_applies(modes: tuple[str, ...] | list[str], models: tuple[str, ...] | list[str],
+                              plans: list[tuple[FaultCase | None, str, int]]) -> None:  # fmt: skip
+    """A fault class that applies to none of the chosen models would pass as ``0/0``: an error."""
+    covered = {case.mode for case, _, _ in plans if case is not None}
+    unapplied = [m for m in modes if m not in covered]
+    if not unapplied:
+        return
+    needs_swa = all(applies_to(m, True) and not applies_to(m, False) for m in unapplied)
+    where = (" (they need a model with sliding-window layers: builtin:tiny-swa or "
+             "builtin:tiny-swa-all)" if needs_swa else "")  # fmt: skip
+    raise ValueError(
+        f"--faults={show(','.join(modes))} is invalid with --models={show(','.join(models))}: "
+        f"{', '.join(unapplied)} apply to none of these models{where}"
+    )
+
+
 def run_selftest(
     models: tuple[str, ...] | list[str] = SELFTEST_MODELS,
     modes: tuple[str, ...] | list[str] = PERTURB_MODES,
@@ -187,7 +204,7 @@ def run_selftest(
     bad = [m for m in modes if m not in PERTURB_MODES]
     if bad or not modes:
         raise ValueError(
-            f"--faults={','.join(modes)!r} is invalid: allowed a non-empty comma-separated "
+            f"--faults={show(','.join(modes))} is invalid: allowed a non-empty comma-separated "
             f"subset of {', '.join(PERTURB_MODES)}"
         )
     if not models:
@@ -202,6 +219,7 @@ def run_selftest(
         plans += [(None, model, seed) for seed in seeds]
         plans += [(case, model, seed) for case in cases_for(model, kinds, list(modes), byte_groups)
                   for seed in seeds]  # fmt: skip
+    _check_every_mode_applies(modes, models, plans)
     clean: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
     for case, model, seed in tqdm(plans, desc="selftest", unit="run", disable=not progress):

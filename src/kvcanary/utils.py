@@ -35,3 +35,14 @@ def swa_tail_len(seq_len: int, window: int | None, page_size: int) -> int:
     if window is None or window <= 0:
         return seq_len
     return seq_len - floor_page(max(0, seq_len - window), page_size)
+
+
+def show(value: object) -> str:
+    """``value`` as JSON writes it (``true``, ``null``, ``"text"``, ``[1, 2]``), the way
+    every user-facing message prints values; ``str()`` for what JSON cannot hold."""
+    import json
+
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)

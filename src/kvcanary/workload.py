@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from kvcanary.utils import show
+
 
 @dataclass(frozen=True)
 class WorkloadSpec:
@@ -23,7 +25,7 @@ class WorkloadSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or v < lo:
                 flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag}={v!r} is invalid: allowed an integer >= {lo}")
+                raise ValueError(f"{flag}={show(v)} is invalid: allowed an integer >= {lo}")
         if self.shared_prefix_len >= self.input_len:
             raise ValueError(
                 f"--shared-prefix-len={self.shared_prefix_len} is invalid: allowed values "

@@ -64,7 +64,7 @@ def test_run_without_canary_has_zero_figures(tmp_path: Path) -> None:
     ("args", "needle"),
     [
         (["--kv-canary", "log", "--kv-canary-ring-capacity", "0"], "--kv-canary-ring-capacity"),
-        (["--kv-canary-real-data", "partial"], "while --kv-canary is 'none'"),
+        (["--kv-canary-real-data", "partial"], 'while --kv-canary is "none"'),
         (["--kv-canary", "log", "--kv-canary-verify-capacity", "-3"], "-3"),
         (["--kv-canary-sweep-interval", "4"], "--kv-canary-sweep-interval (kv_canary_sweep_interval)=4"),
         (["--kv-canary", "log", "--kv-canary-stats-interval", "-1"], "allowed an integer >= 0 (0 = off)"),
@@ -107,7 +107,7 @@ def test_bench_overhead_json(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 def test_bench_overhead_rejects_unknown_variants(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "overhead", "--variants", "log,fast", "--no-progress"]) == 2
-    assert "--variants='log,fast' is invalid" in capsys.readouterr().err
+    assert '--variants="log,fast" is invalid' in capsys.readouterr().err
 
 
 def test_canary_flags_come_from_the_config_fields(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -168,7 +168,7 @@ def test_selftest_cli_fails_on_a_missed_class(tmp_path: Path, monkeypatch: pytes
 
 
 @pytest.mark.parametrize(("args", "needle"), [
-    (["--faults", "page_shift,bogus"], "--faults='page_shift,bogus' is invalid"),
+    (["--faults", "page_shift,bogus"], '--faults="page_shift,bogus" is invalid'),
     (["--num-seeds", "0"], "--num-seeds=0 is invalid"),
 ])  # fmt: skip
 def test_selftest_cli_rejects_bad_flags(args: list[str], needle: str,

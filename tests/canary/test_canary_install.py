@@ -5,6 +5,7 @@ modes, overflow, config validation, DSV4 groups at run time, and "none" installi
 
 from __future__ import annotations
 
+import json
 import logging
 import pathlib
 import subprocess
@@ -401,11 +402,11 @@ def test_bad_canary_config_names_flag_value_and_allowed(field: str, value: objec
     with pytest.raises(ValueError) as e:
         CanaryConfig(**{"mode": "log", field: value})
     dest = flag[2:].replace("-", "_")  # the flag's argparse dest
-    assert str(e.value).startswith(f"{flag} ({dest})={value!r} is invalid: allowed ")
+    assert str(e.value).startswith(f"{flag} ({dest})={json.dumps(value)} is invalid: allowed ")
 
 
 def test_canary_options_without_a_mode_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"--kv-canary-v-half \(kv_canary_v_half\)=True is invalid"):
+    with pytest.raises(ValueError, match=r"--kv-canary-v-half \(kv_canary_v_half\)=true is invalid"):
         EngineConfig(canary=CanaryConfig(v_half=True))
 
 

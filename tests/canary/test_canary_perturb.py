@@ -156,7 +156,7 @@ def test_perturb_config_validation_and_no_canary() -> None:
     with pytest.raises(ValueError, match="PerturbConfig.mode='bogus'"):
         PerturbConfig.single("bogus")
     assert PerturbConfig.single("page_shift", 0.5).active_modes == ["page_shift"]
-    with pytest.raises(ValueError, match="--kv-canary is 'none'"):
+    with pytest.raises(ValueError, match='--kv-canary is "none"'):
         install_perturbation(tiny_engine(model="builtin:tiny-mha"), PerturbConfig())
 
 

@@ -232,5 +232,5 @@ def test_interval_defaults_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     assert EngineConfig().canary.swa_divergence_interval == 20
     assert CanaryConfig(swa_divergence_interval=3).swa_divergence_interval == 3
     monkeypatch.setenv("KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL", "-1")
-    with pytest.raises(ValueError, match="KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL='-1' is invalid"):
+    with pytest.raises(ValueError, match='KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL="-1" is invalid'):
         EngineConfig()

@@ -9,6 +9,7 @@ from engine_utils import assert_all_memory_free, greedy_outputs, make_prompts, t
 
 from kvcanary import EngineConfig, SamplingParams
 from kvcanary.canary.hashing import splitmix64
+from kvcanary.utils import show
 
 
 @pytest.mark.parametrize(
@@ -26,7 +27,7 @@ def test_invalid_engine_config_names_field_value_and_allowed(field, value, allow
     with pytest.raises(ValueError) as e:
         EngineConfig(**{field: value})
     msg = str(e.value)
-    assert field in msg and repr(value) in msg and allowed in msg
+    assert field in msg and show(value) in msg and allowed in msg
 
 
 @pytest.mark.parametrize(("field", "value"), [("max_new_tokens", 0), ("top_p", 0.0), ("temperature", -1.0)])

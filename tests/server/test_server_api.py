@@ -54,7 +54,8 @@ def test_server_greedy_text_completion_equals_engine_generate(client: TestClient
     assert choice["finish_reason"] == ref.finish_reason
     assert body["usage"] == {"prompt_tokens": len(ref.prompt_ids),
                              "completion_tokens": len(ref.output_ids),
-                             "total_tokens": len(ref.prompt_ids) + len(ref.output_ids)}  # fmt: skip
+                             "total_tokens": len(ref.prompt_ids) + len(ref.output_ids),
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
 
 
 def test_server_token_id_prompt_and_extensions(client: TestClient, offline: Engine) -> None:
@@ -109,19 +110,25 @@ BAD_INPUTS: list[tuple[Any, str | None, str]] = [
     ({"prompt": "x" * 300}, "prompt", "allowed prompt tokens + max_tokens <= 256"),
     ({"prompt": "x" * 250, "max_tokens": 10}, "prompt", "max_tokens (10) exceeds max_context_len=256"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens=0 is invalid: allowed an integer >= 1"),
-    ({"prompt": "hi", "max_tokens": "5"}, "max_tokens", "max_tokens='5' is invalid"),
+    ({"prompt": "hi", "max_tokens": "5"}, "max_tokens", 'max_tokens="5" is invalid'),
     ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens", "allowed an integer >= 1"),
     ({"prompt": "hi", "temperature": -1}, "temperature", "temperature=-1 is invalid: allowed a number >= 0"),
-    ({"prompt": "hi", "temperature": True}, "temperature", "temperature=True is invalid"),
+    ({"prompt": "hi", "temperature": True}, "temperature", "temperature=true is invalid"),
     ({"prompt": "hi", "top_p": 0}, "top_p", "top_p=0 is invalid: allowed a number in (0, 1]"),
     ({"prompt": "hi", "top_k": -3}, "top_k", "top_k=-3 is invalid"),
-    ({"prompt": "hi", "seed": "s"}, "seed", "seed='s' is invalid"),
+    ({"prompt": "hi", "seed": "s"}, "seed", 'seed="s" is invalid'),
     ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos", "allowed true or false"),
     ({"prompt": "hi", "stop_token_ids": [1, "a"]}, "stop_token_ids", "a list of integer token ids"),
-    ({"prompt": "hi", "stop": ["\n"]}, "stop", "use stop_token_ids"),
-    ({"prompt": "hi", "stream": True}, "stream", "stream=true is not supported"),
-    ({"prompt": "hi", "n": 2}, "n", "n=2 is invalid: allowed 1"),
-    ({"prompt": "hi", "model": "gpt-4"}, "model", f"allowed {MODEL!r}"),
+    ({"prompt": "hi", "stop": ["\n", ""]}, "stop", "a list of at most 16 non-empty strings"),
+    ({"prompt": "hi", "stop": 5}, "stop", "stop=5 is invalid"),
+    ({"prompt": "hi", "stream": "yes"}, "stream", 'stream="yes" is invalid: allowed true or false'),
+    ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage", "stream_options.include_usage=1 is invalid"),
+    ({"prompt": "hi", "n": 0}, "n", "n=0 is invalid: allowed an integer in [1, 16]"),
+    ({"prompt": "hi", "n": 17}, "n", "n=17 is invalid"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs=21 is invalid: allowed null or an integer in [0, 20]"),
+    ({"prompt": "hi", "logprobs": True}, "logprobs", "logprobs=true is invalid"),
+    ({"prompt": "hi", "model": "gpt-4"}, "model", f'allowed "{MODEL}"'),
     ([1, 2], None, "must be a JSON object"),
     (b"{not json", None, "not valid JSON"),
 ]
@@ -186,10 +193,64 @@ def test_server_engine_failure_is_500_and_health_503() -> None:
         assert r.json()["error"]["type"] == "server_error"
         assert "injected engine failure" in r.json()["error"]["message"]
         assert c.get("/health").status_code == 503
-        assert c.post("/v1/completions", json={"prompt": "hi"}).status_code == 500
+        r = c.post("/v1/completions", json={"prompt": "hi"})  # the loop is down: unavailable
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        assert "injected engine failure" in r.json()["error"]["message"]
         assert c.get("/metrics").status_code == 200
 
 
 def test_server_cli_rejects_bad_port(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--port", "70000"]) == 2
     assert "--port=70000 is invalid" in capsys.readouterr().err
+
+
+CHAT_BAD: list[tuple[Any, str, str]] = [
+    ({"messages": []}, "messages", "messages=[] is invalid"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages", 'messages[0]={"role": "robot"'),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages", "messages[0].content=5 is invalid"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages", '("image_url" parts are not supported)'),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
+     'top_logprobs=2 is invalid without logprobs: allowed with "logprobs": true'),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30},
+     "top_logprobs", "top_logprobs=30 is invalid"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "max_tokens", "max_tokens=0 is invalid"),
+]
+
+
+@pytest.mark.parametrize("body,param,needle", CHAT_BAD, ids=[f"chat{i}" for i in range(len(CHAT_BAD))])
+def test_server_bad_chat_input_is_400_naming_the_field(client: TestClient, body: Any, param: str,
+                                                       needle: str) -> None:  # fmt: skip
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"], err
+
+
+GENERATE_BAD: list[tuple[Any, str, str]] = [
+    ({}, "text", "give exactly one of text"),
+    ({"text": "a", "input_ids": [1]}, "text", "give exactly one of text"),
+    ({"text": ""}, "text", 'text="" is invalid'),
+    ({"input_ids": [1, "a"]}, "input_ids", "input_ids=[1, \"a\"] is invalid"),
+    ({"text": "a", "sampling_params": []}, "sampling_params", "sampling_params=[] is invalid"),
+    ({"text": "a", "sampling_params": {"temperature": -1}}, "sampling_params.temperature",
+     "sampling_params.temperature=-1 is invalid"),
+    ({"text": "a", "sampling_params": {"stop": [1]}}, "sampling_params.stop", "sampling_params.stop=[1]"),
+    ({"text": "a", "stream": 1}, "stream", "stream=1 is invalid"),
+]
+
+
+@pytest.mark.parametrize("body,param,needle", GENERATE_BAD, ids=[f"gen{i}" for i in range(len(GENERATE_BAD))])
+def test_server_bad_generate_input_is_400_naming_the_field(client: TestClient, body: Any, param: str,
+                                                           needle: str) -> None:  # fmt: skip
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"], err
+
+
+def test_server_stream_rejected_prompt_is_a_400_before_streaming(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"prompt": "x" * 300, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "allowed prompt tokens + max_tokens <= 256" in r.json()["error"]["message"]

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.engine.engine import Engine
+from kvcanary.utils import show
 from kvcanary.workload import WorkloadSpec, make_prompts
 
 # CanaryConfig fields of each variant (the rest as the base config's canary).
@@ -91,11 +92,11 @@ def bench_overhead(
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or BASELINE not in variants or len(set(variants)) != len(variants):
         raise ValueError(
-            f"--variants={','.join(variants)!r} is invalid: allowed a comma-separated subset of "
-            f"{', '.join(VARIANTS)} that includes {BASELINE!r}"
+            f"--variants={show(','.join(variants))} is invalid: allowed a comma-separated subset of "
+            f"{', '.join(VARIANTS)} that includes {show(BASELINE)}"
         )
     if repeats < 1:
-        raise ValueError(f"--repeats={repeats!r} is invalid: allowed an integer >= 1")
+        raise ValueError(f"--repeats={show(repeats)} is invalid: allowed an integer >= 1")
     configs = {v: replace(base, canary=replace(base.canary, **VARIANTS[v])) for v in variants}
     vocab_size = Engine(configs[BASELINE]).runner.vocab_size
     prompts = make_prompts(spec, vocab_size)

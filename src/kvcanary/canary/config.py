@@ -23,6 +23,7 @@ from typing import Any
 
 from kvcanary import envs
 from kvcanary.canary.constants import RealKvHashMode
+from kvcanary.utils import show
 
 KV_CANARY_MODES = ("none", "log", "raise", "abort")
 REAL_DATA_MODES = ("none", "partial", "all")
@@ -103,17 +104,17 @@ class CanaryConfig:
              "KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL)"))  # fmt: skip
 
     def __post_init__(self) -> None:
-        _check(self.mode in KV_CANARY_MODES, "mode", self.mode, f"one of {KV_CANARY_MODES}")
+        _check(self.mode in KV_CANARY_MODES, "mode", self.mode, f"one of {show(KV_CANARY_MODES)}")
         _check(self.real_data in REAL_DATA_MODES, "real_data", self.real_data,
-               f"one of {REAL_DATA_MODES}")  # fmt: skip
+               f"one of {show(REAL_DATA_MODES)}")  # fmt: skip
         _check(self.real_data_layers in REAL_DATA_LAYERS, "real_data_layers",
-               self.real_data_layers, f"one of {REAL_DATA_LAYERS}")  # fmt: skip
+               self.real_data_layers, f"one of {show(REAL_DATA_LAYERS)}")  # fmt: skip
         _check(_is_int(self.ring_capacity) and self.ring_capacity >= 1, "ring_capacity",
                self.ring_capacity, "an integer >= 1")  # fmt: skip
         _check(_is_int(self.verify_capacity) and self.verify_capacity >= 0, "verify_capacity",
                self.verify_capacity, "an integer >= 0 (0 = automatic)")  # fmt: skip
         _check(self.backend in KERNEL_BACKENDS, "backend", self.backend,
-               f"one of {KERNEL_BACKENDS}")  # fmt: skip
+               f"one of {show(KERNEL_BACKENDS)}")  # fmt: skip
         _check(self.pump_delay_steps in (None, 0, 1), "pump_delay_steps",
                self.pump_delay_steps, "None (automatic), 0 or 1")  # fmt: skip
         for name in ("sweep_interval", "stats_interval", "health_check_interval",
@@ -124,8 +125,8 @@ class CanaryConfig:
             for name in ("real_data", "v_half", "verify_tokens", "sweep_interval"):
                 value, default = getattr(self, name), _FIELDS[name].default
                 _check(value == default, name, value,
-                       f"only {default!r} while {_FIELDS['mode'].metadata['flag']} is 'none' "
-                       f"(pick a mode in {KV_CANARY_MODES[1:]})")  # fmt: skip
+                       f"only {show(default)} while {_FIELDS['mode'].metadata['flag']} is \"none\" "
+                       f"(pick a mode in {show(KV_CANARY_MODES[1:])})")  # fmt: skip
 
     @property
     def enabled(self) -> bool:
@@ -151,4 +152,4 @@ def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
     meta = _FIELDS[name].metadata
     flag = meta["flag"]
     label = f"{flag} ({flag[2:].replace('-', '_')})" if flag else meta.get("env", name)
-    raise ValueError(f"{label}={value!r} is invalid: allowed {allowed}")
+    raise ValueError(f"{label}={show(value)} is invalid: allowed {allowed}")

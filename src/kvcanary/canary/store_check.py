@@ -184,8 +184,8 @@ class StoreChecker:
         def set_kv_buffer(layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: Any,
                           *args: Any, **kwargs: Any) -> Any:  # fmt: skip
             for watch, j, half in targets.get(layer_id, ()):
-                self._observe(watch, j, loc, k if half == KvHalf.K else v,
-                              sub.k_buffer[layer_id].dtype)  # fmt: skip
+                self.observe(watch, j, loc, k if half == KvHalf.K else v,
+                             sub.k_buffer[layer_id].dtype)  # fmt: skip
             return original(layer_id, loc, k, v, *args, **kwargs)
 
         sub.set_kv_buffer = set_kv_buffer
@@ -196,8 +196,16 @@ class StoreChecker:
         for w in self.watches:
             w.reserve(num_tokens)
 
-    def _observe(self, watch: StoreWatch, j: int, loc: torch.Tensor, kv: torch.Tensor,
-                 dtype: torch.dtype) -> None:  # fmt: skip
+    def targets(self, sub: Any) -> dict[int, list[tuple[StoreWatch, int, KvHalf]]] | None:
+        """What :meth:`attach` watches on sub-pool ``sub``: layer -> [(watch, source index,
+        half)] (None: nothing). A host whose ``set_kv_buffer`` speaks another signature
+        re-wraps it and reports each store through :meth:`observe`."""
+        return self._targets.get(id(sub))
+
+    def observe(self, watch: StoreWatch, j: int, loc: torch.Tensor, kv: torch.Tensor,
+                dtype: torch.dtype) -> None:  # fmt: skip
+        """One store of ``kv`` (one row per token, stored as ``dtype``) at slots ``loc`` into
+        the buffer of ``watch``'s source ``j``."""
         watch.stamp[j] = self.epoch
         watch.armed = True
         n = int(loc.shape[0])

@@ -29,7 +29,7 @@ from kvcanary.disagg.protocol import DisaggOutput
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.request import Req
 from kvcanary.model import load_model_config
-from kvcanary.utils import ceil_page
+from kvcanary.utils import ceil_page, show
 
 TARGET_FRACTION = 0.8  # of L / (W + P), when the full pool is not the bound
 
@@ -104,13 +104,13 @@ def bench_prealloc(
     mc = load_model_config(model)
     window = next((mc.window_of(i) for i in mc.swa_layer_ids), None)
     if window is None:
-        raise ValueError(f"--model={model!r} has no sliding-window layers; bench prealloc needs one")
+        raise ValueError(f"--model={show(model)} has no sliding-window layers; bench prealloc needs one")
     if input_len <= window:
         raise ValueError(f"--input-len={input_len} is invalid: allowed values > the window ({window})")
     for flag, value in (("--num-requests", num_requests), ("--swa-pool-tokens", swa_pool_tokens),
                         ("--output-len", output_len)):  # fmt: skip
         if value < 1:
-            raise ValueError(f"{flag}={value!r} is invalid: allowed an integer >= 1")
+            raise ValueError(f"{flag}={show(value)} is invalid: allowed an integer >= 1")
     reserve = disagg.num_reserved_decode_tokens
     # More prompts than the SWA pool can admit with the tail path (a request is charged at
     # least ceil_page(W) + reserve), and a full pool with room for all of them.

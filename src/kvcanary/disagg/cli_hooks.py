@@ -18,6 +18,7 @@ from typing import Any
 from kvcanary.cli_args import engine_config_from_args
 from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.disagg.config import DIST_BACKENDS, TRANSFER_BACKENDS, DisaggConfig
+from kvcanary.utils import show
 
 _D = DisaggConfig()
 
@@ -148,10 +149,10 @@ def add_bench_prealloc_flags(p: argparse.ArgumentParser) -> None:
 
     d = {k: v.default for k, v in inspect.signature(bench_prealloc).parameters.items()}
     p.add_argument("--model", default=d["model"], help="a model with sliding-window layers (default: %(default)s)")
-    p.add_argument("--page-size", type=int, default=d["page_size"], help="(default: %(default)s)")
+    p.add_argument("--page-size", type=int, default=d["page_size"], help="KV page size in tokens (default: %(default)s)")
     p.add_argument("--input-len", type=int, default=d["input_len"],
                    help="prompt length L, >> the window (default: %(default)s)")
-    p.add_argument("--output-len", type=int, default=d["output_len"], help="(default: %(default)s)")
+    p.add_argument("--output-len", type=int, default=d["output_len"], help="new tokens per request (default: %(default)s)")
     p.add_argument("--num-requests", type=int, default=d["num_requests"],
                    help="requests in the throughput run (default: %(default)s)")
     p.add_argument("--swa-pool-tokens", type=int, default=d["swa_pool_tokens"],
@@ -160,7 +161,7 @@ def add_bench_prealloc_flags(p: argparse.ArgumentParser) -> None:
                    help="decode full pool size, 0 = large enough not to be the bound (default: %(default)s)")
     _reserve_flag(p)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d["seed"], help="(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d["seed"], help="seeds the weights and the workload (default: %(default)s)")
     p.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
 
 
@@ -171,7 +172,7 @@ def cmd_bench_prealloc(a: argparse.Namespace) -> dict[str, Any]:
     from kvcanary.disagg.bench import bench_prealloc
 
     if a.threads < 1:
-        raise ValueError(f"--threads={a.threads!r} is invalid: allowed an integer >= 1")
+        raise ValueError(f"--threads={show(a.threads)} is invalid: allowed an integer >= 1")
     torch.set_num_threads(a.threads)
     disagg = DisaggConfig(
         transfer_backend="inproc",

@@ -12,13 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvcanary.utils import show
+
 TRANSFER_BACKENDS = ("torch", "inproc")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 
 
 def _check(ok: bool, flag: str, value: Any, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{flag}={value!r} is invalid: allowed {allowed}")
+        raise ValueError(f"{flag}={show(value)} is invalid: allowed {allowed}")
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,9 @@ class DisaggConfig:
 
     def __post_init__(self) -> None:
         _check(self.transfer_backend in TRANSFER_BACKENDS, "--disagg-transfer-backend",
-               self.transfer_backend, f"one of {TRANSFER_BACKENDS}")  # fmt: skip
+               self.transfer_backend, f"one of {show(TRANSFER_BACKENDS)}")  # fmt: skip
         _check(self.dist_backend in DIST_BACKENDS, "--disagg-dist-backend",
-               self.dist_backend, f"one of {DIST_BACKENDS}")  # fmt: skip
+               self.dist_backend, f"one of {show(DIST_BACKENDS)}")  # fmt: skip
         _check(0 <= self.master_port <= 65535, "--disagg-master-port", self.master_port,
                "an integer in [0, 65535] (0 = pick a free port)")  # fmt: skip
         _check(self.transfer_timeout_s > 0, "--disagg-transfer-timeout", self.transfer_timeout_s,

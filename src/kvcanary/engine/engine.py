@@ -19,7 +19,7 @@ import torch
 from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.engine.kv_manager import KVManager
 from kvcanary.engine.model_runner import ModelRunner
-from kvcanary.engine.request import Req
+from kvcanary.engine.request import Req, TokenLogprob
 from kvcanary.engine.sampling import make_generator
 from kvcanary.engine.scheduler import Scheduler, SchedulerStats
 from kvcanary.memory.base import PrefixCache
@@ -39,6 +39,7 @@ class RequestOutput:
     finish_reason: str
     num_cached_prompt_tokens: int
     num_retractions: int
+    logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
 
 
 class RunningRequest(NamedTuple):
@@ -49,6 +50,7 @@ class RunningRequest(NamedTuple):
     prompt_ids: list[int]
     output_ids: list[int]
     kv_len: int  # positions [0, kv_len) have K/V in the cache
+    output_logprobs: list[TokenLogprob] | None = None  # when params.logprobs is set
 
 
 class Engine:
@@ -113,9 +115,16 @@ class Engine:
             self.canary.end_step()  # abort mode: abort requests implicated by violations
         return [self._output(r) for r in finished]
 
+    def abort_request(self, rid: int) -> RequestOutput | None:
+        """Stop request ``rid`` now and free its KV (see ``Scheduler.abort_request``); its
+        output so far (``finish_reason="abort"``), or None when it is not unfinished."""
+        req = self.scheduler.abort_request(rid)
+        return None if req is None else self._output(req)
+
     def running_requests(self) -> list[RunningRequest]:
         return [
-            RunningRequest(r.rid, r.req_pool_idx, list(r.prompt_ids), list(r.output_ids), r.kv_len)
+            RunningRequest(r.rid, r.req_pool_idx, list(r.prompt_ids), list(r.output_ids), r.kv_len,
+                           list(r.output_logprobs) if r.params.logprobs is not None else None)
             for r in self.scheduler.running
         ]
 
@@ -160,6 +169,7 @@ class Engine:
             finish_reason=req.finish_reason or "",
             num_cached_prompt_tokens=req.num_cached_prompt_tokens,
             num_retractions=req.num_retractions,
+            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
         )
 
     @property

@@ -31,7 +31,7 @@ from kvcanary.memory.req_to_token import ReqToTokenPool
 from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.memory.swa_pool import SWAKVPool
 from kvcanary.model import ModelConfig, load_model
-from kvcanary.utils import floor_page
+from kvcanary.utils import floor_page, show
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,7 +81,7 @@ class ModelRunner:
         self.max_context_len = config.max_context_len or mc.max_position_embeddings
         windows = {mc.window_of(i) for i in mc.swa_layer_ids}
         if len(windows) > 1:
-            raise ValueError(f"model {config.model!r}: sliding layers with different windows {windows} are not supported")
+            raise ValueError(f"model {show(config.model)}: sliding layers with different windows {windows} are not supported")
         self.sliding_window: int | None = windows.pop() if windows else None
         self.req_to_token_pool = ReqToTokenPool(
             config.max_running_requests, self.max_context_len, self.device

@@ -15,6 +15,7 @@ request runs; the tree-owned prefix's SWA is the tree's business.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -33,12 +34,22 @@ class PrefixLock:
     lock: SwaLock
 
 
+class TokenLogprob(NamedTuple):
+    """A sampled token's log-probability (of the model's distribution, before temperature /
+    top-k / top-p) and the ``params.logprobs`` most likely tokens, best first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass(slots=True, eq=False)
 class Req:
     rid: int
     prompt_ids: list[int]
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # params.logprobs set
     generator: torch.Generator | None = None
     req_pool_idx: int = 0  # 0: holds no row
     kv_len: int = 0

@@ -21,6 +21,7 @@ from kvcanary.model.decoder import HybridDecoder
 from kvcanary.model.hf_config import parse_hf_config
 from kvcanary.model.presets import BUILTIN_PREFIX, PRESETS, init_preset_weights, preset_config
 from kvcanary.model.tokenizer import ByteTokenizer, Tokenizer, load_hf_tokenizer
+from kvcanary.utils import show
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES_SHOWN = 8
@@ -34,7 +35,7 @@ def load_model_config(model: str) -> ModelConfig:
     if not model_dir.is_dir():
         presets = ", ".join(BUILTIN_PREFIX + name for name in PRESETS)
         raise ModelLoadError(
-            f"model {model!r} is neither a builtin preset ({presets}) nor an existing directory"
+            f"model {show(model)} is neither a builtin preset ({presets}) nor an existing directory"
         )
     config_path = model_dir / "config.json"
     if not config_path.is_file():

@@ -25,6 +25,7 @@ import torch
 from kvcanary.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, ModelLoadError
 from kvcanary.model.decoder import HybridDecoder
 from kvcanary.model.tokenizer import ByteTokenizer
+from kvcanary.utils import show
 
 BUILTIN_PREFIX = "builtin:"
 _F, _S = FULL_ATTENTION, SLIDING_ATTENTION
@@ -74,7 +75,7 @@ def preset_config(model: str) -> ModelConfig:
     name = model.removeprefix(BUILTIN_PREFIX)
     if name not in PRESETS:
         choices = ", ".join(BUILTIN_PREFIX + n for n in PRESETS)
-        raise ModelLoadError(f"unknown builtin model {model!r}; available presets: {choices}")
+        raise ModelLoadError(f"unknown builtin model {show(model)}; available presets: {choices}")
     return PRESETS[name]
 
 

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,6 +30,11 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def chat_template_ids(self, messages: list[dict[str, str]]) -> list[int] | None:
+        """``messages`` (``{"role", "content"}``) rendered by the checkpoint's own chat
+        template with the assistant's turn opened, as token ids; None: it has no template."""
+        ...
 
 
 class ByteTokenizer:
@@ -59,6 +64,9 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < self.num_bytes).decode("utf-8", errors="replace")
 
+    def chat_template_ids(self, messages: list[dict[str, str]]) -> list[int] | None:
+        return None
+
 
 class HFTokenizer:
     """A transformers tokenizer; ``encode`` uses its default special tokens (e.g. BOS),
@@ -85,6 +93,13 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
+    def chat_template_ids(self, messages: list[dict[str, str]]) -> list[int] | None:
+        if not self._tok.chat_template:
+            return None
+        out = self._tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        ids = out["input_ids"] if isinstance(out, Mapping) else out  # transformers 5: a dict
+        return [int(t) for t in ids]
+
 
 class IdsOnlyTokenizer:
     """Stand-in when no tokenizer can be loaded. ``decode`` renders ids as ``<id>``."""
@@ -109,6 +124,9 @@ class IdsOnlyTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(f"<{i}>" for i in ids)
+
+    def chat_template_ids(self, messages: list[dict[str, str]]) -> list[int] | None:
+        return None
 
 
 def load_hf_tokenizer(model_dir: Path, vocab_size: int, eos_token_ids: Sequence[int]) -> Tokenizer:

@@ -1,52 +1,83 @@
-"""The OpenAI-compatible HTTP server (FastAPI): ``create_app(engine)``.
+"""The HTTP server (FastAPI): ``create_app(engine)``.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus). Handlers never touch the engine: they hand
-work to the :class:`EngineLoop` thread and await its futures. The loop starts and stops with
-the app's lifespan (``uvicorn``, or ``with TestClient(app)``).
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both also streamed as
+server-sent events with ``"stream": true``), SGLang's native ``POST /generate``,
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). Handlers never touch the
+engine: they hand work to the :class:`EngineLoop` thread and await its futures (or, when
+streaming, its per-step progress). The loop starts and stops with the app's lifespan
+(``uvicorn``, or ``with TestClient(app)``).
 
-Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: bad input is
-a 400 ``invalid_request_error`` naming the field, the value and what is allowed (other
-requests are unaffected); an engine failure is a 500 ``server_error`` with its message.
+Every error uses OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``::
+
+    400 invalid_request_error   bad input: names the field, the value and what is allowed
+    401 authentication_error    --api-key set and the Bearer token missing or wrong
+    404 not_found_error         no such path          405  wrong method (Allow header)
+    413 invalid_request_error   body over max_body_bytes
+    422 invalid_request_error   a framework-validated parameter is malformed
+    500 server_error            the engine failed this request (or a server bug)
+    503 server_overloaded       more than max_running_requests + max_queued_requests in
+                                flight (Retry-After header), or the engine loop is down
+
+A streaming client that disconnects aborts its request(s): the engine frees their KV.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvcanary.engine.engine import Engine
-from kvcanary.server.engine_loop import EngineLoop, InvalidRequestError
-from kvcanary.server.metrics import make_server_registry
-from kvcanary.server.protocol import (
-    BadRequest,
-    chat_response,
-    completion_response,
-    engine_error,
-    error_body,
-    parse_chat,
-    parse_completion,
+from kvcanary.config import DEFAULT_MAX_QUEUED_REQUESTS
+from kvcanary.engine.engine import Engine, RequestOutput
+from kvcanary.server import protocol as P
+from kvcanary.server import responses as R
+from kvcanary.server.engine_loop import (
+    EngineLoop,
+    EngineLoopStopped,
+    InvalidRequestError,
+    Progress,
+    Submission,
 )
+from kvcanary.server.errors import EngineFailure, HTTPError, install_error_handlers, too_large
+from kvcanary.server.metrics import make_server_registry
+from kvcanary.server.protocol import BadRequest, GenerateRequest, error_body
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+RETRY_AFTER_S = 1
+_PROTECTED = ("/v1/", "/generate")  # what --api-key guards (health and metrics stay open)
 
 
-class EngineFailure(RuntimeError):
-    """The engine (or its loop) failed this request: an HTTP 500 with the message."""
+def create_app(
+    engine: Engine,
+    served_model_name: str | None = None,
+    *,
+    api_key: str | None = None,
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """An app serving ``engine``, which it owns from now on (through one loop thread).
 
-
-def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
-    """An app serving ``engine``, which it owns from now on (through one loop thread)."""
+    ``api_key``: clients must send ``Authorization: Bearer <api_key>``. At most
+    ``max_running_requests + max_queued_requests`` requests (``n`` counts each copy) are in
+    flight; more get a 503. Bodies over ``max_body_bytes`` get a 413."""
+    if max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests={max_queued_requests} is invalid: allowed an integer >= 0")
+    if api_key is not None and not api_key:
+        raise ValueError('--api-key="" is invalid: allowed a non-empty string')
     model = served_model_name or engine.config.model
     loop = EngineLoop(engine)
     registry = make_server_registry(loop)
     created = int(time.time())
+    capacity = engine.config.max_running_requests + max_queued_requests
+    decode = engine.tokenizer.decode
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -59,38 +90,199 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
     app = FastAPI(title="kvcanary", lifespan=lifespan)
     app.state.engine_loop = loop
 
-    @app.exception_handler(BadRequest)
-    async def _bad_request(_: Request, e: BadRequest) -> JSONResponse:
-        return JSONResponse(error_body(e.message, "invalid_request_error", e.param), status_code=400)
+    install_error_handlers(app)
 
-    @app.exception_handler(EngineFailure)
-    async def _engine_failure(_: Request, e: EngineFailure) -> JSONResponse:
-        return JSONResponse(error_body(str(e), "server_error"), status_code=500)
+    @app.middleware("http")
+    async def _guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if api_key is not None and request.url.path.startswith(_PROTECTED):
+            auth = request.headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if not (scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), api_key.encode())):
+                body = error_body("invalid or missing API key: send the header "
+                                  "'Authorization: Bearer <key>' with the server's --api-key",
+                                  "authentication_error", code="invalid_api_key")  # fmt: skip
+                return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            return JSONResponse(too_large(int(length), max_body_bytes), status_code=413)
+        return await call_next(request)
 
-    @app.exception_handler(Exception)  # a server bug: answered in the same shape, and logged
-    async def _server_error(_: Request, e: Exception) -> JSONResponse:
-        message = f"{type(e).__name__}: {e}"
-        return JSONResponse(error_body(message, "server_error"), status_code=500)
+    # ------------------------------------------------------------------ requests
+    def admit(n: int) -> None:
+        if not loop.alive:
+            raise HTTPError(503, f"the engine loop is not running: {loop.error or 'stopped'}",
+                            "server_error", "engine_unavailable")  # fmt: skip
+        if loop.num_in_flight + n > capacity:
+            raise HTTPError(
+                503, f"server overloaded: {loop.num_in_flight} requests in flight, at most "
+                f"{capacity} (--max-running-requests {engine.config.max_running_requests} + "
+                f"--max-queued-requests {max_queued_requests}); retry after {RETRY_AFTER_S} s",
+                "server_overloaded", "server_overloaded", {"Retry-After": str(RETRY_AFTER_S)},
+            )  # fmt: skip
 
-    async def generate(body: Any, parse: Callable[[Any, str], Any]) -> Any:
-        req = parse(body, model)
+    def submissions(req: GenerateRequest, on_progress: Callable[[int], Callable[[Progress], None]] | None
+                    ) -> list[Submission]:  # fmt: skip
+        subs: list[Submission] = []
+        for i, params in enumerate(req.copies()):
+            subs.append(Submission(req.prompt, params, req.stop,
+                                   on_progress(i) if on_progress else None,
+                                   after=subs[0] if subs else None))  # fmt: skip
+        return subs
+
+    async def run(req: GenerateRequest) -> list[RequestOutput]:
+        admit(req.n)
+        subs = submissions(req, None)
+        futures = [asyncio.wrap_future(loop.submit(s)) for s in subs]
         try:
-            return await asyncio.wrap_future(loop.submit(req.prompt, req.params))
+            return list(await asyncio.gather(*futures))
         except InvalidRequestError as e:
-            raise engine_error(e.cause) from None
+            raise P.engine_error(e.cause) from None
+        except EngineLoopStopped as e:
+            raise EngineFailure(str(e)) from e
+        except asyncio.CancelledError:
+            for s in subs:
+                loop.abort(s)
+            raise
         except Exception as e:  # noqa: BLE001 -- the engine's failure, reported to the client
             raise EngineFailure(f"{type(e).__name__}: {e}") from e
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> dict[str, Any]:
-        out = await generate(await _json_body(request), parse_completion)
-        return completion_response(out, model)
+    async def stream(req: GenerateRequest, render: Callable[[int, Progress], list[dict[str, Any]]],
+                     finish: Callable[[list[RequestOutput]], list[dict[str, Any]]],
+                     opening: list[dict[str, Any]]) -> StreamingResponse:  # fmt: skip
+        """Server-sent events: ``opening``, ``render(i, progress)`` per step of choice i,
+        ``finish(outputs)`` after the last, then ``[DONE]``. Raises the request's 400 before
+        the response starts when the engine rejects it."""
+        admit(req.n)
+        aloop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[int, Progress | BaseException]] = asyncio.Queue()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> dict[str, Any]:
-        out = await generate(await _json_body(request), parse_chat)
-        return chat_response(out, model)
+        def sink(i: int) -> Callable[[Progress], None]:
+            def put(p: Progress) -> None:
+                aloop.call_soon_threadsafe(events.put_nowait, (i, p))
 
+            return put
+
+        def on_failure(i: int) -> Callable[[Any], None]:
+            def done(fut: Any) -> None:
+                if fut.exception() is not None:  # a success ended with its last progress
+                    aloop.call_soon_threadsafe(events.put_nowait, (i, fut.exception()))
+
+            return done
+
+        subs = submissions(req, sink)
+        for i, s in enumerate(subs):
+            loop.submit(s).add_done_callback(on_failure(i))
+        try:
+            first = await events.get()
+        except asyncio.CancelledError:
+            for s in subs:
+                loop.abort(s)
+            raise
+        if isinstance(first[1], BaseException):  # failed before its first token: a plain error
+            for s in subs:
+                loop.abort(s)
+            if isinstance(first[1], InvalidRequestError):
+                raise P.engine_error(first[1].cause)
+            raise EngineFailure(f"{type(first[1]).__name__}: {first[1]}")
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                for chunk in opening:
+                    yield _sse(chunk)
+                left, item = len(subs), first
+                while True:
+                    i, ev = item
+                    if isinstance(ev, BaseException):
+                        yield _sse(error_body(f"{type(ev).__name__}: {ev}", "server_error"))
+                        break
+                    for chunk in render(i, ev):
+                        yield _sse(chunk)
+                    left -= ev.finish_reason is not None
+                    if not left:
+                        for chunk in finish([s.future.result() for s in subs]):
+                            yield _sse(chunk)
+                        break
+                    item = await events.get()
+                yield "data: [DONE]\n\n"
+            finally:  # done, or the client went away: free whatever still runs
+                for s in subs:
+                    loop.abort(s)
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> dict[str, Any] | StreamingResponse:
+        req = P.parse_completion(await _json_body(request, max_body_bytes), model)
+        if not req.stream:
+            return R.completion_response(await run(req), model, decode)
+        cid, now = R.new_id("cmpl"), int(time.time())
+        sent = [0] * req.n
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            out = {"id": cid, "object": "text_completion", "created": now, "model": model,
+                   "choices": choices, **extra}  # fmt: skip
+            if req.include_usage:
+                out.setdefault("usage", None)
+            return out
+
+        def render(i: int, p: Progress) -> list[dict[str, Any]]:
+            lps = R.completion_logprobs(p.logprobs, decode, sent[i])
+            sent[i] += len(p.text)
+            return [chunk([{"index": i, "text": p.text, "token_ids": p.token_ids, "logprobs": lps,
+                            "finish_reason": p.finish_reason}])]  # fmt: skip
+
+        def finish(outs: list[RequestOutput]) -> list[dict[str, Any]]:
+            return [chunk([], usage=R.usage(outs))] if req.include_usage else []
+
+        return await stream(req, render, finish, [])
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> dict[str, Any] | StreamingResponse:
+        req = P.parse_chat(await _json_body(request, max_body_bytes), model, engine.tokenizer)
+        if not req.stream:
+            return R.chat_response(await run(req), model, decode)
+        cid, now = R.new_id("chatcmpl"), int(time.time())
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            out = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": model,
+                   "choices": choices, **extra}  # fmt: skip
+            if req.include_usage:
+                out.setdefault("usage", None)
+            return out
+
+        def render(i: int, p: Progress) -> list[dict[str, Any]]:
+            delta = {"content": p.text} if p.text or p.finish_reason is None else {}
+            return [chunk([{"index": i, "delta": delta, "token_ids": p.token_ids,
+                            "logprobs": R.chat_logprobs(p.logprobs, decode),
+                            "finish_reason": p.finish_reason}])]  # fmt: skip
+
+        def finish(outs: list[RequestOutput]) -> list[dict[str, Any]]:
+            return [chunk([], usage=R.usage(outs))] if req.include_usage else []
+
+        opening = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}]) for i in range(req.n)]  # fmt: skip
+        return await stream(req, render, finish, opening)
+
+    @app.post("/generate", response_model=None)
+    async def generate(request: Request) -> Any:
+        req = P.parse_generate(await _json_body(request, max_body_bytes))
+        rid = R.new_id("gen")
+        if not req.stream:
+            outs = await run(req)
+            answers = [R.generate_response(rid, o.text, o.output_ids, o.finish_reason, o) for o in outs]
+            return answers[0] if req.n == 1 else answers
+        texts: list[str] = [""] * req.n
+        ids: list[list[int]] = [[] for _ in range(req.n)]
+
+        def render(i: int, p: Progress) -> list[dict[str, Any]]:
+            texts[i] += p.text
+            ids[i] += p.token_ids
+            return [{"index": i, **R.generate_response(rid, texts[i], ids[i], p.finish_reason)}]
+
+        return await stream(req, render, lambda _: [], [])
+
+    # ------------------------------------------------------------------ info
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": model, "object": "model", "created": created, "owned_by": "kvcanary",
@@ -114,8 +306,16 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
     return app
 
 
-async def _json_body(request: Request) -> Any:
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _json_body(request: Request, max_body_bytes: int) -> Any:
+    raw = await request.body()
+    if len(raw) > max_body_bytes:  # a chunked body has no content-length to check up front
+        raise HTTPError(413, too_large(len(raw), max_body_bytes)["error"]["message"],
+                        "invalid_request_error", "request_too_large")  # fmt: skip
     try:
-        return json.loads(await request.body())
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None

@@ -249,7 +249,7 @@ def install_perturbation(host: Any, config: PerturbConfig) -> Perturber:
     :class:`RunningRequestView`) and ``override_next_token(rid, token)`` when it has them."""
     canary = getattr(host, "canary", None)
     if canary is None:
-        raise ValueError("fault injection needs the KV canary: --kv-canary is 'none'; allowed log, raise or abort")
+        raise ValueError("fault injection needs the KV canary: --kv-canary is \"none\"; allowed log, raise or abort")
     if canary.perturber is not None:
         raise RuntimeError("kv-canary: a perturber is already attached to this canary")
     perturber = Perturber(

@@ -1,0 +1,111 @@
+"""Start-up check: can the KV pools hold the workload's largest request running alone?
+
+The scheduler only finds out mid-run (a :class:`KVPoolTooSmallError` after other requests
+have finished); this says it before the first forward, naming the pool that binds and the
+flags that fix it. The bounds are the smallest pools a lone request was measured to need
+(tests/engine/test_cli_startup.py runs the workload at each bound)::
+
+    full pool   ceil_page(prompt + new tokens - 1)   (the last token never gets KV)
+    SWA pool    ceil_page(chunk) + window             (a chunk attends to the window before it)
+                ceil_page(prompt)                     (the whole prompt in one chunk)
+                window + 2 pages                      (decode: the window plus eviction slack)
+
+where ``chunk = min(chunked_prefill_size, prompt)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, NamedTuple
+
+from kvcanary.config import EngineConfig
+from kvcanary.memory.swa_allocator import SWAAllocator
+from kvcanary.model.loader import load_model_config
+from kvcanary.utils import ceil_page, floor_page
+
+if TYPE_CHECKING:
+    from kvcanary.engine.engine import Engine
+    from kvcanary.workload import WorkloadSpec
+
+
+class PoolNeed(NamedTuple):
+    num_full_tokens: int
+    num_swa_tokens: int  # 0: no SWA pool
+
+
+def pool_need(
+    prompt_len: int, max_new_tokens: int, chunked_prefill_size: int, page_size: int,
+    window: int | None,
+) -> PoolNeed:  # fmt: skip
+    """The smallest pools one request of ``prompt_len`` + ``max_new_tokens`` runs in alone."""
+    full = ceil_page(prompt_len + max_new_tokens - 1, page_size)
+    if window is None:
+        return PoolNeed(full, 0)
+    chunk = prompt_len if chunked_prefill_size <= 0 else min(chunked_prefill_size, prompt_len)
+    prefill = ceil_page(chunk, page_size) + (window if chunk < prompt_len else 0)
+    return PoolNeed(full, max(prefill, window + 2 * page_size))
+
+
+def check_pools(
+    *, num_full_tokens: int, num_swa_tokens: int, prompt_len: int, max_new_tokens: int,
+    chunked_prefill_size: int, page_size: int, window: int | None, max_total_tokens: int,
+    swa_full_tokens_ratio: float,
+) -> None:  # fmt: skip
+    """Raise ``ValueError`` naming the binding pool, its flags, and values that would fit."""
+    need = pool_need(prompt_len, max_new_tokens, chunked_prefill_size, page_size, window)
+    unpaged = pool_need(prompt_len, max_new_tokens, chunked_prefill_size, 1, window)
+    request = (f"the longest request ({prompt_len} prompt + {max_new_tokens} new tokens, "
+               f"--page-size {page_size})")  # fmt: skip
+    if num_full_tokens < need.num_full_tokens:
+        raise ValueError(
+            f"KV pool too small: the full pool (--max-total-tokens {max_total_tokens}) holds "
+            f"{num_full_tokens} tokens, {request} needs {need.num_full_tokens}: raise "
+            f"--max-total-tokens to {need.num_full_tokens} or more, or lower --input-len / "
+            "--output-len" + (" / --page-size" if unpaged.num_full_tokens <= num_full_tokens else "")
+        )
+    if window is None or num_swa_tokens >= need.num_swa_tokens:
+        return
+    min_total = ceil_page(math.ceil(need.num_swa_tokens / swa_full_tokens_ratio), page_size)
+    fixes = [f"--max-total-tokens to {min_total} or more"]
+    min_ratio = math.ceil(need.num_swa_tokens / num_full_tokens * 1000) / 1000  # shown rounded up
+    while floor_page(int(num_full_tokens * min_ratio), page_size) < need.num_swa_tokens:
+        min_ratio += 0.001  # float products round down: the value shown must be enough
+    if min_ratio <= 1.0:
+        fixes.insert(0, f"--swa-full-tokens-ratio to {min_ratio:.3f} or more")
+    max_chunk = floor_page(num_swa_tokens - window, page_size)
+    lowers = [f"--chunked-prefill-size to {max_chunk} or less"] if (
+        max_chunk >= page_size and num_swa_tokens >= window + 2 * page_size) else []  # fmt: skip
+    if unpaged.num_swa_tokens <= num_swa_tokens:
+        lowers.append("--page-size")
+    lower = f", or lower {' or '.join(lowers)}" if lowers else ""
+    raise ValueError(
+        f"KV pool too small: the SWA pool (--max-total-tokens {max_total_tokens} x "
+        f"--swa-full-tokens-ratio {swa_full_tokens_ratio}) holds {num_swa_tokens} tokens, "
+        f"{request}, its prefill chunks (--chunked-prefill-size {chunked_prefill_size}) and "
+        f"sliding window ({window}) need {need.num_swa_tokens}: raise {' or '.join(fixes)}{lower}"
+    )
+
+
+def check_workload(config: EngineConfig, spec: WorkloadSpec) -> None:
+    """Workload limits the model sets, checked before the engine starts (``ValueError``
+    naming the flag): prompt + output must fit the context length."""
+    limit = config.max_context_len or load_model_config(config.model).max_position_embeddings
+    if spec.input_len + spec.output_len > limit:
+        raise ValueError(
+            f"--input-len={spec.input_len} is invalid with --output-len={spec.output_len}: "
+            f"allowed --input-len + --output-len <= {limit} (the context length of {config.model})"
+        )
+
+
+def check_engine_pools(engine: Engine, prompt_len: int, max_new_tokens: int) -> None:
+    """The engine's pools against the workload's longest request (see
+    :mod:`kvcanary.engine.pool_check`); ``ValueError`` naming the binding pool and flags."""
+    alloc, c = engine.runner.allocator, engine.config
+    check_pools(
+        num_full_tokens=alloc.size_full if isinstance(alloc, SWAAllocator) else alloc.size,
+        num_swa_tokens=alloc.size_swa if isinstance(alloc, SWAAllocator) else 0,
+        prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+        chunked_prefill_size=c.chunked_prefill_size, page_size=c.page_size,
+        window=engine.runner.sliding_window, max_total_tokens=c.max_total_tokens,
+        swa_full_tokens_ratio=c.swa_full_tokens_ratio,
+    )  # fmt: skip
