@@ -8,8 +8,9 @@ import torch
 
 from kvcanary import Engine, EngineConfig, SamplingParams
 from kvcanary.engine.errors import ContextLengthError, KVPoolTooSmallError
-from kvcanary.engine.kv_manager import KVManager, KVSpec, KVStats
+from kvcanary.engine.kv_manager import KVManager, KVSpec
 from kvcanary.engine.request import Req
+from kvcanary.engine.stats import KVStats
 from kvcanary.memory.allocator import make_allocator
 from kvcanary.memory.mha_pool import MHAKVPool
 from kvcanary.memory.req_to_token import ReqToTokenPool

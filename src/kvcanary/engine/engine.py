@@ -21,7 +21,8 @@ from kvcanary.engine.kv_manager import KVManager
 from kvcanary.engine.model_runner import ModelRunner
 from kvcanary.engine.request import Req, TokenLogprob
 from kvcanary.engine.sampling import make_generator
-from kvcanary.engine.scheduler import Scheduler, SchedulerStats
+from kvcanary.engine.scheduler import Scheduler
+from kvcanary.engine.stats import SchedulerStats
 from kvcanary.memory.base import PrefixCache
 
 if TYPE_CHECKING:  # the canary is a guest: imported only when enabled

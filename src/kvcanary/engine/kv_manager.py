@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcanary.engine.request import PrefixLock, Req
+from kvcanary.engine.stats import KVStats
 from kvcanary.memory import host_pool
 from kvcanary.memory.base import KVPool, PageAllocator, PrefixCache, WindowedAllocator
 from kvcanary.memory.radix_cache import RadixCache, RadixNode
@@ -54,19 +55,6 @@ class KVSpec:
     @property
     def windowed(self) -> bool:
         return self.window is not None
-
-
-@dataclass
-class KVStats:
-    """Memory counters (the scheduler's stats embed them)."""
-
-    num_retractions: int = 0
-    num_swa_slots_evicted: int = 0  # SWA slots freed by window eviction
-    num_swa_slots_tombstoned: int = 0  # SWA slots the prefix cache gave back (tombstones)
-    peak_full_used: int = 0
-    peak_swa_used: int = 0
-    peak_full_active: int = 0  # minus the prefix cache's evictable part
-    peak_swa_active: int = 0
 
 
 class KVManager:

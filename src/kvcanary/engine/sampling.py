@@ -13,6 +13,7 @@ import torch
 
 from kvcanary.canary.hashing import splitmix64
 from kvcanary.config import SamplingParams
+from kvcanary.engine.request import Req, TokenLogprob
 
 
 def oracle_token(rid: int, position: int, vocab_size: int) -> int:
@@ -57,3 +58,19 @@ def sample_batch(
     if all(p.greedy for p in params):
         return torch.argmax(logits, dim=-1).tolist()
     return [sample_one(logits[i], p, g) for i, (p, g) in enumerate(zip(params, generators, strict=True))]
+
+
+def record_logprobs(reqs: list[Req], logits: torch.Tensor, tokens: list[int]) -> None:
+    """Each sampled token's log-probability (and top alternatives) for the requests that
+    asked (``params.logprobs``); one log-softmax over just their rows."""
+    rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    if not rows:
+        return
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1).cpu()
+    for lp, i in zip(logprobs, rows, strict=True):
+        req, num_top = reqs[i], reqs[i].params.logprobs or 0
+        alts: tuple[tuple[int, float], ...] = ()
+        if num_top:
+            top = torch.topk(lp, num_top)
+            alts = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        req.output_logprobs.append(TokenLogprob(tokens[i], float(lp[tokens[i]]), alts))

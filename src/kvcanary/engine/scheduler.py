@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -28,32 +27,15 @@ from kvcanary.config import EngineConfig
 from kvcanary.engine.errors import ContextLengthError, KVPoolTooSmallError
 from kvcanary.engine.forward_batch import ForwardBatch, ForwardMode
 from kvcanary.engine.graph_runner import GraphRunner
-from kvcanary.engine.kv_manager import KVManager, KVSpec, KVStats
+from kvcanary.engine.kv_manager import KVManager, KVSpec
 from kvcanary.engine.model_runner import ModelRunner
-from kvcanary.engine.request import Req, TokenLogprob
-from kvcanary.engine.sampling import oracle_token, sample_batch
+from kvcanary.engine.request import Req
+from kvcanary.engine.sampling import oracle_token, record_logprobs, sample_batch
+from kvcanary.engine.stats import SchedulerStats
 
 INIT_NEW_TOKEN_RATIO = 0.5
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.005
-
-
-@dataclass
-class SchedulerStats(KVStats):
-    """The KV manager's memory counters plus the batching ones."""
-
-    num_forwards: int = 0
-    num_extend_forwards: int = 0
-    num_decode_forwards: int = 0
-    num_prefill_tokens: int = 0  # tokens computed by extend forwards
-    num_decode_tokens: int = 0
-    prefill_time_s: float = 0.0
-    decode_time_s: float = 0.0
-    num_prompt_tokens: int = 0  # at first admission
-    num_cached_prompt_tokens: int = 0  # of those, served by the prefix cache
-    graph_replays: int = 0
-    padded_rows: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -310,7 +292,7 @@ class Scheduler:
         self.kv.req_to_token_pool.append_tokens(
             [r.req_pool_idx for r in to_sample], [r.seq_len for r in to_sample], tokens
         )
-        self._record_logprobs(to_sample, logits[sample_rows], tokens)
+        record_logprobs(to_sample, logits[sample_rows], tokens)
         finished = []
         for req, tok in zip(to_sample, tokens, strict=True):
             req.output_ids.append(tok)
@@ -320,38 +302,22 @@ class Scheduler:
                 finished.append(req)
         return finished
 
-    @staticmethod
-    def _record_logprobs(reqs: list[Req], logits: torch.Tensor, tokens: list[int]) -> None:
-        """Each sampled token's log-probability (and top alternatives) for the requests
-        that asked (``params.logprobs``); one log-softmax over just their rows."""
-        rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        if not rows:
-            return
-        logprobs = torch.log_softmax(logits[rows].float(), dim=-1).cpu()
-        for lp, i in zip(logprobs, rows, strict=True):
-            req, num_top = reqs[i], reqs[i].params.logprobs or 0
-            top = torch.topk(lp, num_top) if num_top else None
-            alts = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
-            req.output_logprobs.append(TokenLogprob(tokens[i], float(lp[tokens[i]]), alts))
-
     def abort_request(self, rid: int) -> Req | None:
         """Drop request ``rid`` (a client went away, a stop string matched): a waiting one
         leaves the queue (and any host copy), a running one gives its KV back without
         inserting it into the prefix cache. It is not reported by ``step()``. Returns the
         request (``finish_reason="abort"``), or None when ``rid`` is not unfinished here."""
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting.remove(req)
-                req.host_copy = None
-                req.finish_reason = "abort"
-                return req
-        for req in self.running:
-            if req.rid == rid:
-                self.running.remove(req)
-                self.kv.release(req, insert=False)
-                req.finish_reason = "abort"
-                return req
-        return None
+        req = next((r for r in (*self.waiting, *self.running) if r.rid == rid), None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+            self.kv.release(req, insert=False)
+        else:
+            self.waiting.remove(req)
+            req.host_copy = None
+        req.finish_reason = "abort"
+        return req
 
     def check_finish(self, req: Req, tok: int) -> bool:
         p = req.params
