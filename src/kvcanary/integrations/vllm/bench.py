@@ -1,0 +1,200 @@
+"""vLLM with and without the canary connector, side by side on one workload:
+``python -m kvcanary.integrations.vllm.bench [--model DIR] [--json OUT]``.
+
+Two spawned processes, one engine each (vLLM keeps one connector per process), both kept
+warm; the passes alternate between them for ``--rounds`` rounds, so interference from
+other jobs on a shared machine hits both alike, and the best (minimum) time of each pass
+counts. Passes: prefill (``max_tokens=1``) and full (``max_tokens=--output-len``), each
+on a reset prefix cache; decode tok/s = generated tokens after the first / (full -
+prefill). Outputs of the plain and canary engines must be identical.
+
+Without ``--model`` a tiny random Llama checkpoint (fp32, 4 layers, hidden 64, head_dim 32)
+is written to a temporary directory. Needs the vLLM venv (``make test-vllm`` builds it);
+set ``VLLM_CPU_KVCACHE_SPACE`` on CPU-only machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def write_tiny_llama(root: Path, hidden: int = 64, layers: int = 4) -> Path:
+    """A small random Llama checkpoint (no tokenizer: ids in, ids out); head_dim 32 (the
+    CPU attention has no kernel for 16), hidden // 32 query heads, half as many KV heads."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=max(2, hidden // 32),
+        num_key_value_heads=max(1, hidden // 64), head_dim=32, max_position_embeddings=1024,
+        bos_token_id=318, eos_token_id=319, tie_word_embeddings=True, initializer_range=0.5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    out = root / f"llama-h{hidden}-l{layers}"
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _serve(args: dict[str, Any], conn: Any) -> None:
+    """One engine in a spawned process, kept warm: answers ("prefill" | "full") with the
+    seconds one generate took (and the outputs), "stats" with the canary's counters."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+
+    kw: dict[str, Any] = dict(
+        model=args["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+        seed=0, max_model_len=args["max_model_len"], block_size=args["block_size"],
+        disable_log_stats=True,
+    )  # fmt: skip
+    if args["canary"] is not None:
+        kw["kv_transfer_config"] = {"kv_connector": "KVCanaryConnector", "kv_role": "kv_both",
+                                    "kv_connector_extra_config": args["canary"]}  # fmt: skip
+    llm = LLM(**kw)
+    prompts = [{"prompt_token_ids": p} for p in args["prompts"]]
+
+    def gen(max_tokens: int) -> tuple[float, list[list[int]]]:
+        llm.reset_prefix_cache()  # every pass computes its prompts
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+    gen(4)  # warm-up (numba loads / compiles its kernels, allocator warm)
+    if args["canary"] is not None:  # count the canary's time from here on
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        get_kv_transfer_group().seconds.clear()
+        llm.llm_engine.engine_core.engine_core.scheduler.connector.seconds.clear()
+    conn.send("ready")
+    engine_steps = [0]
+    step = llm.llm_engine.step
+
+    def counting_step() -> Any:
+        engine_steps[0] += 1
+        return step()
+
+    llm.llm_engine.step = counting_step
+    while (cmd := conn.recv()) != "stop":
+        if cmd == "stats":
+            stats: dict[str, Any] = {}
+            if args["canary"] is not None:
+                from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+                connector = get_kv_transfer_group()
+                worker = connector.worker
+                worker.flush()
+                s = worker.stats()
+                stats = {k: s[k] for k in ("verify_entries", "write_entries", "violations",
+                                           "steps")}  # fmt: skip
+                sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
+                seconds = {**connector.seconds, **sched.seconds}
+                stats["ms_per_step"] = {k: round(1e3 * v / max(s["steps"] - 2, 1), 4)
+                                        for k, v in sorted(seconds.items())}  # fmt: skip
+            stats["engine_steps"] = engine_steps[0]
+            conn.send(stats)
+        else:
+            conn.send(gen(1 if cmd == "prefill" else args["output_len"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="checkpoint dir (default: a random Llama, below)")
+    ap.add_argument("--hidden-size", type=int, default=64, help="random Llama: hidden size")
+    ap.add_argument("--num-layers", type=int, default=4, help="random Llama: layers")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--canary", default='{"mode": "log"}',
+                    help="kv_connector_extra_config of the canary runs (JSON)")
+    ap.add_argument("--json", metavar="OUT", help="write the result as JSON to OUT")
+    a = ap.parse_args(argv)
+    tmp = tempfile.TemporaryDirectory()
+    model = a.model or str(write_tiny_llama(Path(tmp.name), a.hidden_size, a.num_layers))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 300) for _ in range(a.input_len)] for _ in range(a.num_prompts)]
+    base = {"model": model, "prompts": prompts, "output_len": a.output_len,
+            "block_size": a.block_size, "max_model_len": a.input_len + a.output_len + 64}  # fmt: skip
+    canary = json.loads(a.canary)
+    ctx = mp.get_context("spawn")
+    pipes, procs = {}, []
+    for name, extra in (("plain", None), ("canary", canary)):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_serve, args=({**base, "canary": extra}, child))
+        proc.start()
+        procs.append(proc)
+        assert parent.recv() == "ready"
+        pipes[name] = parent
+    times: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "full": []} for n in pipes}
+    outputs: dict[str, list[list[int]]] = {}
+    for _ in range(a.rounds):  # alternate, so interference from other jobs hits both
+        for kind in ("prefill", "full"):
+            for name, pipe in pipes.items():
+                pipe.send(kind)
+                seconds, outs = pipe.recv()
+                times[name][kind].append(seconds)
+                if kind == "full":
+                    outputs.setdefault(name, outs)
+                    if outs != outputs[name]:
+                        outputs[name] = []  # nondeterministic: never identical
+    stats = {}
+    for name, pipe in pipes.items():
+        pipe.send("stats")
+        stats[name] = pipe.recv()
+        pipe.send("stop")
+    for proc in procs:
+        proc.join(timeout=60)
+    n_in = sum(len(p) for p in prompts)
+    n_out = len(prompts) * (a.output_len - 1)
+    result: dict[str, Any] = {
+        "workload": {k: getattr(a, k) for k in ("num_prompts", "input_len", "output_len",
+                                                "block_size", "rounds", "hidden_size",
+                                                "num_layers")},  # fmt: skip
+        "model": a.model or "random Llama (write_tiny_llama)",
+        "canary_options": canary,
+        "outputs_identical": bool(outputs["plain"]) and outputs["plain"] == outputs["canary"],
+        "canary_stats": stats["canary"],
+        "plain_engine_steps": stats["plain"]["engine_steps"],
+        "method": "best of --rounds alternating passes (min seconds); decode = "
+                  "(output tokens - 1 per prompt) / (full pass - prefill pass)",
+    }
+    for key, rate in (
+        ("prefill_tok_s", lambda t: n_in / min(t["prefill"])),
+        ("decode_tok_s", lambda t: n_out / max(min(t["full"]) - min(t["prefill"]), 1e-9)),
+    ):
+        plain, with_canary = rate(times["plain"]), rate(times["canary"])
+        result[key] = {"plain": round(plain, 1), "canary": round(with_canary, 1),
+                       "overhead_pct": round(100 * (plain / with_canary - 1), 1)}  # fmt: skip
+    # Where the time goes, measured inside one run (interference-proof): the canary's own
+    # milliseconds per step against the plain engine's best milliseconds per decode step.
+    plain_step_ms = 1e3 * (min(times["plain"]["full"]) - min(times["plain"]["prefill"])) / max(
+        a.output_len - 1, 1)
+    canary_ms = sum(stats["canary"].get("ms_per_step", {}).values())
+    result["per_step"] = {"plain_decode_step_ms": round(plain_step_ms, 3),
+                          "canary_ms": stats["canary"].get("ms_per_step", {}),
+                          "canary_total_ms": round(canary_ms, 3),
+                          "canary_vs_plain_decode_step_pct": round(100 * canary_ms / plain_step_ms, 1)}
+    result["seconds"] = {n: {k: [round(x, 4) for x in v] for k, v in t.items()}
+                         for n, t in times.items()}  # fmt: skip
+    text = json.dumps(result, indent=1)
+    print(text)
+    if a.json:
+        Path(a.json).write_text(text + "\n")
+    return 0 if result["outputs_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""``KVCanaryConnector``: the KV-cache canary as a vLLM (v1) KV connector.
+
+Select it with ``kv_transfer_config={"kv_connector": "KVCanaryConnector", "kv_role":
+"kv_both", "kv_connector_extra_config": {...}}`` (the ``vllm.general_plugins`` entry point
+registers the name; without the plugin add ``"kv_connector_module_path":
+"kvcanary.integrations.vllm.connector"``). Options: :mod:`.options`; docs/VLLM.md.
+
+Where each canary call runs (vLLM 0.32, one step)::
+
+    scheduler: build_connector_meta(scheduler_output)
+        -> StepMeta: per scheduled request its computed / scheduled counts, the token ids
+           the worker has not seen yet, and the slot of its first new token per group
+    worker:    bind_connector_metadata(meta)           tokens into the worker's mirror
+               [layer 0: K/V of this step stored]
+               wait_for_layer_load(first layer)        HEAD verify / write, every group
+               [attention of every layer reads the cache]
+               save_kv_layer(...)                      nothing (TAIL needs every layer)
+               wait_for_save()                         TAIL verify / write (real KV), reports
+               get_block_ids_with_load_errors()        abort mode: the violating blocks
+
+HEAD verifies records only, so it may run after layer 0 stored this step's K/V (vLLM's
+order: the store precedes ``wait_for_layer_load``); a violation is reported in the step
+it is found, before the sampled tokens leave the engine (``raise``: the step fails).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.forward_context import get_forward_context
+
+from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta, StepRequest
+from kvcanary.integrations.vllm.options import parse_options
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from kvcanary.integrations.vllm.worker import VllmCanaryWorker
+
+logger = logging.getLogger("kvcanary.canary")
+
+
+class KVCanaryConnectorMetadata(KVConnectorMetadata):
+    def __init__(self, step: StepMeta):
+        self.step = step
+
+
+def group_specs(kv_cache_config: KVCacheConfig) -> list[GroupSpec]:
+    """The canary's view of vLLM's KV cache groups (attention groups only)."""
+    specs = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if not hasattr(spec, "num_kv_heads") or not hasattr(spec, "head_size"):
+            raise NotImplementedError(
+                f"kv-canary (vLLM): KV cache group {i} is {type(spec).__name__}; the canary "
+                "covers attention KV caches (full and sliding window) only"
+            )
+        window = getattr(spec, "sliding_window", None)
+        if type(spec).__name__ not in ("SlidingWindowSpec",):
+            window = None  # a full-attention spec may carry the model's window (non-HMA)
+        specs.append(GroupSpec(i, tuple(group.layer_names), int(spec.block_size),
+                               int(spec.num_kv_heads), int(spec.head_size),
+                               None if window is None else int(window)))  # fmt: skip
+    return specs
+
+
+class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
+    """The canary as a KV connector: it loads and saves nothing, it checks."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):  # fmt: skip
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.options = parse_options(extra)
+        self.specs = group_specs(kv_cache_config) if kv_cache_config is not None else []
+        if self.options.canary.mode == "abort" and len(self.specs) > 1:
+            # vllm/v1/core/sched/scheduler.py, Scheduler._handle_invalid_blocks: block-level
+            # load errors raise RuntimeError when the model has several KV cache groups.
+            raise NotImplementedError(
+                "kv-canary (vLLM): mode 'abort' reports violating blocks through "
+                "get_block_ids_with_load_errors, which vLLM 0.32 supports only for models "
+                f"with one KV cache group (this one has {len(self.specs)}: sliding-window "
+                "layers); use mode 'log' or 'raise'"
+            )
+        self.worker: VllmCanaryWorker | None = None
+        # The group whose slots identify a batch row's request (as VllmCanaryWorker's).
+        self._key_group = next((s.index for s in self.specs if s.sliding_window is None), 0)
+        self._head_done = False
+        # Wall seconds spent in the canary's hooks (bench: where the time goes): worker
+        # "bind" / "head" / "tail", scheduler "meta".
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        # Scheduler side: live requests and how many of their token ids were sent.
+        self._requests: dict[str, Request] = {}
+        self._sent: dict[str, int] = {}
+        self._finished: list[str] = []
+        self._token_check = self.options.canary.verify_tokens
+        if role == KVConnectorRole.SCHEDULER and getattr(
+            vllm_config.scheduler_config, "async_scheduling", False
+        ) and self._token_check:  # fmt: skip
+            logger.warning(
+                "kv-canary (vLLM): async scheduling is on, so a decode step's input token "
+                "is not known to the scheduler when the step is planned; records of such "
+                "tokens carry token -1 and the token check skips them"
+            )
+
+    # ================================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvcanary.integrations.vllm.worker import VllmCanaryWorker  # numba: see .meta
+
+        self.worker = VllmCanaryWorker(self.options.canary, self.specs, kv_caches)
+        logger.info(
+            "kv-canary (vLLM): installed on %d KV cache group(s) %s, %d blocks, config=%s",
+            len(self.specs),
+            [(s.kind.name, s.block_size, s.sliding_window, len(s.layer_names)) for s in self.specs],
+            self.worker.num_blocks, self.options.canary,
+        )  # fmt: skip
+        from prometheus_client import REGISTRY
+
+        from kvcanary.canary.metrics import CanaryCollector
+        from kvcanary.integrations.vllm.worker import MetricsView
+
+        self._metrics = MetricsView(self.worker)
+        collector = CanaryCollector(self._metrics)
+        try:  # this process's default registry (an in-process engine's /metrics)
+            REGISTRY.register(collector)
+            self._registered: Any = collector
+        except ValueError:  # a previous engine of this process registered the same names
+            self._registered = None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, KVCanaryConnectorMetadata):
+            t0 = time.perf_counter()
+            self.worker.on_meta(connector_metadata.step)
+            self.seconds["bind"] += time.perf_counter() - t0
+        self._head_done = False
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None  # nothing to load (on CPU vLLM calls this after the forward)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._head_done or self.worker is None:
+            return
+        self._head_done = True
+        attn = get_forward_context().attn_metadata
+        if isinstance(attn, list):  # speculative decoding: [0] is the target model's
+            attn = attn[0]
+        if isinstance(attn, dict):
+            metadata = [attn[s.layer_names[0]] for s in self.specs]
+        else:
+            metadata = [attn for _ in self.specs]
+        t0 = time.perf_counter()
+        self.worker.before_forward(metadata)
+        self.seconds["head"] += time.perf_counter() - t0
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:  # fmt: skip
+        return None  # TAIL runs once every layer stored its K/V: wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.worker is None or not self._head_done:
+            return
+        self._head_done = False
+        try:
+            t0 = time.perf_counter()
+            self.worker.after_forward()
+            self.seconds["tail"] += time.perf_counter() - t0
+        finally:
+            if self.options.summary_path and self.worker.num_steps % max(
+                1, self.options.canary.stats_interval or 100
+            ) == 0:  # fmt: skip
+                self.write_summary()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set() if self.worker is None else self.worker.take_invalid_blocks()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.flush()
+            if self.options.summary_path:
+                self.write_summary()
+            if getattr(self, "_registered", None) is not None:
+                from prometheus_client import REGISTRY
+
+                REGISTRY.unregister(self._registered)
+                self._registered = None
+
+    def summary(self) -> dict[str, Any]:
+        """Counters and every reported violation row (JSON-ready)."""
+        if self.worker is None:
+            return {"installed": False}
+        stats = self.worker.stats()
+        return {
+            "installed": True,
+            "groups": [{"index": s.index, "kind": s.kind.name, "block_size": s.block_size,
+                        "sliding_window": s.sliding_window, "layers": list(s.layer_names)}
+                       for s in self.specs],  # fmt: skip
+            "stats": stats,
+            "violations": [row._asdict() for row in self.worker.violations],
+        }
+
+    def write_summary(self) -> None:
+        path = self.options.summary_path
+        if not path:
+            return
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.summary(), f, indent=1, default=str)
+        os.replace(tmp, path)
+        if self.worker is not None:  # the Prometheus text exposition beside it
+            from kvcanary.canary.metrics import write_metrics_file
+
+            write_metrics_file(self._metrics, f"{path}.prom")
+
+    # ================================================================ scheduler side
+    def on_new_request(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:  # fmt: skip
+        self._requests.setdefault(request.request_id, request)
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: Any,
+                                 num_external_tokens: int) -> None:  # fmt: skip
+        self._requests.setdefault(request.request_id, request)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        t0 = time.perf_counter()
+        meta = self._build_meta(scheduler_output)
+        self.seconds["meta"] += time.perf_counter() - t0
+        return meta
+
+    def _build_meta(self, scheduler_output: SchedulerOutput) -> KVCanaryConnectorMetadata:
+        so = scheduler_output
+        computed: dict[str, int] = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        for r in so.scheduled_new_reqs:  # a request seen for the first time (or resumed)
+            self._sent.pop(r.req_id, None)
+        step = StepMeta(finished=list(so.finished_req_ids) + self._finished)
+        self._finished = []
+        for rid in so.finished_req_ids:
+            self._sent.pop(rid, None)
+        manager = self._kv_cache_manager
+        for rid, num_scheduled in so.num_scheduled_tokens.items():
+            request = self._requests.get(rid)
+            k = computed.get(rid, 0 if request is None else request.num_computed_tokens)
+            end = k + num_scheduled
+            tokens: list[int] = []
+            start = self._sent.get(rid, 0)
+            if request is not None and end > start:
+                known = request.all_token_ids
+                tokens = list(known[start:end]) + [-1] * max(0, end - max(start, len(known)))
+                self._sent[rid] = min(end, len(known))
+            first = [-1] * len(self.specs)  # only the key group's is used (worker: rows)
+            if manager is not None and self.specs:
+                spec = self.specs[self._key_group]
+                ids = manager.get_block_ids(rid)[self._key_group]
+                b = ids[k // spec.block_size] if k // spec.block_size < len(ids) else 0
+                first[self._key_group] = b * spec.block_size + k % spec.block_size if b else -1
+            step.requests.append(StepRequest(rid, k, num_scheduled, start, tokens, first))
+        return KVCanaryConnectorMetadata(step)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+        self._forget(request.request_id)
+        return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
+                                    ) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+        self._forget(request.request_id)
+        return False, None
+
+    def _forget(self, rid: str) -> None:
+        self._requests.pop(rid, None)
+        self._sent.pop(rid, None)
+        self._finished.append(rid)

@@ -1,0 +1,549 @@
+"""The worker side of the vLLM host: vLLM's KV cache groups as canary pools, and each step's
+attention metadata as the canary's forward batches. Nothing here imports vLLM (the
+connector, :mod:`.connector`, hands plain tensors and duck-typed metadata in), so it is
+tested without vLLM too.
+
+What crosses (host contract: :mod:`kvcanary.canary.host`)::
+
+    vLLM (worker)                                    canary
+    KV cache group g (layers, block size, window) -> VllmGroupPool (attacher below): one
+                                                     canary group, FULL or SWA (window W)
+    slot = block_id * block_size + offset            the group's slot index space; block 0
+                                                     (vLLM's null block) -> slot 0 (none)
+    attn_metadata[first layer of g]                  ForwardBatchView of group g:
+      block_table, seq_lens, query_start_loc,          req->token rows rebuilt every step
+      slot_mapping                                      from the block table attention reads
+    connector metadata (scheduler side)              token ids (input ids, token mirror) and
+                                                     the request of each batch row
+
+Records: one set of HEAD/TAIL record buffers per block size, shared by every group of
+that block size. vLLM allocates all groups' blocks from one block pool over one storage,
+so a block holds one group's KV at a time and its records describe whoever wrote it last:
+a block reused by any group while still in some request's window is caught by that
+request's next verify.
+
+Sliding groups: vLLM frees the blocks that leave a window without telling the worker (its
+block table keeps the stale ids), so rows keep only positions ``>= K - W + 1`` (K: tokens
+already computed), exactly the ones the scheduler keeps (``SlidingWindowManager``); a hole
+inside that range is ``verify_not_resident``.
+
+Real KV (record field 3) of a layer tensor:
+
+    CPU layout  [num_blocks, kv_heads, block_size, 2 * head_size]: per (block, head) K is
+                stored transposed [head_size, block_size], then V [block_size, head_size];
+                only V rows are contiguous per token, so the K records fingerprint V of KV
+                head 0, the V records (v_half) V of the last KV head.
+    NHD layout  [2, num_blocks, block_size, kv_heads, head_size] (GPU flash-attention):
+                K records fingerprint the token's K row (all heads), V records its V row.
+    other       records only (a warning says so).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numba
+import numpy as np
+import torch
+
+from kvcanary.canary.adapters import AttachOptions, register_pool_attacher
+from kvcanary.canary.buffers import CanaryBufferGroup
+from kvcanary.canary.config import CanaryConfig
+from kvcanary.canary.constants import MAX_REAL_KV_SOURCES, RealKvHashMode
+from kvcanary.canary.errors import KVCanaryViolation
+from kvcanary.canary.install import install_canary
+from kvcanary.canary.manager import CanaryManager
+from kvcanary.canary.real_kv import RealKvSource, resolve_read_bytes
+from kvcanary.canary.records import alloc_canary_buffer
+from kvcanary.canary.splice import BufInfos
+from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta, StepRequest
+
+logger = logging.getLogger("kvcanary.canary")
+
+
+# ---------------------------------------------------------------------------- the pool
+
+
+@dataclass(frozen=True)
+class SharedRecords:
+    """HEAD/TAIL record buffers over ``num_slots`` slots (V half only with ``with_v``)."""
+
+    k_head: torch.Tensor
+    k_tail: torch.Tensor
+    v_head: torch.Tensor | None
+    v_tail: torch.Tensor | None
+
+    @staticmethod
+    def allocate(num_slots: int, device: torch.device, with_v: bool) -> SharedRecords:
+        def a() -> torch.Tensor:
+            return alloc_canary_buffer(num_slots, device)
+
+        return SharedRecords(a(), a(), a() if with_v else None, a() if with_v else None)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.k_head.shape[0])
+
+
+class VllmGroupPool:
+    """The :class:`~kvcanary.canary.host.KVPool` of one vLLM KV cache group."""
+
+    def __init__(self, spec: GroupSpec, layers: Sequence[torch.Tensor], records: SharedRecords):
+        self.spec = spec
+        self.layers = list(layers)
+        self.records = records
+
+    def get_contiguous_buf_infos(self) -> BufInfos:
+        """vLLM ships KV through its own connectors, never by these; given for the protocol."""
+        ptrs = [t.data_ptr() for t in self.layers]
+        lens = [t.nbytes for t in self.layers]
+        items = [t.nbytes // max(1, self.records.num_slots // self.spec.block_size)
+                 for t in self.layers]  # fmt: skip
+        return ptrs, lens, items
+
+    def get_state_buf_infos(self) -> BufInfos:
+        return [], [], []
+
+
+def layer_sources(kv: torch.Tensor, spec: GroupSpec, mode: RealKvHashMode,
+                  ) -> tuple[RealKvSource | None, RealKvSource | None]:  # fmt: skip
+    """(K-records source, V-records source) of one layer tensor (module doc), or Nones."""
+    if mode == RealKvHashMode.NONE or not kv.is_contiguous():
+        return None, None
+    es, bs, hs, heads = kv.element_size(), spec.block_size, spec.head_size, spec.num_kv_heads
+    if kv.dim() == 4 and tuple(kv.shape[1:]) == (heads, bs, 2 * hs):  # CPU layout
+        nb = kv.shape[0]
+        rows = kv.view(nb, -1).view(torch.uint8)
+
+        def v_rows(head: int) -> RealKvSource:
+            off = (head * bs * 2 * hs + hs * bs) * es
+            view = rows[:, off : off + bs * hs * es]
+            return RealKvSource(view, bs, hs * es, resolve_read_bytes(mode, hs * es))
+
+        return v_rows(0), v_rows(heads - 1)
+    if kv.dim() == 5 and kv.shape[0] == 2 and tuple(kv.shape[2:]) == (bs, heads, hs):  # NHD
+        nb, per_token = kv.shape[1], heads * hs * es
+
+        def half(i: int) -> RealKvSource:
+            view = kv[i].reshape(nb, -1).view(torch.uint8)
+            return RealKvSource(view, bs, per_token, resolve_read_bytes(mode, per_token))
+
+        return half(0), half(1)
+    logger.warning(
+        "kv-canary (vLLM): KV cache layout %s of group %d is not one the canary can "
+        "fingerprint; records only (no real-KV check)", tuple(kv.shape), spec.index,
+    )  # fmt: skip
+    return None, None
+
+
+def _attach_vllm_group(pool: VllmGroupPool, options: AttachOptions) -> list[CanaryBufferGroup]:
+    spec, rec = pool.spec, pool.records
+    chosen = pool.layers[:1] if options.real_data_layers == "first" else pool.layers
+    chosen = chosen[:MAX_REAL_KV_SOURCES]
+    pairs = [layer_sources(kv, spec, options.real_kv_mode) for kv in chosen]
+    k_src = tuple(k for k, _ in pairs if k is not None)
+    v_src = tuple(v for _, v in pairs if v is not None)
+    group = CanaryBufferGroup(
+        spec.kind, f"vllm_kv_cache_group_{spec.index}", spec.block_size,
+        rec.k_head, rec.k_tail, rec.v_head, rec.v_tail,
+        real_kv_sources_k=k_src, real_kv_sources_v=v_src if rec.v_head is not None else (),
+        window=spec.sliding_window,
+    )  # fmt: skip
+    return [group]
+
+
+register_pool_attacher(VllmGroupPool, _attach_vllm_group)
+
+
+# ---------------------------------------------------------------------------- tables
+
+
+class StepTables:
+    """Per-step req->token rows (one table per group) and the token mirror, all groups
+    sharing rows: row ``r + 1`` is batch row ``r`` (row 0 = padding). Grown on demand."""
+
+    def __init__(self, num_groups: int, device: torch.device):
+        self.device = device
+        self.r2t = [torch.zeros(1, 1, dtype=torch.int64, device=device)
+                    for _ in range(num_groups)]  # fmt: skip
+        self.token_ids = torch.full((1, 1), -1, dtype=torch.int64, device=device)
+        self.token_lens = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def ensure(self, rows: int, cols: int) -> None:
+        have_rows, have_cols = self.token_ids.shape
+        if rows <= have_rows and cols <= have_cols:
+            return
+        rows, cols = max(rows, 2 * have_rows), max(cols, 2 * have_cols)
+        for g in range(len(self.r2t)):
+            self.r2t[g] = torch.zeros(rows, cols, dtype=torch.int64, device=self.device)
+        self.token_ids = torch.full((rows, cols), -1, dtype=torch.int64, device=self.device)
+        self.token_lens = torch.zeros(rows, dtype=torch.int64, device=self.device)
+
+
+class GroupTableView:
+    """The :class:`~kvcanary.canary.host.ReqToTokenTable` (+ TokenMirror) of one group."""
+
+    def __init__(self, tables: StepTables, group: int):
+        self._tables, self._group = tables, group
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self._tables.r2t[self._group]
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        return self._tables.token_ids
+
+    @property
+    def token_lens(self) -> torch.Tensor:
+        return self._tables.token_lens
+
+
+@dataclass
+class GroupHost:
+    """The :class:`~kvcanary.canary.host.CanaryHost` of one group."""
+
+    token_to_kv_pool: VllmGroupPool
+    req_to_token_pool: GroupTableView
+    device: torch.device
+    sliding_window: int | None
+    is_draft_worker: bool = False
+
+
+@dataclass
+class StepBatch:
+    """A :class:`~kvcanary.canary.host.ForwardBatchView` of one group for one step."""
+
+    req_pool_indices: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+
+
+# ---------------------------------------------------------------------------- the worker
+
+
+class VllmCanaryWorker:
+    """Every group's canary on one vLLM worker; the connector's worker side drives it::
+
+        on_meta(meta)                 bind_connector_metadata: tokens, finished requests
+        before_forward(metadata)      first layer's wait_for_layer_load: HEAD (all groups)
+        after_forward()               wait_for_save: TAIL, reports, abort-mode blocks
+        take_invalid_blocks()         get_block_ids_with_load_errors (abort mode)
+    """
+
+    def __init__(self, config: CanaryConfig, specs: Sequence[GroupSpec],
+                 layers: dict[str, torch.Tensor]):  # fmt: skip
+        if not specs:
+            raise ValueError("kv-canary (vLLM): the model has no KV cache group")
+        self.config = config
+        self.specs = list(specs)
+        first = layers[self.specs[0].layer_names[0]]
+        self.device = first.device
+        self.num_blocks = int(first.shape[1] if first.dim() == 5 else first.shape[0])
+        self.tables = StepTables(len(self.specs), self.device)
+        records: dict[int, SharedRecords] = {}
+        self.managers: list[CanaryManager] = []
+        self.pools: list[VllmGroupPool] = []
+        for spec in self.specs:
+            if spec.block_size not in records:
+                records[spec.block_size] = SharedRecords.allocate(
+                    self.num_blocks * spec.block_size, self.device, config.v_half)
+            pool = VllmGroupPool(spec, [layers[n] for n in spec.layer_names],
+                                 records[spec.block_size])  # fmt: skip
+            host = GroupHost(pool, GroupTableView(self.tables, spec.index), self.device,
+                             spec.sliding_window)  # fmt: skip
+            self.pools.append(pool)
+            manager = install_canary(host, config)
+            assert manager is not None  # parse_options refuses mode none
+            if config.mode == "abort":
+                manager.set_abort_handler(self._abort_handler(spec))
+            manager.mark_init_finished()  # vLLM's warm-up runs carry no connector metadata
+            self.managers.append(manager)
+        self.records = records
+        # The group whose slots identify a batch row's request: a full one if any.
+        self._key_group = next((s.index for s in self.specs if s.sliding_window is None), 0)
+        self._tokens: dict[str, np.ndarray] = {}
+        self._token_lens: dict[str, int] = {}
+        self._step: dict[str, StepRequest] = {}
+        self._open: list[list[StepBatch]] | None = None
+        self.num_dependent_passes = 0
+        self._invalid_blocks: set[int] = set()
+        self._unmatched_warned = False
+        self.num_steps = 0
+
+    # -------------------------------------------------------------- scheduler input
+    def on_meta(self, meta: StepMeta) -> None:
+        for rid in meta.finished:
+            self._tokens.pop(rid, None)
+            self._token_lens.pop(rid, None)
+        self._step = {}
+        for req in meta.requests:
+            self._step[req.req_id] = req
+            if not req.tokens:
+                continue
+            end = req.token_start + len(req.tokens)
+            arr = self._tokens.get(req.req_id)
+            if arr is None or arr.shape[0] < end:
+                grown = np.full(max(end, 2 * (0 if arr is None else arr.shape[0]), 64), -1,
+                                dtype=np.int64)  # fmt: skip
+                if arr is not None:
+                    grown[: arr.shape[0]] = arr
+                arr = self._tokens[req.req_id] = grown
+            arr[req.token_start : end] = req.tokens
+            self._token_lens[req.req_id] = max(self._token_lens.get(req.req_id, 0), end)
+
+    # -------------------------------------------------------------- the forward
+    def before_forward(self, metadata: Sequence[Any]) -> None:
+        """HEAD of every group; ``metadata[g]``: group g's attention metadata (block_table,
+        seq_lens, query_start_loc, slot_mapping).
+
+        vLLM may serve a prefix hit on blocks that another row of the same step is filling
+        (both rows' K/V are stored before attention reads): such a *dependent* row is
+        checked in a second canary pass, once the rows it reads from wrote their records
+        (at ``wait_for_save``; level ``L`` rows after level ``L - 1``)."""
+        self._open = None  # a forward that raised before wait_for_save: drop it
+        md0 = metadata[0]
+        qsl = md0.query_start_loc.long()
+        n = int(qsl.shape[0]) - 1
+        ql = qsl[1:] - qsl[:-1]
+        seq = md0.seq_lens[:n].long()
+        prefix = seq - ql
+        num_tokens = int(qsl[n])
+        rows = self._match_rows(metadata, qsl, prefix, ql, n)
+        max_seq = int(seq.max()) if n else 1
+        self.tables.ensure(n + 1, max_seq)
+        positions = self._positions(prefix, ql, num_tokens)
+        input_ids = self._fill_tokens(rows, prefix, ql, num_tokens)
+        # Only a row that starts this step on a prefix (a prefix hit, a resumed request:
+        # several new tokens after K > 0) can read blocks another row fills this step.
+        may_depend = bool(((ql > 1) & (prefix > 0)).any()) and n > 1
+        token_rows = (torch.repeat_interleave(torch.arange(n), ql.cpu(), output_size=num_tokens)
+                      if may_depend else None)  # fmt: skip
+        outs, deps = [], [set[int]() for _ in range(n)]
+        for spec, md in zip(self.specs, metadata, strict=True):
+            self._fill_table(spec, md, n, prefix, seq, max_seq)
+            out = md.slot_mapping[:num_tokens].long()
+            out = torch.where(out >= spec.block_size, out, -1)  # padding / the null block
+            outs.append(out)
+            if token_rows is not None:
+                table = self.tables.r2t[spec.index][1 : n + 1, :max_seq]
+                pos = torch.arange(max_seq, device=self.device)
+                verify_slots = torch.where(pos[None, :] < prefix[:, None], table, 0)
+                self._add_dependencies(deps, verify_slots, out, token_rows)
+        levels = _levels(deps)
+        row_idx = torch.arange(1, n + 1, dtype=torch.int64, device=self.device)
+        passes = []
+        for level in range(max(levels, default=0) + 1):
+            idx = row_idx if level == 0 and not any(levels) else torch.where(
+                torch.tensor(levels, device=self.device) == level, row_idx, 0)  # fmt: skip
+            passes.append([StepBatch(idx, prefix, ql, input_ids, positions, out) for out in outs])
+        for manager, batch in zip(self.managers, passes[0], strict=True):
+            manager.before_forward(batch)
+        self._open = passes
+
+    def after_forward(self) -> None:
+        """TAIL of every group, then the dependent passes (HEAD + TAIL), then the reports
+        (``raise``: after every group closed)."""
+        if self._open is None:
+            return
+        passes, self._open = self._open, None
+        error: KVCanaryViolation | None = None
+        for i, batches in enumerate(passes):
+            for manager, batch in zip(self.managers, batches, strict=True):
+                if i > 0:
+                    manager.before_forward(batch)
+                try:
+                    manager.after_forward(batch)
+                except KVCanaryViolation as e:
+                    error = error or e
+        for manager in self.managers:
+            manager.end_step()
+        self.num_steps += 1
+        self.num_dependent_passes += len(passes) - 1
+        if error is not None:
+            raise error
+
+    @staticmethod
+    def _add_dependencies(deps: list[set[int]], verify_slots: torch.Tensor, out: torch.Tensor,
+                          token_rows: torch.Tensor) -> None:  # fmt: skip
+        """deps[r] += the rows that write (this step) a slot row r verifies."""
+        written = out >= 0
+        if not bool(written.any()):
+            return
+        hit = torch.isin(verify_slots, out[written]) & (verify_slots > 0)
+        if not bool(hit.any()):  # the usual step: one check per group
+            return
+        writer = dict(zip(out[written].tolist(), token_rows[written.cpu()].tolist(), strict=True))
+        for r, slot in zip(*torch.nonzero(hit, as_tuple=True), strict=True):
+            w = writer[int(verify_slots[r, slot])]
+            if w != int(r):
+                deps[int(r)].add(w)
+
+    def flush(self) -> None:
+        for manager in self.managers:
+            manager.flush()
+
+    def take_invalid_blocks(self) -> set[int]:
+        out, self._invalid_blocks = self._invalid_blocks, set()
+        return out
+
+    # -------------------------------------------------------------- helpers
+    def _abort_handler(self, spec: GroupSpec) -> Callable[[torch.Tensor, torch.Tensor], list[int]]:
+        def handler(full: torch.Tensor, swa: torch.Tensor) -> list[int]:
+            slots = torch.cat([full.long(), swa.long()]).tolist()
+            self._invalid_blocks.update(s // spec.block_size for s in slots
+                                        if s >= spec.block_size)  # fmt: skip
+            return []  # vLLM fails / recomputes them after get_block_ids_with_load_errors
+
+        return handler
+
+    def _match_rows(self, metadata: Sequence[Any], qsl: torch.Tensor, prefix: torch.Tensor,
+                    ql: torch.Tensor, n: int) -> list[StepRequest | None]:  # fmt: skip
+        """The request of each batch row: the slot its first new token is stored to (from
+        the block table attention uses) is the one the scheduler allocated for it."""
+        g = self._key_group
+        by_slot = {r.first_slots[g]: r for r in self._step.values() if r.first_slots[g] >= 0}
+        slots = metadata[g].slot_mapping
+        starts, pre, lens = qsl.tolist(), prefix.tolist(), ql.tolist()
+        rows: list[StepRequest | None] = []
+        for r in range(n):
+            req = by_slot.get(int(slots[starts[r]])) if lens[r] > 0 else None
+            if req is None:  # fall back to (computed, scheduled), when unique
+                cands = [q for q in self._step.values()
+                         if q.num_computed == pre[r] and q.num_scheduled == lens[r]]  # fmt: skip
+                req = cands[0] if len(cands) == 1 else None
+            if req is None and not self._unmatched_warned:
+                self._unmatched_warned = True
+                logger.warning("kv-canary (vLLM): batch row %d matches no scheduled request; "
+                               "its token ids are not checked", r)  # fmt: skip
+            rows.append(req)
+        return rows
+
+    def _positions(self, prefix: torch.Tensor, ql: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        if num_tokens == prefix.shape[0]:  # decode: one token per row, at its prefix length
+            return prefix.clone()
+        starts = torch.repeat_interleave(prefix, ql, output_size=num_tokens)
+        first = torch.repeat_interleave(torch.cumsum(ql, 0) - ql, ql, output_size=num_tokens)
+        return starts + torch.arange(num_tokens, dtype=torch.int64, device=self.device) - first
+
+    def _fill_tokens(self, rows: list[StepRequest | None], prefix: torch.Tensor,
+                     ql: torch.Tensor, num_tokens: int) -> torch.Tensor:  # fmt: skip
+        """This step's input ids (-1 where unknown), and the token mirror rows."""
+        ids = np.full(num_tokens, -1, dtype=np.int64)
+        mirror = self.config.verify_tokens
+        table = self.tables.token_ids.numpy() if mirror else None
+        lens = self.tables.token_lens.numpy() if mirror else None
+        at = 0
+        for r, (req, k, e) in enumerate(zip(rows, prefix.tolist(), ql.tolist(), strict=True)):
+            arr = None if req is None else self._tokens.get(req.req_id)
+            if req is not None and arr is not None:
+                known = min(self._token_lens[req.req_id], k + e)
+                if known > k:
+                    ids[at : at + known - k] = arr[k:known]
+                if table is not None and lens is not None:
+                    table[r + 1, :known] = arr[:known]
+                    lens[r + 1] = known
+            elif lens is not None:
+                lens[r + 1] = 0
+            at += e
+        return torch.from_numpy(ids).to(self.device)
+
+    def _fill_table(self, spec: GroupSpec, md: Any, n: int, prefix: torch.Tensor,
+                    seq: torch.Tensor, max_seq: int) -> None:  # fmt: skip
+        """Rows 1..n of the group's req->token table from the block table attention reads:
+        position p -> ``block_table[r, p // bs] * bs + p % bs``, 0 for the null block, past
+        the sequence and (sliding groups) before ``K - W + 1``."""
+        bs, table = spec.block_size, self.tables.r2t[spec.index]
+        window = spec.sliding_window or 0
+        if self.device.type == "cpu":  # one compiled pass (the per-step path on CPU)
+            _fill_rows_nb(md.block_table[:n].numpy(), seq.numpy(), prefix.numpy(), bs, window,
+                          table.numpy())  # fmt: skip
+            return
+        bt = md.block_table[:n].long()
+        pos = torch.arange(max_seq, dtype=torch.int64, device=self.device)
+        idx = torch.clamp(pos // bs, max=max(bt.shape[1] - 1, 0))
+        blocks = bt[:, idx]
+        valid = (pos[None, :] < seq[:, None]) & (blocks != 0)
+        if window:  # positions the scheduler keeps (module doc)
+            valid &= pos[None, :] >= (prefix - window + 1)[:, None]
+        table[1 : n + 1, :max_seq] = torch.where(valid, blocks * bs + pos % bs, 0)
+
+    # -------------------------------------------------------------- inspection
+    def stats(self) -> dict[str, Any]:
+        """Every group's :meth:`CanaryManager.stats`, and their sums."""
+        per_group = [m.stats() for m in self.managers]
+        total = {k: sum(s[k] for s in per_group)
+                 for k in ("protected_tokens", "verify_entries", "write_entries", "violations",
+                           "violations_reported", "verify_overflow_steps")}  # fmt: skip
+        return {**total, "steps": self.num_steps,
+                "dependent_passes": self.num_dependent_passes, "groups": per_group}  # fmt: skip
+
+    @property
+    def violations(self) -> list[Any]:
+        return [row for m in self.managers for row in m.violations]
+
+    @property
+    def reporter(self) -> Any:
+        """Every group's reported rows (what :class:`~kvcanary.canary.metrics.CanaryCollector`
+        reads, with :meth:`collector_stats`)."""
+        return SimpleNamespace(rows=self.violations)
+
+    def collector_stats(self) -> dict[str, Any]:
+        """The keys :class:`~kvcanary.canary.metrics.CanaryCollector` reads, summed."""
+        by_tag: Counter[str] = Counter()
+        for m in self.managers:
+            by_tag.update(m.stats()["verify_entries_by_tag"])
+        stats = self.stats()
+        return {"violations": stats["violations"], "protected_tokens": stats["protected_tokens"],
+                "verify_entries_by_tag": dict(by_tag), "sweep_passes": 0,
+                "swa_divergence": {}}  # fmt: skip
+
+
+class MetricsView:
+    """A :class:`VllmCanaryWorker` as :class:`~kvcanary.canary.metrics.CanaryCollector`'s
+    ``canary`` (``stats()`` and ``reporter.rows``)."""
+
+    def __init__(self, worker: VllmCanaryWorker):
+        self._worker = worker
+
+    def stats(self) -> dict[str, Any]:
+        return self._worker.collector_stats()
+
+    @property
+    def reporter(self) -> Any:
+        return self._worker.reporter
+
+
+def _levels(deps: list[set[int]], max_level: int = 8) -> list[int]:
+    """Pass of each row: 0 without dependencies, else 1 + the deepest row it reads from."""
+    levels = [0] * len(deps)
+    if not any(deps):
+        return levels
+    for _ in range(max_level):
+        new = [max((levels[w] + 1 for w in d), default=0) for d in deps]
+        new = [min(v, max_level) for v in new]
+        if new == levels:
+            break
+        levels = new
+    return levels
+
+
+@numba.njit(cache=True)
+def _fill_rows_nb(bt, seq, prefix, bs, window, table):
+    """:meth:`VllmCanaryWorker._fill_table` on the CPU (row r of the batch -> table row
+    r + 1; only positions < seq[r] are written, the planner reads no further)."""
+    nb = bt.shape[1]
+    for r in range(seq.shape[0]):
+        lo = max(0, prefix[r] - window + 1) if window > 0 else 0
+        for p in range(seq[r]):
+            bi = p // bs
+            b = bt[r, bi] if bi < nb else 0
+            table[r + 1, p] = b * bs + p % bs if (b != 0 and p >= lo) else 0

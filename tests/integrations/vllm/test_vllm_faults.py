@@ -1,0 +1,210 @@
+"""Fault campaign against a real vLLM: each fault is injected into vLLM's own state (the
+worker's block table and KV cache tensors, the scheduler's block pool and its hash -> block
+map, the sliding-window manager's blocks) between two engine steps, and the canary must
+report it with the expected tag and reason in the very next step.
+
+    fault                                   where it is injected
+    block-table entry -> another live block worker: input_batch.block_table (group 0)
+    KV byte flipped in a live block         worker: the layer's KV cache tensor
+    KV byte flipped in a cached free block  worker tensor; the block only in the prefix cache
+    phantom prefix hit                      scheduler: block_pool.cached_block_hash_to_block
+    sliding-window block reused in window   scheduler: SlidingWindowManager frees a block
+                                            still inside a running request's window
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import vllm_harness as H
+
+from kvcanary.canary.explain import explain
+
+CANARY = {"mode": "log", "real_data": "all", "verify_tokens": True}
+RESULTS: dict[str, dict[str, Any]] = {}
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 300) for _ in range(n)]
+
+
+def _new_rows(conn: Any, before: int) -> list[Any]:
+    conn.worker.flush()
+    return conn.worker.violations[before:]
+
+
+def _steps_to_detection(llm: Any, conn: Any, before: int, limit: int = 3) -> tuple[int, list[Any]]:
+    for i in range(1, limit + 1):
+        H.step(llm)
+        rows = _new_rows(conn, before)
+        if rows:
+            return i, rows
+    return 0, []
+
+
+def _record(name: str, steps: int, rows: list[Any], want_tags: set[str], want_reason: str,
+            slots: set[int] | None, log: str) -> None:  # fmt: skip
+    """Check the rows, and that ``kvcanary explain`` reads the logged lines back."""
+    analysis = explain(log)
+    assert analysis["violations"] >= len(rows) > 0 and not analysis["unparsed"]
+    hits = [r for r in rows if r.launch_tag in want_tags and want_reason in r.fail_reasons
+            and (slots is None or r.slot_idx in slots)]  # fmt: skip
+    RESULTS[name] = {
+        "steps": steps,
+        "rows": len(rows),
+        "tags": sorted({r.launch_tag for r in hits}),
+        "reasons": sorted({x for r in hits for x in r.fail_reasons}),
+        "first": None if not hits else H_line(hits[0]),
+        "explain": [c["cause"] for c in analysis["causes"]][:2],
+    }
+    assert steps == 1, (name, steps, rows[:3])
+    assert hits, (name, [(r.launch_tag, r.fail_reasons, r.slot_idx) for r in rows[:5]])
+
+
+def H_line(row: Any) -> str:  # noqa: N802 (reads as the log line it mirrors)
+    return (f"{row.launch_tag} {'+'.join(row.fail_reasons)} slot={row.slot_idx} "
+            f"position={row.position}")  # fmt: skip
+
+
+def _decoding(llm: Any, prompts: dict[str, list[int]], max_tokens: int, steps: int) -> None:
+    for rid, p in prompts.items():
+        H.add_request(llm, rid, p, max_tokens)
+    for _ in range(steps):
+        H.step(llm)
+
+
+# --------------------------------------------------------------------------- full attention
+
+
+def test_block_table_entry_points_at_another_live_block(checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvcanary.canary")
+    with H.vllm_engine(checkpoints["llama"], canary=CANARY) as llm:
+        _decoding(llm, {"a": _prompt(1, 100), "b": _prompt(2, 90)}, 40, 3)
+        conn, w = H.connector(llm), H.worker(llm)
+        batch = w.model_runner.input_batch
+        a, b = H.internal_id(llm, "a"), H.internal_id(llm, "b")
+        table = batch.block_table.block_tables[0].block_table
+        ra, rb = batch.req_id_to_index[a], batch.req_id_to_index[b]
+        victim = int(table.cpu[rb, 1])
+        assert victim != int(table.cpu[ra, 1]) and victim != 0
+        before = len(conn.worker.violations)
+        table.cpu[ra, 1] = victim  # a reads b's block for its positions 32..63
+        steps, rows = _steps_to_detection(llm, conn, before)
+        bs = H.BLOCK_SIZE
+        _record("block-table entry -> another live block", steps, rows, {"HEAD_K_FULL"},
+                "verify_chain_hash", set(range(victim * bs, (victim + 1) * bs)), caplog.text)  # fmt: skip
+
+
+def _flip_v_byte(conn: Any, group: int, block: int, offset: int) -> None:
+    """Flip the first byte of KV head 0's V row of slot ``block * bs + offset`` (the bytes
+    the K records fingerprint on vLLM's CPU layout), in the group's first layer."""
+    pool = conn.worker.pools[group]
+    kv = pool.layers[0]
+    spec = pool.spec
+    es, bs, hs = kv.element_size(), spec.block_size, spec.head_size
+    raw = kv.view(kv.shape[0], -1).view(__import__("torch").uint8)
+    raw[block, (hs * bs + offset * hs) * es] ^= 0xFF
+
+
+def test_kv_byte_flipped_in_live_block(checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvcanary.canary")
+    with H.vllm_engine(checkpoints["llama"], canary=CANARY) as llm:
+        _decoding(llm, {"a": _prompt(3, 100)}, 40, 3)
+        conn = H.connector(llm)
+        block = H.scheduler(llm).kv_cache_manager.get_block_ids(H.internal_id(llm, "a"))[0][1]
+        before = len(conn.worker.violations)
+        _flip_v_byte(conn, 0, block, 7)
+        steps, rows = _steps_to_detection(llm, conn, before)
+        _record("KV byte flipped in a live block", steps, rows, {"TAIL_K_FULL"},
+                "verify_real_kv_hash", {block * H.BLOCK_SIZE + 7}, caplog.text)  # fmt: skip
+
+
+def _finished_blocks(llm: Any, rid: str, prompt: list[int]) -> list[int]:
+    """Run ``prompt`` to completion; its group-0 block ids (now free, prefix-cached)."""
+    H.add_request(llm, rid, prompt, 2)
+    H.step(llm)
+    ids = list(H.scheduler(llm).kv_cache_manager.get_block_ids(H.internal_id(llm, rid))[0])
+    H.run_until_done(llm)
+    pool = H.block_pool(llm)
+    for b in ids[: len(prompt) // H.BLOCK_SIZE]:
+        assert pool.blocks[b].ref_cnt == 0 and pool.blocks[b].block_hash is not None
+    return ids
+
+
+def test_kv_byte_flipped_in_cached_free_block(checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvcanary.canary")
+    with H.vllm_engine(checkpoints["llama"], canary=CANARY) as llm:
+        p = _prompt(4, 100)
+        ids = _finished_blocks(llm, "p", p)
+        conn = H.connector(llm)
+        before = len(conn.worker.violations)
+        _flip_v_byte(conn, 0, ids[1], 5)  # no request holds it: only the prefix cache
+        H.add_request(llm, "p2", p[:96] + _prompt(5, 20), 4)  # hits the 3 cached blocks
+        steps, rows = _steps_to_detection(llm, conn, before)
+        _record("KV byte flipped in a prefix-cached free block", steps, rows, {"TAIL_K_FULL"},
+                "verify_real_kv_hash", {ids[1] * H.BLOCK_SIZE + 5}, caplog.text)  # fmt: skip
+
+
+def test_phantom_prefix_hit(checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvcanary.canary")
+    with H.vllm_engine(checkpoints["llama"], canary=CANARY) as llm:
+        p, q = _prompt(6, 100), _prompt(7, 100)
+        p_ids, q_ids = _finished_blocks(llm, "p", p), _finished_blocks(llm, "q", q)
+        pool = H.block_pool(llm)
+        cache = pool.cached_block_hash_to_block._cache
+        (key,) = [k for k, v in cache.items() if getattr(v, "block_id", None) == p_ids[1]]
+        cache[key] = pool.blocks[q_ids[1]]  # p's second block now "is" q's (stale map entry)
+        tally = H.tally_scheduler(llm)
+        conn = H.connector(llm)
+        before = len(conn.worker.violations)
+        H.add_request(llm, "p2", p[:96] + _prompt(8, 20), 4)
+        steps, rows = _steps_to_detection(llm, conn, before)
+        assert tally.hit_tokens and tally.hit_tokens[0] == 96
+        bs = H.BLOCK_SIZE
+        _record("phantom prefix hit (hash map -> reused block)", steps, rows, {"HEAD_K_FULL"},
+                "verify_token", set(range(q_ids[1] * bs, (q_ids[1] + 1) * bs)), caplog.text)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- sliding window
+
+
+def test_sliding_window_block_reused_inside_window(checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvcanary.canary")
+    with H.vllm_engine(checkpoints["gemma3"], canary=CANARY) as llm:
+        _decoding(llm, {"a": _prompt(9, 60)}, 60, 12)  # a decodes at ~71: window 64..71
+        sched = H.scheduler(llm)
+        a = H.internal_id(llm, "a")
+        conn = H.connector(llm)
+        g = next(s.index for s in conn.specs if s.sliding_window is not None)
+        manager = sched.kv_cache_manager.coordinator.single_type_managers[g]
+        k = sched.requests[a].num_computed_tokens
+        idx = (k - 1) // H.BLOCK_SIZE  # holds position k - 1: inside a's window
+        blocks = manager.req_to_blocks[a]
+        victim = blocks[idx]
+        pool = H.block_pool(llm)
+        before = len(conn.worker.violations)
+        # The injected bug: window eviction frees a block a's window still covers.
+        pool.free_blocks([victim])
+        blocks[idx] = pool.null_block
+        H.add_request(llm, "b", _prompt(10, 40), 4)  # the next allocation reuses it
+        steps, rows = _steps_to_detection(llm, conn, before)
+        bs = H.BLOCK_SIZE
+        _record("sliding-window block reused while in a window", steps, rows,
+                {"HEAD_K_SWA", "TAIL_K_SWA"}, "verify_real_kv_hash",
+                set(range(victim.block_id * bs, (victim.block_id + 1) * bs)), caplog.text)  # fmt: skip
+
+
+def test_fault_table() -> None:
+    """Print the campaign's table (the closing note's)."""
+    if len(RESULTS) < 5:
+        pytest.fail(f"fault tests did not all run: {sorted(RESULTS)}")
+    print("\n| fault | steps to detection | tags | reasons | first row | explain |")
+    print("|---|---|---|---|---|---|")
+    for name, r in RESULTS.items():
+        print(f"| {name} | {r['steps']} | {', '.join(r['tags'])} | {', '.join(r['reasons'])} "
+              f"| {r['first']} | {', '.join(r['explain'])} |")  # fmt: skip

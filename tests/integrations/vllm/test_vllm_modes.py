@@ -1,0 +1,137 @@
+"""What each canary mode does on a real vLLM, and the connector's plumbing (the plugin
+name, options, the refusal of abort mode where vLLM cannot honour it)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import vllm_harness as H
+
+from kvcanary.canary.errors import KVCanaryViolation
+from kvcanary.integrations.vllm.options import parse_options
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 300) for _ in range(n)]
+
+
+def _corrupt_table(llm: object, victim_of: str, thief: str) -> None:
+    """Point ``thief``'s second group-0 block-table entry at ``victim_of``'s (worker side)."""
+    batch = H.worker(llm).model_runner.input_batch
+    table = batch.block_table.block_tables[0].block_table
+    rt = batch.req_id_to_index[H.internal_id(llm, thief)]
+    rv = batch.req_id_to_index[H.internal_id(llm, victim_of)]
+    table.cpu[rt, 1] = table.cpu[rv, 1]
+
+
+def test_options_parse_and_refuse_typos() -> None:
+    opts = parse_options({"mode": "raise", "v_half": "true", "ring_capacity": "64"})
+    assert opts.canary.mode == "raise" and opts.canary.v_half and opts.canary.ring_capacity == 64
+    assert parse_options(None).canary.real_data == "partial"  # vLLM default: fingerprints on
+    with pytest.raises(ValueError, match="unknown key"):
+        parse_options({"moed": "log"})
+    with pytest.raises(ValueError, match="kv-canary"):
+        parse_options({"mode": "bogus"})
+
+
+def test_plugin_registers_the_connector_name() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvcanary.integrations.vllm import CONNECTOR_NAME, register
+
+    register()  # idempotent (vLLM already ran it through the entry point)
+    assert CONNECTOR_NAME in KVConnectorFactory._registry
+    cls = KVConnectorFactory._registry[CONNECTOR_NAME]()
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    assert cls.__name__ == "KVCanaryConnector" and supports_hma(cls)
+
+
+def test_raise_mode_fails_the_step(checkpoints: dict[str, Path]) -> None:
+    with H.vllm_engine(checkpoints["llama"], canary={"mode": "raise"}) as llm:
+        for rid, seed in (("a", 11), ("b", 12)):
+            H.add_request(llm, rid, _prompt(seed, 90), 30)
+        for _ in range(3):
+            H.step(llm)
+        _corrupt_table(llm, "b", "a")
+        with pytest.raises(Exception) as info:
+            H.step(llm)
+        chain, e = [], info.value
+        while e is not None:
+            chain.append(e)
+            e = e.__cause__ or e.__context__
+        assert any(isinstance(x, KVCanaryViolation) or "kv_canary violation" in str(x)
+                   for x in chain), chain  # fmt: skip
+
+
+def test_abort_mode_recompute_repairs_the_request(
+    checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """abort + kv_load_failure_policy=recompute: the violating block goes to vLLM as a KV
+    load error; vLLM drops the step's output of the request holding it and recomputes from
+    that block, so the final output equals a clean run's."""
+    prompt = _prompt(13, 100)
+    with H.vllm_engine(checkpoints["llama"]) as llm:
+        (clean,) = H.generate(llm, [prompt], 30)
+    caplog.set_level(logging.WARNING)
+    with H.vllm_engine(checkpoints["llama"], canary={"mode": "abort", "real_data": "all"},
+                       policy="recompute") as llm:  # fmt: skip
+        H.add_request(llm, "a", prompt, 30)
+        for _ in range(5):
+            H.step(llm)
+        conn = H.connector(llm)
+        block = H.scheduler(llm).kv_cache_manager.get_block_ids(H.internal_id(llm, "a"))[0][1]
+        pool = conn.worker.pools[0]
+        kv, spec = pool.layers[0], pool.spec
+        raw = kv.view(kv.shape[0], -1).view(__import__("torch").uint8)
+        raw[block, spec.head_size * spec.block_size * kv.element_size()] ^= 0xFF  # slot 0 V
+        outputs = []
+        while llm.llm_engine.has_unfinished_requests():
+            outputs += H.step(llm)
+        conn.worker.flush()
+        rows = conn.worker.violations
+    assert rows and all(r.launch_tag == "TAIL_K_FULL" for r in rows)
+    assert "Recovered from KV load failure" in caplog.text
+    (final,) = [o for o in outputs if o.finished]
+    assert list(final.outputs[0].token_ids) == clean
+
+
+def test_abort_mode_fail_policy_fails_only_the_request(checkpoints: dict[str, Path]) -> None:
+    """abort + kv_load_failure_policy=fail (vLLM's default): the request holding the block
+    finishes with an error, the other one completes."""
+    with H.vllm_engine(checkpoints["llama"], canary={"mode": "abort", "real_data": "all"},
+                       policy="fail") as llm:  # fmt: skip
+        for rid, seed in (("a", 14), ("b", 15)):
+            H.add_request(llm, rid, _prompt(seed, 90), 30)
+        for _ in range(3):
+            H.step(llm)
+        conn = H.connector(llm)
+        block = H.scheduler(llm).kv_cache_manager.get_block_ids(H.internal_id(llm, "a"))[0][1]
+        pool = conn.worker.pools[0]
+        kv, spec = pool.layers[0], pool.spec
+        raw = kv.view(kv.shape[0], -1).view(__import__("torch").uint8)
+        raw[block, spec.head_size * spec.block_size * kv.element_size()] ^= 0xFF
+        finished = {}
+        while llm.llm_engine.has_unfinished_requests():
+            for o in H.step(llm):
+                if o.finished:
+                    finished[o.request_id] = o
+    assert set(finished) == {"a", "b"}
+    assert finished["a"].outputs[0].finish_reason == "error", finished["a"]
+    assert len(finished["b"].outputs[0].token_ids) == 30
+    assert finished["b"].outputs[0].finish_reason == "length"
+
+
+def test_abort_mode_is_refused_for_several_kv_cache_groups(checkpoints: dict[str, Path]) -> None:
+    with pytest.raises(Exception) as info, H.vllm_engine(checkpoints["gemma3"],
+                                                         canary={"mode": "abort"}):  # fmt: skip
+        pass
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(str(e))
+        e = e.__cause__ or e.__context__
+    assert any("one KV cache group" in x for x in chain), chain

@@ -1,0 +1,176 @@
+"""Helpers of the vLLM tests: tiny checkpoints, engines with and without the canary
+connector, and handles on vLLM's own state (scheduler, block pool, worker) for faults.
+
+Everything runs in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by ``make
+test-vllm`` and by conftest.py), so the scheduler, the worker and the connector are plain
+objects here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hf_fixtures import make_tiny_hf_checkpoint
+
+BLOCK_SIZE = 32  # the CPU attention backend's block size (16 is raised to 32)
+HEAD_DIM = 32  # vLLM's CPU attention has no kernel for head_dim 16 (hf_fixtures' default)
+WINDOW = 8  # gemma3 fixture: layers S S F S, window 8
+
+
+def make_checkpoint(root: Path, family: str) -> Path:
+    """``llama``: every layer full attention (one KV cache group); ``gemma3``: layers
+    S S F S, window 8 (vLLM's hybrid allocator: one group per layer, three sliding)."""
+    return make_tiny_hf_checkpoint(root, family, head_dim=HEAD_DIM)
+
+
+def canary_transfer_config(*, policy: str | None = None, **options: Any) -> dict[str, Any]:
+    """The ``kv_transfer_config`` naming the canary (its options in the extra config;
+    ``policy``: vLLM's ``kv_load_failure_policy``, what abort mode leads to)."""
+    config: dict[str, Any] = {
+        "kv_connector": "KVCanaryConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"stats_interval": 0, **options},
+    }
+    if policy is not None:
+        config["kv_load_failure_policy"] = policy
+    return config
+
+
+@contextlib.contextmanager
+def vllm_engine(ckpt: Path, *, canary: dict[str, Any] | None = None,
+                num_blocks: int | None = None, max_model_len: int = 512,
+                max_num_seqs: int = 32, policy: str | None = None,
+                **kwargs: Any) -> Iterator[Any]:  # fmt: skip
+    """An offline ``vllm.LLM`` on the tiny checkpoint (fp32, eager, prefix caching on), with
+    the canary connector when ``canary`` is given (its extra config). Shut down on exit, so
+    the next engine starts without the previous one's connector."""
+    from vllm import LLM
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+    kw: dict[str, Any] = dict(
+        model=str(ckpt), skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len,
+        enforce_eager=True, seed=0, block_size=BLOCK_SIZE, enable_prefix_caching=True,
+        max_num_seqs=max_num_seqs, disable_log_stats=True, **kwargs,
+    )  # fmt: skip
+    if num_blocks is not None:
+        kw["num_gpu_blocks_override"] = num_blocks
+    if canary is not None:
+        kw["kv_transfer_config"] = canary_transfer_config(policy=policy, **canary)
+    llm = LLM(**kw)
+    try:
+        yield llm
+    finally:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        ensure_kv_transfer_shutdown()
+        del llm
+        gc.collect()
+
+
+# ------------------------------------------------------------------------ vLLM internals
+
+
+def engine_core(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core
+
+
+def scheduler(llm: Any) -> Any:
+    return engine_core(llm).scheduler
+
+
+def block_pool(llm: Any) -> Any:
+    return scheduler(llm).kv_cache_manager.block_pool
+
+
+def worker(llm: Any) -> Any:
+    return engine_core(llm).model_executor.driver_worker.worker
+
+
+def connector(llm: Any) -> Any:
+    """The worker-side canary connector (the scheduler has its own instance)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
+@dataclass
+class SchedulerTally:
+    """Preemptions and prefix-cache hits the scheduler made (wrapping its own methods)."""
+
+    preemptions: int = 0
+    hit_tokens: list[int] = field(default_factory=list)
+
+
+def tally_scheduler(llm: Any) -> SchedulerTally:
+    sched = scheduler(llm)
+    tally = SchedulerTally()
+    preempt = sched._preempt_request
+
+    def counting_preempt(*args: Any, **kwargs: Any) -> Any:
+        tally.preemptions += 1
+        return preempt(*args, **kwargs)
+
+    sched._preempt_request = counting_preempt
+    manager = sched.kv_cache_manager
+    get_computed = manager.get_computed_blocks
+
+    def counting_hits(request: Any, *args: Any, **kwargs: Any) -> Any:
+        out = get_computed(request, *args, **kwargs)
+        tally.hit_tokens.append(int(out[1]))
+        return out
+
+    manager.get_computed_blocks = counting_hits
+    return tally
+
+
+# ------------------------------------------------------------------------ workloads
+
+
+def shared_prefix_prompts(seed: int, n: int, prefix_len: int, tail: tuple[int, int],
+                          vocab: int = 300) -> list[list[int]]:  # fmt: skip
+    """``n`` prompts: one shared prefix of ``prefix_len`` tokens (prefix-cache hits), then
+    a random tail of ``tail[0]..tail[1]`` tokens."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, vocab) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(1, vocab) for _ in range(rng.randrange(*tail))]
+            for _ in range(n)]  # fmt: skip
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def add_request(llm: Any, rid: str, prompt: list[int], max_tokens: int) -> None:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+
+
+def step(llm: Any) -> list[Any]:
+    return llm.llm_engine.step()
+
+
+def run_until_done(llm: Any, limit: int = 10_000) -> int:
+    steps = 0
+    while llm.llm_engine.has_unfinished_requests() and steps < limit:
+        step(llm)
+        steps += 1
+    return steps
+
+
+def internal_id(llm: Any, rid: str) -> str:
+    """vLLM's request id for the user id ``rid`` (the engine appends a suffix)."""
+    ids = [r for r in scheduler(llm).requests if r == rid or r.startswith(f"{rid}-")]
+    assert len(ids) == 1, (rid, list(scheduler(llm).requests))
+    return ids[0]
