@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import logging
 import sys
 from collections.abc import Iterator, Sequence
@@ -189,6 +190,33 @@ def _cmd_explain(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_vllm(a: argparse.Namespace) -> int:
+    from kvcanary.integrations.vllm.bench import bench_vllm, check_bench_vllm_args
+    from kvcanary.report import emit
+
+    check_bench_vllm_args(a)
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            "kvcanary bench vllm needs vLLM, which this environment lacks: `make test-vllm` "
+            "builds .venv-vllm; run .venv-vllm/bin/kvcanary bench vllm (with "
+            "VLLM_CPU_KVCACHE_SPACE=1 on a CPU-only machine)"
+        )
+    r = bench_vllm(a)
+    summary = {
+        "model": r["model"], "outputs_identical": r["outputs_identical"],
+        **{f"{k}_{side}": r[k][side] for k in ("prefill_tok_s", "decode_tok_s")
+           for side in ("plain", "canary", "overhead_pct")},
+        "plain_decode_step_ms": r["per_step"]["plain_decode_step_ms"],
+        "canary_ms_per_step": r["per_step"]["canary_total_ms"],
+    }  # fmt: skip
+    emit("kvcanary bench vllm (plain vs canary connector)", summary, None)
+    if a.json:
+        from kvcanary.report import write_json
+
+        write_json(a.json, r)
+    return 0 if r["outputs_identical"] else 1
+
+
 def _cmd_bench_serve(a: argparse.Namespace) -> int:
     from kvcanary.bench.serve import BenchServeError, bench_ok, bench_serve
     from kvcanary.report import emit
@@ -343,6 +371,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench.add_argument("--log-level", choices=("debug", "info", "warning"), default=None,
                              help="print kvcanary's log lines at this level to stderr")
     serve_bench.set_defaults(func=_cmd_bench_serve)
+
+    vllm_bench = benches.add_parser(
+        "vllm", help="vLLM with and without the canary connector on one workload, side by "
+                     "side (needs the vLLM venv: make test-vllm builds .venv-vllm)",
+    )  # fmt: skip
+    from kvcanary.integrations.vllm.bench import add_bench_vllm_flags
+
+    add_bench_vllm_flags(vllm_bench)
+    vllm_bench.set_defaults(func=_cmd_bench_vllm)
 
     prealloc = benches.add_parser(
         "prealloc", help="disaggregated decode: admitted concurrency with vs without SWA tail pre-allocation"

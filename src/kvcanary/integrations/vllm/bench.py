@@ -108,20 +108,58 @@ def _serve(args: dict[str, Any], conn: Any) -> None:
             conn.send(gen(1 if cmd == "prefill" else args["output_len"]))
 
 
+def add_bench_vllm_flags(ap: argparse.ArgumentParser) -> None:
+    """The flags of ``kvcanary bench vllm`` (importable without vLLM)."""
+    d = "(default: %(default)s)"
+    ap.add_argument("--model", help="HF checkpoint dir (default: a random tiny Llama)")
+    ap.add_argument("--hidden-size", type=int, default=64, help=f"random Llama: hidden size {d}")
+    ap.add_argument("--num-layers", type=int, default=4, help=f"random Llama: layers {d}")
+    ap.add_argument("--num-prompts", type=int, default=16, help=f"prompts per pass {d}")
+    ap.add_argument("--input-len", type=int, default=128, help=f"tokens per prompt {d}")
+    ap.add_argument("--output-len", type=int, default=64, help=f"new tokens per prompt {d}")
+    ap.add_argument("--block-size", type=int, default=32, help=f"vLLM KV block size {d}")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help=f"alternating passes per engine; the best time counts {d}")
+    ap.add_argument("--canary", default='{"mode": "log"}',
+                    help=f"kv_connector_extra_config of the canary engine, as JSON {d}")
+    ap.add_argument("--json", metavar="OUT", help="also write the result as JSON to OUT")
+
+
+def check_bench_vllm_args(a: argparse.Namespace) -> None:
+    """Bad values: one line naming the flag, the value and what is allowed."""
+    for flag in ("hidden_size", "num_layers", "num_prompts", "input_len", "output_len",
+                 "block_size", "rounds"):  # fmt: skip
+        value = getattr(a, flag)
+        if value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}={value} is invalid: allowed an integer >= 1")
+    if a.output_len < 2:
+        raise ValueError(f"--output-len={a.output_len} is invalid: allowed an integer >= 2")
+    try:
+        canary = json.loads(a.canary)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--canary={a.canary!r} is invalid: allowed a JSON object ({e})") from None
+    if not isinstance(canary, dict):
+        raise ValueError(f"--canary={a.canary!r} is invalid: allowed a JSON object")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="checkpoint dir (default: a random Llama, below)")
-    ap.add_argument("--hidden-size", type=int, default=64, help="random Llama: hidden size")
-    ap.add_argument("--num-layers", type=int, default=4, help="random Llama: layers")
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--canary", default='{"mode": "log"}',
-                    help="kv_connector_extra_config of the canary runs (JSON)")
-    ap.add_argument("--json", metavar="OUT", help="write the result as JSON to OUT")
+    add_bench_vllm_flags(ap)
     a = ap.parse_args(argv)
+    try:
+        check_bench_vllm_args(a)
+    except ValueError as e:
+        ap.error(str(e))
+    result = bench_vllm(a)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if a.json:
+        Path(a.json).write_text(text + "\n")
+    return 0 if result["outputs_identical"] else 1
+
+
+def bench_vllm(a: argparse.Namespace) -> dict[str, Any]:
+    """Run the side-by-side benchmark (see the module doc); the result as a dict."""
     tmp = tempfile.TemporaryDirectory()
     model = a.model or str(write_tiny_llama(Path(tmp.name), a.hidden_size, a.num_layers))
     rng = random.Random(0)
@@ -189,11 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                           "canary_vs_plain_decode_step_pct": round(100 * canary_ms / plain_step_ms, 1)}
     result["seconds"] = {n: {k: [round(x, 4) for x in v] for k, v in t.items()}
                          for n, t in times.items()}  # fmt: skip
-    text = json.dumps(result, indent=1)
-    print(text)
-    if a.json:
-        Path(a.json).write_text(text + "\n")
-    return 0 if result["outputs_identical"] else 1
+    tmp.cleanup()
+    return result
 
 
 if __name__ == "__main__":
