@@ -12,8 +12,10 @@ import pytest
 
 from kvcanary import Engine, EngineConfig, SamplingParams
 from kvcanary.cli import build_parser, main
-from kvcanary.engine.errors import KVPoolTooSmallError
-from kvcanary.engine.pool_check import check_pools, pool_need
+from kvcanary.engine.errors import KVPoolTooSmallError, RequestTooLargeError
+from kvcanary.engine.kv_manager import pool_need
+from kvcanary.engine.pool_check import check_pools
+from kvcanary.engine.request import Req
 from kvcanary.utils import ceil_page
 from kvcanary.workload import WorkloadSpec, make_prompts
 
@@ -138,9 +140,14 @@ def test_pool_bounds_are_exact(model: str, prompt_len: int, new: int, chunk: int
     swa = need.num_swa_tokens
     (out,) = engine(full, swa).generate([[1] * prompt_len], params)
     assert len(out.output_ids) == new
-    tighter = (full - page, 0) if window is None else (full, swa - page)
+    tighter = engine(*((full - page, 0) if window is None else (full, swa - page)))
+    with pytest.raises(RequestTooLargeError):  # admission applies the same bound
+        tighter.add_request([1] * prompt_len, params)
+    # Measured, not assumed: queued past admission, the request really cannot run.
+    tighter.scheduler.waiting.append(Req(rid=1, prompt_ids=[1] * prompt_len, params=params))
     with pytest.raises(KVPoolTooSmallError):
-        engine(*tighter).generate([[1] * prompt_len], params)
+        while tighter.has_unfinished():
+            tighter.step()
 
 
 def test_progress_bar_counts_tokens_and_moves(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvcanary import Engine, EngineConfig, SamplingParams
-from kvcanary.engine.errors import ContextLengthError, KVPoolTooSmallError
+from kvcanary.engine.errors import ContextLengthError, KVPoolTooSmallError, RequestTooLargeError
 from kvcanary.engine.kv_manager import KVManager, KVSpec
 from kvcanary.engine.request import Req
 from kvcanary.engine.stats import KVStats
@@ -146,7 +146,14 @@ def test_context_length_and_pool_size_errors_are_typed() -> None:
     with pytest.raises(ContextLengthError) as e:
         engine.add_request([1] * 100, SamplingParams(max_new_tokens=29))
     assert (e.value.prompt_len, e.value.max_new_tokens, e.value.limit) == (100, 29, 128)
-    engine.add_request([1] * 60, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    # Fits the context, not the pool even alone: refused at admission, nothing queued.
+    with pytest.raises(RequestTooLargeError, match="needs 80 full / 0 SWA KV tokens"):
+        engine.add_request([1] * 60, SamplingParams(max_new_tokens=21))
+    assert not engine.has_unfinished()
+    assert engine.generate([[1] * 8], SamplingParams(max_new_tokens=4))[0].output_ids
+    # The scheduler's own last line of defence, for a request queued past admission.
+    req = Req(rid=999, prompt_ids=[1] * 60, params=SamplingParams(max_new_tokens=21))
+    engine.scheduler.waiting.append(req)
     with pytest.raises(KVPoolTooSmallError, match="max_total_tokens=64"):
         while engine.has_unfinished():
             engine.step()

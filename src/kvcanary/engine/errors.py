@@ -17,6 +17,10 @@ class ContextLengthError(ValueError):
         self.limit = limit
 
 
+class RequestTooLargeError(ValueError):
+    """A request fits the context length but not the KV pools, even running alone."""
+
+
 class KVPoolTooSmallError(RuntimeError):
     """The KV pools cannot hold one request even alone: no retry fixes it, only a larger
     ``max_total_tokens`` / ``swa_full_tokens_ratio`` or a shorter request."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -37,7 +38,26 @@ from kvcanary.memory import host_pool
 from kvcanary.memory.base import KVPool, PageAllocator, PrefixCache, WindowedAllocator
 from kvcanary.memory.radix_cache import RadixCache, RadixNode
 from kvcanary.memory.req_to_token import ReqToTokenPool
-from kvcanary.utils import cdiv, floor_page
+from kvcanary.utils import cdiv, ceil_page, floor_page
+
+
+class PoolNeed(NamedTuple):
+    num_full_tokens: int
+    num_swa_tokens: int  # 0: no SWA pool
+
+
+def pool_need(
+    prompt_len: int, max_new_tokens: int, chunked_prefill_size: int, page_size: int,
+    window: int | None,
+) -> PoolNeed:  # fmt: skip
+    """The smallest pools one request of ``prompt_len`` + ``max_new_tokens`` runs in alone
+    (measured bounds: :mod:`kvcanary.engine.pool_check`)."""
+    full = ceil_page(prompt_len + max_new_tokens - 1, page_size)
+    if window is None:
+        return PoolNeed(full, 0)
+    chunk = prompt_len if chunked_prefill_size <= 0 else min(chunked_prefill_size, prompt_len)
+    prefill = ceil_page(chunk, page_size) + (window if chunk < prompt_len else 0)
+    return PoolNeed(full, max(prefill, window + 2 * page_size))
 
 
 @dataclass(frozen=True)
@@ -90,6 +110,12 @@ class KVManager:
     # ------------------------------------------------------------------ sizes
     def available(self) -> int:
         return self.allocator.available_size()
+
+    def pool_sizes(self) -> tuple[int, int]:
+        """(full, SWA) pool tokens; SWA 0 without sliding layers."""
+        if self._windowed is not None:
+            return self._windowed.size_full, self._windowed.size_swa
+        return self.allocator.size, 0
 
     def swa(self) -> WindowedAllocator:
         """The SWA allocator (only windowed code paths ask)."""
@@ -156,11 +182,11 @@ class KVManager:
         slots for ``[prefix_len, fill_len)``; ``swa_tail_len`` > 0: the SWA pool gets only
         that page-aligned window tail (tail pre-allocation). False with nothing taken (the
         prefix lock stays the caller's) when either pool is short even after evicting."""
+        if prefix_len and prefix_slots is None:
+            raise ValueError(f"preallocate: prefix_len={prefix_len} without prefix_slots")
         pool = self.req_to_token_pool
         row = pool.alloc(1)[0]
-        if prefix_len:
-            if prefix_slots is None:
-                raise ValueError(f"preallocate: prefix_len={prefix_len} without prefix_slots")
+        if prefix_len and prefix_slots is not None:
             pool.write(row, 0, prefix_slots)
         last_loc = int(self.req_to_token[row, prefix_len - 1]) if prefix_len else -1
         last = torch.tensor([last_loc], dtype=torch.int64)

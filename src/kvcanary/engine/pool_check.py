@@ -16,9 +16,10 @@ where ``chunk = min(chunked_prefill_size, prompt)``.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from kvcanary.config import EngineConfig
+from kvcanary.engine.kv_manager import pool_need
 from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.model.loader import load_model_config
 from kvcanary.utils import ceil_page, floor_page
@@ -26,24 +27,6 @@ from kvcanary.utils import ceil_page, floor_page
 if TYPE_CHECKING:
     from kvcanary.engine.engine import Engine
     from kvcanary.workload import WorkloadSpec
-
-
-class PoolNeed(NamedTuple):
-    num_full_tokens: int
-    num_swa_tokens: int  # 0: no SWA pool
-
-
-def pool_need(
-    prompt_len: int, max_new_tokens: int, chunked_prefill_size: int, page_size: int,
-    window: int | None,
-) -> PoolNeed:  # fmt: skip
-    """The smallest pools one request of ``prompt_len`` + ``max_new_tokens`` runs in alone."""
-    full = ceil_page(prompt_len + max_new_tokens - 1, page_size)
-    if window is None:
-        return PoolNeed(full, 0)
-    chunk = prompt_len if chunked_prefill_size <= 0 else min(chunked_prefill_size, prompt_len)
-    prefill = ceil_page(chunk, page_size) + (window if chunk < prompt_len else 0)
-    return PoolNeed(full, max(prefill, window + 2 * page_size))
 
 
 def check_pools(
@@ -66,6 +49,8 @@ def check_pools(
     if window is None or num_swa_tokens >= need.num_swa_tokens:
         return
     min_total = ceil_page(math.ceil(need.num_swa_tokens / swa_full_tokens_ratio), page_size)
+    while floor_page(int(min_total * swa_full_tokens_ratio), page_size) < need.num_swa_tokens:
+        min_total += page_size  # the SWA pool is floored to whole pages: the value must be enough
     fixes = [f"--max-total-tokens to {min_total} or more"]
     min_ratio = math.ceil(need.num_swa_tokens / num_full_tokens * 1000) / 1000  # shown rounded up
     while floor_page(int(num_full_tokens * min_ratio), page_size) < need.num_swa_tokens:

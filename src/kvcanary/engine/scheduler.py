@@ -24,10 +24,10 @@ from collections.abc import Callable
 import torch
 
 from kvcanary.config import EngineConfig
-from kvcanary.engine.errors import ContextLengthError, KVPoolTooSmallError
+from kvcanary.engine.errors import ContextLengthError, KVPoolTooSmallError, RequestTooLargeError
 from kvcanary.engine.forward_batch import ForwardBatch, ForwardMode
 from kvcanary.engine.graph_runner import GraphRunner
-from kvcanary.engine.kv_manager import KVManager, KVSpec
+from kvcanary.engine.kv_manager import KVManager, KVSpec, pool_need
 from kvcanary.engine.model_runner import ModelRunner
 from kvcanary.engine.request import Req
 from kvcanary.engine.sampling import oracle_token, record_logprobs, sample_batch
@@ -73,6 +73,15 @@ class Scheduler:
                 f"({req.params.max_new_tokens}) exceeds max_context_len={limit}",
                 prompt_len=req.seq_len, max_new_tokens=req.params.max_new_tokens, limit=limit,
             )  # fmt: skip
+        need = pool_need(req.seq_len, req.params.max_new_tokens, self.config.chunked_prefill_size,
+                         self.config.page_size, self.kv.spec.window)  # fmt: skip
+        full, swa = self.kv.pool_sizes()
+        if need.num_full_tokens > full or need.num_swa_tokens > swa:
+            raise RequestTooLargeError(
+                f"request {req.rid}: prompt ({req.seq_len}) + max_new_tokens "
+                f"({req.params.max_new_tokens}) needs {need.num_full_tokens} full / "
+                f"{need.num_swa_tokens} SWA KV tokens even alone; the pools hold {full} / {swa}"
+            )
         self.waiting.append(req)
 
     def adopt(self, req: Req) -> None:

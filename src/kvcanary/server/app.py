@@ -16,7 +16,8 @@ Every error uses OpenAI's shape, ``{"error": {"message", "type", "param", "code"
     422 invalid_request_error   a framework-validated parameter is malformed
     500 server_error            the engine failed this request (or a server bug)
     503 server_overloaded       more than max_running_requests + max_queued_requests in
-                                flight (Retry-After header), or the engine loop is down
+                                flight (Retry-After header)
+    503 server_error            code engine_unavailable: the engine loop is down
 
 A streaming client that disconnects aborts its request(s): the engine frees their KV.
 """

@@ -10,8 +10,9 @@ drains its inbox, calls ``engine.add_request`` / ``engine.step()`` and resolves 
 
 Contracts:
 * A request the engine rejects (``ValueError``: empty prompt, ids out of vocab, prompt too
-  long for the context; a text prompt for a model without a tokenizer) fails only its own
-  future, with :class:`InvalidRequestError`; the loop keeps serving everything else.
+  long for the context, too large for the KV pools even alone; a text prompt for a model
+  without a tokenizer) fails only its own future, with :class:`InvalidRequestError`; the
+  loop keeps serving everything else.
 * A failing ``engine.step()`` (an engine bug, ``--kv-canary raise``) stops the loop: every
   pending and queued future fails with that error, later submits fail at once, and
   ``alive`` turns False (the engine's state can no longer be trusted).
@@ -177,10 +178,11 @@ class EngineLoop:
 
     def _put(self, item: Any, fut: Future[Any]) -> None:
         with self._lock:
-            if self._closed:
-                fut.set_exception(self._stopped_error())
-            else:
+            closed = self._closed
+            if not closed:
                 self._inbox.put(item)
+        if closed:  # outside the lock: fut's done callbacks (_resolved) take it
+            fut.set_exception(self._stopped_error())
 
     def _stopped_error(self) -> EngineLoopStopped:
         why = f"engine failed: {type(self.error).__name__}: {self.error}" if self.error else "stopped"
@@ -282,21 +284,27 @@ class EngineLoop:
             self.engine.canary.flush()  # idle: report what a delayed pump has not read yet
 
     def _progress(self, sub: Submission, output_ids: list[int],
-                  logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> None:  # fmt: skip
-        """Advance ``sub``'s text over ``output_ids``; tell its stream what is new."""
+                  logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> str | None:  # fmt: skip
+        """Advance ``sub``'s text over ``output_ids``; tell its stream what is new. Returns
+        the finish reason sent: ``"stop"`` when finishing the text matched a stop string."""
         new_ids = output_ids[sub.num_ids_sent :]
         new_lps = None if logprobs is None else logprobs[sub.num_ids_sent :]
         sub.num_ids_sent = len(output_ids)
-        text = sub.text.update(output_ids) if finish_reason is None else sub.text.finish(output_ids)
+        if finish_reason is None:
+            text = sub.text.update(output_ids)
+        else:
+            text = sub.text.finish(output_ids)
+            finish_reason = "stop" if sub.text.stopped else finish_reason
         if sub.on_progress is not None and (text or new_ids or finish_reason):
             sub.on_progress(Progress(text, new_ids, new_lps, finish_reason))
+        return finish_reason
 
     def _finish(self, sub: Submission, out: RequestOutput) -> None:
         self._pending.pop(sub.rid, None)
         sub.started = True
-        reason = "stop" if sub.text.stopped else out.finish_reason
-        if not sub.text.stopped:
-            self._progress(sub, out.output_ids, out.logprobs, reason)
+        reason: str = "stop"
+        if not sub.text.stopped:  # finishing the text may still match a stop string
+            reason = self._progress(sub, out.output_ids, out.logprobs, out.finish_reason) or ""
         elif sub.on_progress is not None:
             sub.on_progress(Progress("", [], [] if out.logprobs is not None else None, reason))
         self.stats.num_prompt_tokens += len(out.prompt_ids)
