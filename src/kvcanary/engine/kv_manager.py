@@ -12,8 +12,12 @@ pairs of nano-vllm's block manager and vLLM v1's ``KVCacheManager``::
     release(req, insert)       give everything back (finished: into the prefix cache)
     retract(req)               release a running request (its KV saved to the host first
                                with host offload); restore() loads it on readmission
+    preallocate(req, ...)      a row + KV reserved for a transfer (disagg decode side)
     quarantine(full, swa, reqs) never hand out corrupt slots again; drop the requests
                                that reference them and free what nothing holds any more
+
+``pool_need`` is the sizing rule admission applies: the smallest pools one request runs in
+alone (a larger request is refused up front, never half-run).
 
 There is no separate ``can_extend``: allocators change nothing when they fail, so an
 allocation is its own exact check (``extend`` returns False / ``extend_decode`` None with
