@@ -101,6 +101,10 @@ class KVManager:
             )
         self.allocator = allocator
         self._windowed = windowed
+        full = allocator if windowed is None else windowed.full_attn_allocator
+        if not isinstance(full, PageAllocator):
+            raise TypeError(f"kv manager: {type(full).__name__} has no page flags")
+        self._full_pages: PageAllocator = full  # page flags of the full pool (abort reclaim)
         self.req_to_token_pool = req_to_token_pool
         self.req_to_token = req_to_token_pool.req_to_token
         self.kv_pool = kv_pool
@@ -440,10 +444,7 @@ class KVManager:
         the slot a corrupt req->token entry orphaned. Never a page a live row or the prefix
         cache holds. SWA pools: then every allocated SWA page no full slot maps to."""
         p, alloc, swa = self.spec.page_size, self.allocator, self._windowed
-        full = swa.full_attn_allocator if swa is not None else alloc
-        if not isinstance(full, PageAllocator):
-            raise TypeError(f"kv manager: {type(full).__name__} has no page flags")
-        pages = torch.nonzero(full.page_allocated).reshape(-1)
+        pages = torch.nonzero(self._full_pages.page_allocated).reshape(-1)
         alloc.free(pages[~torch.isin(pages, self._referenced_slots(running) // p)] * p)
         if swa is not None:
             mapping = swa.full_to_swa_index_mapping[:-1]

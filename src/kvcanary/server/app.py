@@ -217,15 +217,8 @@ def create_app(
         req = P.parse_completion(await _json_body(request, max_body_bytes), model)
         if not req.stream:
             return R.completion_response(await run(req), model, decode)
-        cid, now = R.new_id("cmpl"), int(time.time())
+        chunk = R.stream_chunker("cmpl", "text_completion", model, req.include_usage)
         sent = [0] * req.n
-
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-            out = {"id": cid, "object": "text_completion", "created": now, "model": model,
-                   "choices": choices, **extra}  # fmt: skip
-            if req.include_usage:
-                out.setdefault("usage", None)
-            return out
 
         def render(i: int, p: Progress) -> list[dict[str, Any]]:
             lps = R.completion_logprobs(p.logprobs, decode, sent[i])
@@ -243,14 +236,7 @@ def create_app(
         req = P.parse_chat(await _json_body(request, max_body_bytes), model, engine.tokenizer)
         if not req.stream:
             return R.chat_response(await run(req), model, decode)
-        cid, now = R.new_id("chatcmpl"), int(time.time())
-
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-            out = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": model,
-                   "choices": choices, **extra}  # fmt: skip
-            if req.include_usage:
-                out.setdefault("usage", None)
-            return out
+        chunk = R.stream_chunker("chatcmpl", "chat.completion.chunk", model, req.include_usage)
 
         def render(i: int, p: Progress) -> list[dict[str, Any]]:
             delta = {"content": p.text} if p.text or p.finish_reason is None else {}

@@ -23,6 +23,24 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def stream_chunker(
+    id_prefix: str, object_name: str, model: str, include_usage: bool
+) -> Callable[..., dict[str, Any]]:
+    """``chunk(choices, **extra)``: one SSE chunk of a stream, all sharing one id and
+    creation time; with ``stream_options.include_usage`` every chunk carries ``usage``
+    (None until the final one)."""
+    cid, now = new_id(id_prefix), int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        out = {"id": cid, "object": object_name, "created": now, "model": model,
+               "choices": choices, **extra}  # fmt: skip
+        if include_usage:
+            out.setdefault("usage", None)
+        return out
+
+    return chunk
+
+
 def usage(outs: Sequence[RequestOutput]) -> dict[str, Any]:
     """The prompt counts once (as OpenAI counts it for ``n`` choices)."""
     prompt = len(outs[0].prompt_ids)

@@ -29,6 +29,16 @@ class TextStream:
 
     def update(self, output_ids: Sequence[int]) -> str:
         """Release what ``output_ids`` (the whole output so far) adds; sets ``stopped``."""
+        return self._advance(output_ids, final=False)
+
+    def finish(self, output_ids: Sequence[int]) -> str:
+        """The request ended (stop token, length, abort): release everything left (unless a
+        stop string already ended it; a stop string in the tail still cuts it)."""
+        return self._advance(output_ids, final=True)
+
+    def _advance(self, output_ids: Sequence[int], final: bool) -> str:
+        """Decode, cut at the first stop string; otherwise hold back a possible stop-string
+        prefix, unless ``final``."""
         if self.stopped:
             return ""
         decoded = self._decode(output_ids)
@@ -36,19 +46,7 @@ class TextStream:
         if cut is not None:
             self.stopped = True
             return self._release(decoded[:cut])
-        return self._release(decoded[: len(decoded) - self._held(decoded)])
-
-    def finish(self, output_ids: Sequence[int]) -> str:
-        """The request ended (stop token, length, abort): release everything left (unless a
-        stop string already ended it; a stop string in the tail still cuts it)."""
-        if self.stopped:
-            return ""
-        decoded = self._decode(output_ids)
-        cut = self._stop_at(decoded)
-        if cut is not None:
-            self.stopped = True
-            decoded = decoded[:cut]
-        return self._release(decoded)
+        return self._release(decoded if final else decoded[: len(decoded) - self._held(decoded)])
 
     def _release(self, upto: str) -> str:
         if not upto.startswith(self.text) or len(upto) <= len(self.text):
