@@ -192,8 +192,11 @@ def test_contiguous_buf_infos() -> None:
 def test_state_buf_infos() -> None:
     pool, _ = make()
     states = pool.compress_state_pools[4].buffers + pool.compress_state_pools[128].buffers
-    bufs = pool.swa_kv_pool.buffers + states
+    bufs = pool.swa_kv_pool.buffers + states + pool.indexer_compress_state_pool.buffers
     ptrs, lens, items = pool.get_state_buf_infos()
     assert ptrs == [b.data_ptr() for b in bufs] and lens == [b.nbytes for b in bufs]
-    assert items == [HEAD_DIM * 2 * P] * 5 + [8 * 4 * HEAD_DIM * 4] * 2 + [128 * 2 * HEAD_DIM * 4]
+    assert items == (
+        [HEAD_DIM * 2 * P] * 5 + [8 * 4 * HEAD_DIM * 4] * 2 + [128 * 2 * HEAD_DIM * 4]
+        + [8 * 4 * INDEXER_DIM * 4] * 2
+    )
     assert all(n == i * 3 for n, i in zip(lens, items, strict=True))  # 2 SWA pages + sink

@@ -12,7 +12,8 @@ indexed by, its SWA side the latent pool's rows. Index spaces (``P = page_size``
     SWA slot s = mapping[f]
       latent row s       SWA page k  = rows [k*P, (k+1)*P)
       state row          (s // P) * ring + s % ring                  <-> SWA page k
-                         (ring = 8 for C4, 128 for C128: one ring per SWA page)
+                         (ring = 8 for C4, 128 for C128: one ring per SWA page; the C4
+                         lightning indexer has its own ring pool, same rows)
 
 so full page ids double as compressed page ids and SWA page ids as compress-state ring
 ids. Page 0 of every sub-pool is the reserved sink (full page 0 -> compressed page 0,
@@ -20,9 +21,18 @@ SWA slot 0 -> SWA page 0 -> ring 0), so padded writes land there harmlessly.
 
 Storage is flat rows ``[num_rows, dim]`` per layer (a paged view is
 ``buf.view(-1, rows_per_page, dim)``). Latent KV is K only (it serves as V too).
-Compress states are ``[rows, 2 * (1 + overlap) * head_dim]`` in ``state_dtype``: the kv half
-starts at 0, the score half at −inf (an empty ring contributes no weight); overlap = 1
-for C4, 0 for C128.
+Compress states are ``[rows, 2 * (1 + overlap) * dim]`` in ``state_dtype`` (``dim`` =
+``head_dim``, or ``indexer_head_dim`` for the indexer's ring): the kv half starts at 0, the
+score half at −inf (an empty ring contributes no weight); overlap = 1 for C4, 0 for C128.
+
+The ring contract (what the compressors and the canary's state groups agree on): row
+``state_loc(s)`` of SWA slot ``s`` holds the raw (kv, score) state of the token at that slot,
+written once when the token is processed and left alone until a later token of the same
+ring overwrites it. Only a request's *live tail* is ever read: with ``L`` tokens
+committed, positions ``[L - (L % 4 + 4), L)`` for C4 (the open window and, for the
+overlap, the window before it) and ``[L - L % 128, L)`` for C128 (the open window). Those
+rows are distinct and all hold their own token's state, because the last ``ring``
+positions of a request map to distinct rows.
 """
 
 from __future__ import annotations
@@ -129,7 +139,11 @@ class DSV4KVPool(BaseSWAKVPool):
             )
             for r in (4, 128)
         }
-        for state_pool in self.compress_state_pools.values():
+        # The C4 lightning indexer's compressor keeps its own (overlap) ring per C4 layer.
+        self.indexer_compress_state_pool = latent(
+            num_swa_pages, STATE_RING_SIZE[4], 2 * 2 * indexer_head_dim, count[4], state_dtype
+        )
+        for state_pool in (*self.compress_state_pools.values(), self.indexer_compress_state_pool):
             for buf in state_pool.buffers:
                 buf[:, buf.shape[1] // 2 :] = float("-inf")
 
@@ -153,10 +167,18 @@ class DSV4KVPool(BaseSWAKVPool):
         return full_loc.to(torch.int64) // self._compressed(layer_id).ratio
 
     def state_loc(self, layer_id: int, swa_loc: torch.Tensor) -> torch.Tensor:
-        """Compress-state row of SWA slot ``swa_loc``: one ring per SWA page."""
+        """Compress-state row of SWA slot ``swa_loc`` (attention and indexer rings alike):
+        one ring per SWA page."""
         ring = STATE_RING_SIZE[self._compressed(layer_id).ratio]
         swa_loc = swa_loc.to(torch.int64)
         return (swa_loc // self.page_size) * ring + swa_loc % ring
+
+    @staticmethod
+    def state_tail_len(ratio: int, seq_len: int) -> int:
+        """Length of the live tail of a ``ratio`` ring after ``seq_len`` tokens (module doc)."""
+        if ratio == 4:
+            return min(seq_len, seq_len % 4 + 4)
+        return seq_len % ratio
 
     # ------------------------------------------------------------ buffers
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
@@ -174,6 +196,10 @@ class DSV4KVPool(BaseSWAKVPool):
     def get_state_buffer(self, layer_id: int) -> torch.Tensor:
         entry = self._compressed(layer_id)
         return self.compress_state_pools[entry.ratio].buffers[entry.index_in_pool]
+
+    def get_indexer_state_buffer(self, layer_id: int) -> torch.Tensor:
+        """The C4 layer's lightning-indexer compress-state ring (rows: :meth:`state_loc`)."""
+        return self.indexer_compress_state_pool.buffers[self._compressed(layer_id, 4).index_in_pool]
 
     def set_kv_buffer(
         self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None
@@ -201,9 +227,10 @@ class DSV4KVPool(BaseSWAKVPool):
         return _concat_infos([p.buf_infos() for p in parts])
 
     def get_state_buf_infos(self) -> BufInfos:
-        """SWA latent buffers (item = one SWA page), then C4 and C128 compress states
-        (item = one ring of ``ring_size`` rows, i.e. one SWA page's state)."""
-        parts = [self.swa_kv_pool, *self.compress_state_pools.values()]
+        """SWA latent buffers (item = one SWA page), then C4, C128 and C4-indexer compress
+        states (item = one ring of ``ring_size`` rows, i.e. one SWA page's state)."""
+        parts = [self.swa_kv_pool, *self.compress_state_pools.values(),
+                 self.indexer_compress_state_pool]  # fmt: skip
         return _concat_infos([p.buf_infos() for p in parts])
 
 
