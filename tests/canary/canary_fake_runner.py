@@ -49,6 +49,9 @@ class StoreKVModel:
         for sub, ratio in ((pool.c4_kv_pool, 4), (pool.c4_indexer_kv_pool, 4),
                            (pool.c128_kv_pool, 128)):  # fmt: skip
             out += [(b, loc // ratio) for b in sub.buffers]
+        for ring in (*pool.compress_state_pools.values(), pool.indexer_compress_state_pool):
+            rows = (swa // pool.page_size) * ring.rows_per_page + swa % ring.rows_per_page
+            out += [(b, rows) for b in ring.buffers]  # each token's raw state in its ring row
         return out
 
 

@@ -79,7 +79,8 @@ def test_dsv4_pool_covers_swa_and_every_compressed_sub_pool() -> None:
     pool = dsv4()
     groups = attach_canary_buffers(pool, opts())
     kinds = {g.kind: g for g in groups}
-    assert list(kinds) == [PoolKind.SWA, PoolKind.C4, PoolKind.INDEXER, PoolKind.C128]
+    assert list(kinds) == [PoolKind.SWA, PoolKind.C4, PoolKind.INDEXER, PoolKind.C128,
+                           PoolKind.C4_STATE, PoolKind.C128_STATE, PoolKind.INDEXER_STATE]
     assert all(not g.has_v_half for g in groups)  # latent KV is K only
     assert kinds[PoolKind.SWA].num_slots == pool.swa_kv_pool.num_slots
     assert kinds[PoolKind.SWA].swa_index_lut is pool.full_to_swa_index_mapping
@@ -93,11 +94,23 @@ def test_dsv4_pool_covers_swa_and_every_compressed_sub_pool() -> None:
         lut = g.swa_index_lut
         assert lut is not None and torch.equal(lut[:-1], torch.arange(lut.shape[0] - 1) // ratio)
         assert int(lut[:-1].max()) < g.num_slots
+    for kind, sub, ratio, ring in (
+        (PoolKind.C4_STATE, pool.compress_state_pools[4], 4, 8),
+        (PoolKind.C128_STATE, pool.compress_state_pools[128], 128, 128),
+        (PoolKind.INDEXER_STATE, pool.indexer_compress_state_pool, 4, 8),
+    ):
+        g = kinds[kind]
+        assert g.state_ring is not None and g.swa_index_lut is pool.full_to_swa_index_mapping
+        assert (g.num_slots, g.page_size, g.state_ring.ratio, g.state_ring.ring_size,
+                g.state_ring.overlap, g.state_ring.swa_page_size) == (
+            sub.num_slots, ring, ratio, ring, ratio == 4, 128)  # fmt: skip
+        assert not g.sweepable and not g.per_position
 
 
 def test_dsv4_without_compressed_layers_has_only_the_swa_group() -> None:
     groups = attach_canary_buffers(dsv4((0, 0, 4)), opts())
-    assert [g.kind for g in groups] == [PoolKind.SWA, PoolKind.C4, PoolKind.INDEXER]
+    assert [g.kind for g in groups] == [PoolKind.SWA, PoolKind.C4, PoolKind.INDEXER,
+                                        PoolKind.C4_STATE, PoolKind.INDEXER_STATE]
     (only,) = attach_canary_buffers(dsv4((0, 0)), opts())
     assert only.kind == PoolKind.SWA
 
@@ -168,9 +181,15 @@ def test_dsv4_buf_infos_wrap_every_covered_sub_pool() -> None:
     assert items[0] == 32 * (128 // 4) and items[-1] == 32 * 1  # one compressed page
     state_ptrs, _, state_items = pool.get_state_buf_infos()
     swa_g = g[PoolKind.SWA]
-    states = [b for sp in pool.compress_state_pools.values() for b in sp.buffers]
-    assert state_ptrs == _ptrs([swa_g.k_head, *pool.swa_kv_pool.buffers, swa_g.k_tail, *states])
+    wrapped = [swa_g.k_head, *pool.swa_kv_pool.buffers, swa_g.k_tail]
+    for kind, sub in ((PoolKind.C4_STATE, pool.compress_state_pools[4]),
+                      (PoolKind.C128_STATE, pool.compress_state_pools[128]),
+                      (PoolKind.INDEXER_STATE, pool.indexer_compress_state_pool)):  # fmt: skip
+        wrapped += [g[kind].k_head, *sub.buffers, g[kind].k_tail]
+    assert state_ptrs == _ptrs(wrapped)
     assert state_items[0] == 32 * 128
+    c4_ring = len(pool.swa_kv_pool.buffers) + 2  # the C4 ring's HEAD records: one ring per item
+    assert state_items[c4_ring] == 32 * 8
 
 
 # ------------------------------------------------------------------ host-copy sidecars

@@ -53,7 +53,7 @@ def test_sglang_launch_tags_are_wire_exact() -> None:
         assert launch_tag(kind, stage, half) == tag
         assert tag.name == f"{stage.name}_{half.name}_{kind.name}"
     assert launch_tag(PoolKind.SWA, LaunchStage.TAIL, KvHalf.K) == CanaryLaunchTag.TAIL_K_SWA
-    assert NUM_LAUNCH_TAGS == 30
+    assert NUM_LAUNCH_TAGS == 48
     with pytest.raises(ValueError):
         split_launch_tag(NUM_LAUNCH_TAGS)
 

@@ -8,8 +8,11 @@
                          SWA:  swa_kv_pool, K+V, LUT = full_to_swa_index_mapping, window W
     DSV4KVPool           SWA:  swa_kv_pool (latent, K only), LUT = the mapping, window W
                          C4 / INDEXER / C128: c4_kv_pool / c4_indexer_kv_pool / c128_kv_pool,
-                         K only, one record per compressed row (full slot // ratio); only
-                         for sub-pools that have layers (SGLang covers the SWA part only)
+                         K only, one record per compressed row (full slot // ratio)
+                         C4_STATE / C128_STATE / INDEXER_STATE: the compress-state rings
+                         (compress_state_pools[4] / [128], indexer_compress_state_pool),
+                         one record per ring row, rows addressed by SWA page (.state_plan)
+                         Only sub-pools that have layers (SGLang covers the SWA part only).
 
 Attaching also (1) splices the groups' record buffers into the pool's buf-infos
 (:mod:`.splice`) and (2) registers them as slot sidecars of their sub-pool
@@ -36,7 +39,8 @@ import torch
 from kvcanary.canary.buffers import CanaryBufferGroup, allocate_group, real_kv_sources
 from kvcanary.canary.constants import PoolKind, RealKvHashMode
 from kvcanary.canary.splice import Segment, patch_buf_infos
-from kvcanary.memory.dsv4_pool import DSV4KVPool
+from kvcanary.canary.state_plan import StateRing
+from kvcanary.memory.dsv4_pool import DSV4KVPool, LatentKVPool
 from kvcanary.memory.mha_pool import MHAKVPool
 from kvcanary.memory.swa_pool import SWAKVPool
 
@@ -188,8 +192,7 @@ def _attach_dsv4(pool: DSV4KVPool, options: AttachOptions) -> list[CanaryBufferG
     lut, window = _lut(pool), _window(pool, options)
     offset = options.kv_token_id_vs_position_offset
 
-    def latent_group(kind: PoolKind, name: str, **extra: object) -> CanaryBufferGroup:
-        sub = _sub_pool(pool, name)
+    def latent_group(kind: PoolKind, name: str, sub: LatentKVPool, **extra: object) -> CanaryBufferGroup:
         bufs = _layers(f"DSV4KVPool.{name}", sub.buffers)
         return allocate_group(
             kind, sub_pool=name, num_slots=sub.num_slots, page_size=sub.rows_per_page,
@@ -198,24 +201,40 @@ def _attach_dsv4(pool: DSV4KVPool, options: AttachOptions) -> list[CanaryBufferG
             kv_token_id_vs_position_offset=offset, **extra,
         )  # fmt: skip
 
-    swa_group = latent_group(PoolKind.SWA, "swa_kv_pool", swa_index_lut=lut, window=window)
+    def wrap(group: CanaryBufferGroup, sub: LatentKVPool) -> Segment:
+        return Segment(len(sub.buffers), group.k_head, group.k_tail, group.page_size)
+
+    swa_group = latent_group(PoolKind.SWA, "swa_kv_pool", pool.swa_kv_pool, swa_index_lut=lut,
+                             window=window)  # fmt: skip
     groups = [swa_group]
     contiguous: list[Segment] = []
+    state: list[Segment] = [wrap(swa_group, pool.swa_kv_pool)]
     full_slots = torch.arange(lut.shape[0], device=lut.device)
     for kind, name, ratio in _DSV4_COMPRESSED:
         sub = _sub_pool(pool, name)
         if not sub.buffers:  # no layer of this ratio: nothing to protect, nothing to splice
             continue
-        group = latent_group(kind, name, swa_index_lut=full_slots // ratio,
+        group = latent_group(kind, name, sub, swa_index_lut=full_slots // ratio,
                              compression_ratio=ratio)  # fmt: skip
         groups.append(group)
-        contiguous.append(Segment(len(sub.buffers), group.k_head, group.k_tail, group.page_size))
+        contiguous.append(wrap(group, sub))
+    # Compress-state rings, in get_state_buf_infos order: one ring per SWA page.
+    rings = [
+        (PoolKind.C4_STATE, "compress_state_pools[4]", pool.compress_state_pools[4], 4),
+        (PoolKind.C128_STATE, "compress_state_pools[128]", pool.compress_state_pools[128], 128),
+        (PoolKind.INDEXER_STATE, "indexer_compress_state_pool",
+         pool.indexer_compress_state_pool, 4),
+    ]  # fmt: skip
+    for kind, name, sub, ratio in rings:
+        if not sub.buffers:
+            continue
+        ring = StateRing(ratio, sub.rows_per_page, "swa_page", overlap=ratio == 4,
+                         swa_page_size=pool.page_size)  # fmt: skip
+        group = latent_group(kind, name, sub, swa_index_lut=lut, state_ring=ring)
+        groups.append(group)
+        state.append(wrap(group, sub))
     patch_buf_infos(pool, "get_contiguous_buf_infos", contiguous)
-    patch_buf_infos(
-        pool, "get_state_buf_infos",
-        [Segment(len(pool.swa_kv_pool.buffers), swa_group.k_head, swa_group.k_tail,
-                 swa_group.page_size)],
-    )  # fmt: skip
+    patch_buf_infos(pool, "get_state_buf_infos", state)
     # Host copies (host_pool) do not cover DSV4 pools, so there is no sidecar to register.
     return groups
 

@@ -9,7 +9,8 @@ independent copy of every request's hash chain and neither overwrites the other:
     group (kind, sub-pool)        k_head  k_tail  [v_head  v_tail]   32 B per slot each
       slot index space            the sub-pool's own rows; full slots are translated
                                   through ``swa_index_lut`` (SWA: the full->SWA mapping;
-                                  compressed kinds: full slot // compression_ratio)
+                                  compressed kinds: full slot // compression_ratio;
+                                  state kinds: ring rows, :mod:`.state_plan`)
 
 Buffers are allocated zeroed (slot 0 = reserved padding, never verified) and owned by the
 group; the pool only carries them along (host copies, buf-info transfers).
@@ -34,6 +35,7 @@ from kvcanary.canary.constants import (
 )
 from kvcanary.canary.real_kv import RealKvSource, resolve_read_bytes
 from kvcanary.canary.records import alloc_canary_buffer
+from kvcanary.canary.state_plan import StateRing
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,6 +56,9 @@ class CanaryBufferGroup:
     # record position = block index, token = the block's last token.
     compression_ratio: int = 1
     kv_token_id_vs_position_offset: int = 0  # 1 for draft pools (slot p holds token p + 1)
+    # Compress-state kinds: the ring layout (one record per ring row; planned by
+    # :mod:`.state_plan`, ``swa_index_lut`` = the full->SWA mapping for swa_page rings).
+    state_ring: StateRing | None = None
 
     @property
     def num_slots(self) -> int:
@@ -69,8 +74,15 @@ class CanaryBufferGroup:
 
     @property
     def sweepable(self) -> bool:
-        """Compressed groups summarise blocks of positions; a radix sweep covers the others."""
-        return self.compression_ratio == 1
+        """Compressed groups summarise blocks of positions and state rings hold only a live
+        tail; a radix sweep covers the others."""
+        return self.per_position
+
+    @property
+    def per_position(self) -> bool:
+        """One record per position of the request's history (FULL, SWA): row-planned on the
+        CPU, residency-checked, store-checked."""
+        return self.compression_ratio == 1 and self.state_ring is None
 
     def launch_tags(self, stages: Sequence[LaunchStage], v_half: bool) -> list[CanaryLaunchTag]:
         """The tags this group launches in ``stages`` (K, plus V when launched)."""

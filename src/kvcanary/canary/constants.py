@@ -21,8 +21,9 @@ Two fail reasons are kvcanary's own (bits 6 and 7; SGLang defines bits 0..5):
   is the fingerprint of the pool's bytes, ``expected_aux`` that of the bytes attention stored.
 
 Launch tags are ``kind * 6 + stage * 2 + half``; SGLang defines kinds FULL and SWA (tags
-0..11). kvcanary adds the DeepSeek-V4-style compressed sub-pools as kinds 2..4 (tags 12..29),
-which never appear in SGLang logs and leave tags 0..11 untouched.
+0..11). kvcanary adds the DeepSeek-V4-style compressed sub-pools as kinds 2..4 (tags 12..29)
+and their compress-state rings as kinds 5..7 (tags 30..47), which never appear in SGLang
+logs and leave tags 0..11 untouched.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class PoolKind(IntEnum):
     C4 = 2  # kvcanary: DSV4 compressed ratio-4 sub-pool
     C128 = 3  # kvcanary: DSV4 compressed ratio-128 sub-pool
     INDEXER = 4  # kvcanary: DSV4 C4 lightning-indexer sub-pool
+    # kvcanary: DSV4 compress-state rings (one record per ring row: the token whose raw
+    # compressor state the row holds; only the live tail is verified, see .state_plan)
+    C4_STATE = 5  # the C4 compressor's ring
+    C128_STATE = 6  # the C128 compressor's ring
+    INDEXER_STATE = 7  # the C4 lightning indexer's compressor ring
 
 
 class LaunchStage(IntEnum):
@@ -124,6 +130,24 @@ class CanaryLaunchTag(IntEnum):
     TAIL_V_INDEXER = 27
     SWEEP_K_INDEXER = 28
     SWEEP_V_INDEXER = 29
+    HEAD_K_C4_STATE = 30
+    HEAD_V_C4_STATE = 31
+    TAIL_K_C4_STATE = 32
+    TAIL_V_C4_STATE = 33
+    SWEEP_K_C4_STATE = 34
+    SWEEP_V_C4_STATE = 35
+    HEAD_K_C128_STATE = 36
+    HEAD_V_C128_STATE = 37
+    TAIL_K_C128_STATE = 38
+    TAIL_V_C128_STATE = 39
+    SWEEP_K_C128_STATE = 40
+    SWEEP_V_C128_STATE = 41
+    HEAD_K_INDEXER_STATE = 42
+    HEAD_V_INDEXER_STATE = 43
+    TAIL_K_INDEXER_STATE = 44
+    TAIL_V_INDEXER_STATE = 45
+    SWEEP_K_INDEXER_STATE = 46
+    SWEEP_V_INDEXER_STATE = 47
 
 
 NUM_LAUNCH_TAGS = len(CanaryLaunchTag)

@@ -12,7 +12,8 @@ and fail reasons and by slot, and each row is matched to the cause its signature
     write_token                                            wrong_input_token (sampler/scheduler
                                                            fed another request's token)
     real_kv_hash only, stored chain == expected            kv_byte_corruption (SWEEP tags only:
-                                                           cached_kv_byte_corruption)
+                                                           cached_kv_byte_corruption; *_STATE
+                                                           tags: compress_state_corruption)
     chain_hash with expected_aux = 0                       never_written_predecessor
     chain_hash only (position and token match)             req_to_token_remap / stale reuse
     position (+chain), stored record all zero              unwritten_slot (page-table shift,
@@ -26,6 +27,11 @@ and fail reasons and by slot, and each row is matched to the cause its signature
     verify_not_resident, SWA tags                          premature_window_eviction
     verify_not_resident, FULL tags                         missing_slot
     write_kv_store                                         lost_kv_store
+
+Tags name their pool kind: FULL and SWA (SGLang's), C4 / C128 / INDEXER (DeepSeek-V4
+compressed rows: ``slot_idx`` is the compressed row, ``position`` the block index) and
+C4_STATE / C128_STATE / INDEXER_STATE (compressor rings: ``slot_idx`` is the ring row,
+``position`` the token whose raw state the row holds). Slots are grouped per kind.
 """
 
 from __future__ import annotations
@@ -35,7 +41,12 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcanary.canary.constants import FAIL_REASON_LABELS, LEGACY_FAIL_REASON_LABELS, FailReason
+from kvcanary.canary.constants import (
+    FAIL_REASON_LABELS,
+    LEGACY_FAIL_REASON_LABELS,
+    FailReason,
+    split_launch_tag,
+)
 from kvcanary.canary.violation import (
     VIOLATION_LINE_PREFIX,
     ViolationRecord,
@@ -74,6 +85,12 @@ CAUSES: dict[str, str] = {
     "kv_byte_corruption": "the real KV bytes changed after they were written while token, "
     "position and chain are intact: byte corruption of the KV (a stray write, a copy or "
     "transfer that landed on the wrong pages without its record)",
+    "compress_state_corruption": "the raw compressor state of a token still waiting for its "
+    "compression window (a DeepSeek-V4 compress-state ring row in the live tail) changed "
+    "after it was written, while its record is intact: a stray write into the ring, a "
+    "compressor that stored a token's state into another token's row, or a transfer that "
+    "moved SWA pages without their rings; the next compressed entry will be computed from "
+    "the wrong state",
     "cached_kv_byte_corruption": "bytes of cached-but-unused KV changed (only the radix sweep "
     "saw it: no running request read them): corruption in the prefix cache or an "
     "offload/restore path",
@@ -108,6 +125,14 @@ class ParsedViolation:
     @property
     def tag(self) -> str:
         return launch_tag_name(self.record.launch_tag)
+
+    @property
+    def kind(self) -> str:
+        """The pool kind of the tag (``SWA``, ``C4_STATE`` ...), or the tag when unknown."""
+        try:
+            return split_launch_tag(self.record.launch_tag)[0].name
+        except ValueError:
+            return self.tag
 
     @property
     def reasons(self) -> str:
@@ -177,6 +202,11 @@ def classify(v: ParsedViolation) -> tuple[str, str]:
             f"{r.expected_token}"
         )
     chain_intact = r.stored_chain_hash == r.expected_aux
+    if bits == _REAL_KV and chain_intact and v.kind.endswith("_STATE"):
+        return "compress_state_corruption", (
+            f"{v.tag}: ring row {r.slot_idx} (the raw state of position {r.position}) changed "
+            f"after it was written; stored chain == expected ({_hex(r.expected_aux)})"
+        )
     if bits == _REAL_KV and chain_intact:
         cause = "cached_kv_byte_corruption" if v.tag.startswith("SWEEP_") else "kv_byte_corruption"
         return cause, (
@@ -228,7 +258,7 @@ def explain(text: str) -> dict[str, Any]:
     causes: dict[str, _Cause] = {}
     for v in rows:
         groups[(v.tag, v.reasons)].append(v)
-        slots[(v.tag.rsplit("_", 1)[-1], v.record.slot_idx)].append(v)
+        slots[(v.kind, v.record.slot_idx)].append(v)
         name, evidence = classify(v)
         c = causes.setdefault(name, _Cause(name, example=v.line))
         c.count += 1
@@ -269,7 +299,7 @@ def explain(text: str) -> dict[str, Any]:
 def _hints(rows: list[ParsedViolation]) -> list[str]:
     """Observations across rows that sharpen the per-row causes."""
     hints = []
-    kinds = Counter(v.tag.rsplit("_", 1)[-1] for v in rows if v.record.fail_reason & (_CHAIN | _POSITION))
+    kinds = Counter(v.kind for v in rows if v.record.fail_reason & (_CHAIN | _POSITION))
     if kinds and set(kinds) == {"SWA"}:
         hints.append(
             "chain/position violations only on SWA tags, none on FULL: the full-pool view is "

@@ -113,8 +113,9 @@ class CanaryManager:
             delay = 0 if device.type == "cpu" else 1
         self.pump = ViolationPump(self.runtime.ring, delay)
         self.reporter = ViolationReporter(
-            config.mode, {g.kind: g.compression_ratio for g in groups}
-        )
+            config.mode, {g.kind: g.compression_ratio for g in groups},
+            {g.kind: g.state_ring for g in groups if g.state_ring is not None},
+        )  # fmt: skip
         self.abort_handler: AbortHandler | None = None
         self.aborted_request_ids: list[int] = []
         self.step = 0  # forwards completed (after_forward calls)

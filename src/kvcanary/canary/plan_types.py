@@ -190,11 +190,16 @@ class CanaryPlans(NamedTuple):
     attention reads that have no slot (FULL: req->token entry 0; SWA: full->SWA mapping 0
     inside ``[prefix_len - window + 1, prefix_len)``), each a ``verify_not_resident``
     violation; None when there are none (or the check is off, e.g. compressed groups).
+
+    ``tail_verify``: what TAIL verifies when it differs from HEAD's ``verify`` (compress-state
+    rings, :mod:`.state_plan`: rows this forward took over are not verified after it);
+    None: TAIL verifies ``verify`` again.
     """
 
     verify: VerifyPlan | RowVerifyPlan
     write: WritePlan | HostWritePlan
     holes: torch.Tensor | np.ndarray | None = None
+    tail_verify: VerifyPlan | None = None
 
 
 def long_or_none(t: torch.Tensor | None) -> torch.Tensor | None:

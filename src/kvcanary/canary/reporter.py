@@ -22,6 +22,7 @@ import torch
 
 from kvcanary.canary.constants import FailReason, PoolKind, split_launch_tag
 from kvcanary.canary.errors import KVCanaryViolation
+from kvcanary.canary.state_plan import StateRing
 from kvcanary.canary.violation import (
     ViolationRecord,
     fail_reason_labels,
@@ -52,9 +53,11 @@ class ImplicatedSlots(NamedTuple):
 
 
 class ViolationReporter:
-    def __init__(self, mode: str, compression_ratios: dict[PoolKind, int]):
+    def __init__(self, mode: str, compression_ratios: dict[PoolKind, int],
+                 state_rings: dict[PoolKind, StateRing] | None = None):  # fmt: skip
         self.mode = mode
         self.compression_ratios = compression_ratios
+        self.state_rings = state_rings or {}
         self.rows: list[CanaryViolationRow] = []
         self.raised = False
         self._full: set[int] = set()
@@ -98,6 +101,13 @@ class ViolationReporter:
             self._swa.add(r.slot_idx)
         elif kind == PoolKind.FULL:
             self._full.add(r.slot_idx)
+        elif kind in self.state_rings:  # a ring row: the SWA page that owns the ring
+            ring = self.state_rings[kind]
+            if ring.addressing == "swa_page":
+                page = r.slot_idx // ring.ring_size
+                self._swa.update(range(page * ring.swa_page_size,
+                                       (page + 1) * ring.swa_page_size))  # fmt: skip
+            # request-addressed rings (SGLang's C128) name no slot: nothing to quarantine
         else:  # a compressed row summarises `ratio` consecutive full slots
             ratio = self.compression_ratios.get(kind, 1)
             self._full.update(range(r.slot_idx * ratio, (r.slot_idx + 1) * ratio))

@@ -8,13 +8,15 @@ first two, ``after_forward`` the last two)::
                                 (holes: positions attention reads that have no slot)
     -- the host's forward: attention reads the verified prefix, writes this forward's KV --
     post_ops_maybe_inside_graph per group: verify TAIL -> write TAIL           (K, then V)
-                                (TAIL fingerprints the live KV: real-data modes)
+                                (TAIL fingerprints the live KV: real-data modes; state
+                                rings verify only the rows this forward left alone)
     post_ops_outside_graph      host only: warn when a verify plan overflowed
 
 The "maybe inside graph" part is pure tensor work on the forward batch's tensors (a
 static-shape replay canaries the current batch; padding rows and slot 0 contribute
 nothing). Each group is planned once per forward; HEAD and TAIL share the plan, so TAIL
-verifies exactly what HEAD verified, now against the post-forward KV. On the CPU (numba
+verifies exactly what HEAD verified, now against the post-forward KV (compress-state rings:
+less, the rows the forward took over for new tokens are skipped). On the CPU (numba
 backend) the plans are row plans (:mod:`.row_plan`) in per-group scratch, read from numpy
 views of the batch: a decode step re-verifies every prefix, and the materialised plans'
 tensor work cost several times the checks themselves.
@@ -42,6 +44,7 @@ from kvcanary.canary.plan_inputs import (
 )
 from kvcanary.canary.ring import RunCounters, ViolationRing
 from kvcanary.canary.row_plan import HostInputs, RowPlanner
+from kvcanary.canary.state_plan import build_state_plans
 from kvcanary.canary.store_check import StoreChecker, StoreWatch
 from kvcanary.canary.swa_divergence import VerifyTotals
 
@@ -100,7 +103,7 @@ class SingleForwardManager:
             self._planners = [
                 RowPlanner(verify_capacity=capacity, window=g.window, lut=g.swa_index_lut,
                            kv_token_id_vs_position_offset=g.kv_token_id_vs_position_offset,
-                           check_residency=g.compression_ratio == 1)
+                           check_residency=g.per_position)
                 for g, capacity in zip(runtime.groups, runtime.verify_capacities, strict=True)
             ]  # fmt: skip
         self._req_to_token: tuple[torch.Tensor, np.ndarray] | None = None
@@ -129,7 +132,7 @@ class SingleForwardManager:
         inputs: PlanInputs | None = None  # the others', made once
         all_plans = []
         for i, group in enumerate(rt.groups):
-            if self._planners is not None and group.compression_ratio == 1:
+            if self._planners is not None and group.per_position:
                 if host is None:
                     host = self._host_inputs(fb, expected_inputs)
                 plans = self._planners[i].plan(host)
@@ -154,8 +157,13 @@ class SingleForwardManager:
         return all_plans
 
     def _plan_inputs(self, i: int, group: CanaryBufferGroup, inputs: PlanInputs) -> CanaryPlans:
-        """Plans of group ``i`` from PlanInputs: other devices, and compressed groups (whose
-        inputs are derived per forward)."""
+        """Plans of group ``i`` from PlanInputs: other devices, compressed groups (whose
+        inputs are derived per forward) and compress-state rings (:mod:`.state_plan`)."""
+        if group.state_ring is not None:
+            return build_state_plans(
+                inputs, group.state_ring, group.swa_index_lut,
+                kv_token_id_vs_position_offset=group.kv_token_id_vs_position_offset,
+            )  # fmt: skip
         if group.compression_ratio > 1:
             inputs = compress_plan_inputs(inputs, group.compression_ratio)
         if self._planners is not None:
@@ -165,7 +173,7 @@ class SingleForwardManager:
             lut=group.swa_index_lut,
             kv_token_id_vs_position_offset=group.kv_token_id_vs_position_offset,
             backend=self.rt.config.backend,  # type: ignore[arg-type]
-            check_residency=group.compression_ratio == 1,
+            check_residency=group.per_position,
         )  # fmt: skip
 
     def _host_inputs(
@@ -204,9 +212,12 @@ class SingleForwardManager:
     def _launch(self, group: CanaryBufferGroup, stage: LaunchStage, plans: CanaryPlans) -> None:
         rt = self.rt
         backend = rt.config.backend
+        verify_plan = plans.verify
+        if stage == LaunchStage.TAIL and plans.tail_verify is not None:
+            verify_plan = plans.tail_verify
         for tag, records, sources, watch in self._launches[id(group), stage]:
             kernels.verify(
-                records, plans.verify, rt.ring, tag, real_kv_sources=sources,
+                records, verify_plan, rt.ring, tag, real_kv_sources=sources,
                 check_token=rt.config.verify_tokens, counters=rt.verify_counters,
                 backend=backend,  # type: ignore[arg-type]
             )  # fmt: skip

@@ -147,7 +147,7 @@ class StoreChecker:
         watches = [
             StoreWatch(int(launch_tag(g.kind, LaunchStage.TAIL, half)),
                        g.records(LaunchStage.TAIL, half), g.real_kv_sources(LaunchStage.TAIL, half))
-            for g in groups if g.compression_ratio == 1
+            for g in groups if g.per_position
             for half in g.halves(v_half) if g.real_kv_sources(LaunchStage.TAIL, half)
         ]  # fmt: skip
         return StoreChecker(watches)
