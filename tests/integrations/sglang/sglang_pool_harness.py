@@ -338,7 +338,12 @@ class DSV4Serving(Serving):
     are indexed by, full slot // ratio). Per layer: the SWA latent through
     ``set_swa_key_buffer`` (SWA slots); compressed layers, for every block of ``ratio``
     positions the forward completes, one compressed row through ``set_extra_key_buffer``
-    and (C4) one indexer row through ``set_index_k_scale_buffer``."""
+    and (C4) one indexer row through ``set_index_k_scale_buffer``; and each token's raw
+    compressor state (kv, score) into its ring row through SGLang's own
+    ``translate_from_swa_loc_to_state_loc`` (C4 and indexer rings, per SWA page) /
+    ``translate_from_req_position_to_state_loc`` (C128, per request) and
+    ``set_state_by_state_loc``, as its compressors do: a request's last ``ring_size`` tokens
+    of the forward (earlier ones would be overwritten within the forward anyway)."""
 
     @classmethod
     def make(cls, *, config: CanaryConfig, window: int = 128, full: int = 2048,
@@ -350,7 +355,10 @@ class DSV4Serving(Serving):
         page = 256
         pool = DeepSeekV4TokenToKVPool(
             max_num_reqs=4, swa_size=swa, c4_size=full // 4, c128_size=full // 128,
-            c4_state_pool_size=4, c128_state_pool_size=4, page_size=page, swa_page_size=page,
+            # the C4 rings are addressed per SWA page (SGLang's pool configurator: swa tokens
+            # // page * ring); C128's are request-scoped and sized from max_num_reqs
+            c4_state_pool_size=swa // page * 8, c128_state_pool_size=0, page_size=page,
+            swa_page_size=page,
             dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
             c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64,
             indexer_head_dim=128, layer_num=len(DSV4_RATIOS), device=DEVICE,
@@ -361,6 +369,7 @@ class DSV4Serving(Serving):
                                           dtype=torch.float8_e4m3fn, device=DEVICE,
                                           kvcache=pool, need_sort=False)  # fmt: skip
         kw.setdefault("max_context", 1024)
+        kw["max_reqs"] = pool.num_req_slots - 1  # the request-scoped rings cover these rows
         return cls(pool, alloc, page_size=page, config=config, window=window, **kw)
 
     def pack(self, n: int) -> Any:
@@ -380,6 +389,7 @@ class DSV4Serving(Serving):
             self.pool.set_swa_key_buffer(lid, swa_loc, self.pack(n))
             if ratio == 0:
                 continue
+            self.store_states(fb, lid, swa_loc)
             # the tokens that complete a block: its compressed row (full slot // ratio)
             done = [i for i, p in enumerate(positions) if p % ratio == ratio - 1]
             if not done:
@@ -393,6 +403,34 @@ class DSV4Serving(Serving):
                     self.kv(len(done), 128, dtype=torch.float8_e4m3fn),
                     torch.rand(len(done), 1, generator=self.gen),
                 )
+
+    def store_states(self, fb: Any, lid: int, swa_loc: torch.Tensor) -> None:
+        from sglang.srt.mem_cache.deepseek_v4_compress_state import KVAndScore
+
+        req = torch.repeat_interleave(fb.req_pool_indices, self.extend_lens(fb))
+        states = [self.pool.get_attention_compress_states(lid)]
+        if DSV4_RATIOS[lid] == 4:
+            states.append(self.pool.get_indexer_compress_states(lid))
+        for state in states:
+            # the last ring_size tokens of each request in this forward (distinct rows)
+            keep = torch.ones_like(req, dtype=torch.bool)
+            ring = state.ring_size
+            if req.shape[0] > ring:
+                keep[:-ring] = req[:-ring] != req[ring:]
+            if state.request_scoped:
+                loc = state.translate_from_req_position_to_state_loc(req, fb.positions.clone())
+            else:
+                loc = state.translate_from_swa_loc_to_state_loc(swa_loc.clone())
+            half = state.kv_score_buffer.kv_score.shape[1] // 2
+            value = KVAndScore.from_kv_score(kv=self.kv(int(keep.sum()), half),
+                                             score=self.kv(int(keep.sum()), half))  # fmt: skip
+            state.set_state_by_state_loc(loc[keep], value)
+
+    @staticmethod
+    def extend_lens(fb: Any) -> torch.Tensor:
+        if fb.extend_seq_lens is not None:
+            return fb.extend_seq_lens
+        return torch.ones_like(fb.req_pool_indices)
 
     def evict(self, work: list[tuple[Req, int]]) -> None:
         SWAServing.evict(self, work)  # type: ignore[arg-type]

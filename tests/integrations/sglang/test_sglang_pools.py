@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 from sglang_pool_harness import (
+    DSV4_RATIOS,
     DSV4Serving,
     MHAServing,
     Req,
@@ -91,15 +92,18 @@ def test_clean_run_mha_swa(name: str) -> None:
         assert int((s.pool.full_to_swa_index_mapping[:-1] == 0).sum()) > 0
 
 
+DSV4_KINDS = ["SWA", "C4", "INDEXER", "C128", "C4_STATE", "INDEXER_STATE", "C128_STATE"]
+
+
 def test_clean_run_dsv4_every_sub_pool() -> None:
     s = DSV4Serving.make(config=CONFIG)
     assert s.canary is not None
-    assert [g.kind.name for g in s.canary.groups] == ["SWA", "C4", "INDEXER", "C128"]
+    assert [g.kind.name for g in s.canary.groups] == DSV4_KINDS
     assert all(g.real_kv_sources_k for g in s.canary.groups)
     s.run_session(lengths=(300, 520, 140), chunk=260, decode_steps=5)
     assert _rows(s) == []
     stats = s.canary.stats()
-    for kind in ("SWA", "C4", "INDEXER", "C128"):
+    for kind in DSV4_KINDS:
         for tag in (f"HEAD_K_{kind}", f"TAIL_K_{kind}"):
             assert stats["verify_entries_by_tag"][tag] > 0, tag
             assert stats["write_entries_by_tag"][tag] > 0, tag
@@ -121,6 +125,20 @@ def test_records_ride_in_sglang_buf_infos() -> None:
     assert state[0] == swa.k_head.data_ptr() and state[len(d.pool.swa_kv_pool.kv_buffer) + 1] \
         == swa.k_tail.data_ptr()  # fmt: skip
     assert contiguous[0] == _group(d, PoolKind.C4).k_head.data_ptr()
+    # the rings: C4 and indexer in the state buf-infos (one ring per item), C128 in the
+    # request-state buf-infos, each wrapped by its group's records
+    state_ptrs, _, state_items = d.pool.get_state_buf_infos()
+    at = len(d.pool.swa_kv_pool.kv_buffer) + 2
+    c4 = _group(d, PoolKind.C4_STATE)
+    c4_rings = [p for p in d.pool.compress_state_pools if p is not None and p.ratio == 4]
+    assert state_ptrs[at] == c4.k_head.data_ptr() and state_items[at] == 32 * 8
+    assert state_ptrs[at + 1] == c4_rings[0].kv_score_buffer.kv_score.data_ptr()
+    assert state_ptrs[at + 1 + len(c4_rings)] == c4.k_tail.data_ptr()
+    assert state_ptrs[-1] == _group(d, PoolKind.INDEXER_STATE).k_tail.data_ptr()
+    req_ptrs, _, req_items = d.pool.get_request_state_buf_infos()
+    c128 = _group(d, PoolKind.C128_STATE)
+    assert (req_ptrs[0], req_ptrs[-1], req_items[0]) == (
+        c128.k_head.data_ptr(), c128.k_tail.data_ptr(), 32 * 128)  # fmt: skip
 
 
 # ---------------------------------------------------------------------- corruptions
@@ -290,6 +308,68 @@ def test_dsv4_sub_pool_detects_each_corruption(sub_pool: str) -> None:
         }
         if what != "slot_table":  # a row's bytes / record belong to one sub-pool only
             assert not others, others
+
+
+def _ring_of(s: DSV4Serving, kind: PoolKind) -> Any:
+    layer = DSV4_RATIOS.index(128 if kind == PoolKind.C128_STATE else 4)
+    if kind == PoolKind.INDEXER_STATE:
+        return s.pool.get_indexer_compress_states(layer)
+    return s.pool.get_attention_compress_states(layer)
+
+
+def _ring_row(s: DSV4Serving, state: Any, req: Req, position: int) -> int:
+    if state.request_scoped:
+        loc = state.translate_from_req_position_to_state_loc(torch.tensor([req.row]),
+                                                             torch.tensor([position]))  # fmt: skip
+    else:
+        swa = s.pool.full_to_swa_index_mapping[torch.tensor([req.slots[position]])]
+        loc = state.translate_from_swa_loc_to_state_loc(swa)
+    return int(loc[0])
+
+
+@pytest.mark.parametrize("kind", [PoolKind.C4_STATE, PoolKind.INDEXER_STATE, PoolKind.C128_STATE])
+def test_dsv4_compress_state_ring_detects_each_corruption(kind: PoolKind) -> None:
+    """Each compress-state ring of SGLang's pool (rows located with SGLang's own
+    translate functions): a byte of a live-tail row (the ring's first layer, the
+    fingerprinted one), a row's record, the state of one token stored into another token's
+    row, and (SWA-page rings) the full->SWA mapping that locates the ring."""
+    cases = ["kv_bytes", "record", "misdirected_store"]
+    if kind != PoolKind.C128_STATE:
+        cases.append("slot_table")
+    for what in cases:
+        s, (a, b) = _dsv4_setup()  # a: 265 tokens; C4 tail 260..264, C128 tail 256..264
+        state = _ring_of(s, kind)
+        position = a.kv_len - 3  # 262: live in every ring, and stays live one more step
+        row = _ring_row(s, state, a, position)
+        rows = state.kv_score_buffer.kv_score
+        tag, reason, stored = f"TAIL_K_{kind.name}", "verify_real_kv_hash", position
+        if what == "kv_bytes":
+            _flip(rows[row])
+        elif what == "record":
+            _record(_group(s, kind), row)[1] += 1000
+            tag, reason, stored = f"HEAD_K_{kind.name}", "verify_position", position + 1000
+        elif what == "misdirected_store":  # 263's state also landed in 262's row
+            rows[row] = rows[_ring_row(s, state, a, position + 1)]
+        else:  # 262's SWA slot now maps to b's last position: the ring follows the mapping
+            mapping = s.pool.full_to_swa_index_mapping
+            mapping[a.slots[position]] = mapping[b.slots[b.kv_len - 1]]
+            tag, reason, stored = f"HEAD_K_{kind.name}", "verify_position", b.kv_len - 1
+        _step(s, [a, b])
+        _assert_reported(s, tag, reason, stored)
+        if what in ("kv_bytes", "record", "misdirected_store"):  # this ring's rows only
+            assert {r.launch_tag for r in _rows(s)} <= {f"HEAD_K_{kind.name}",
+                                                      f"TAIL_K_{kind.name}"}  # fmt: skip
+
+
+def test_dsv4_dead_ring_rows_are_not_verified() -> None:
+    """A row outside every live tail (position 100 of a 265-token request: its C4 and
+    C128 windows compressed long ago) may hold anything: no false positive."""
+    s, (a, b) = _dsv4_setup()
+    for kind in (PoolKind.C4_STATE, PoolKind.INDEXER_STATE, PoolKind.C128_STATE):
+        state = _ring_of(s, kind)
+        _flip(state.kv_score_buffer.kv_score[_ring_row(s, state, a, 100)])
+    _step(s, [a, b])
+    assert _rows(s) == []
 
 
 @pytest.mark.parametrize("pool", ["mha", "swa"])

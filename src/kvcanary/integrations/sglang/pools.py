@@ -13,18 +13,26 @@ it by the pool's type, exactly as for kvcanary's own pools::
                                  C4:      kv_pools[4]     one record per row (full slot // 4)
                                  INDEXER: index_pools[4]  one record per row (full slot // 4)
                                  C128:    kv_pools[128]   one record per row (full slot // 128)
+                                 C4_STATE:      compress_state_pools[l] of the C4 layers
+                                 INDEXER_STATE: indexer_compress_state_pools[l] (C4 layers)
+                                   rings addressed by SWA page: row = (swa // swa_page_size)
+                                   * ring + swa % ring (ring 8), SGLang's
+                                   translate_from_swa_loc_to_state_loc
+                                 C128_STATE:    compress_state_pools[l] of the C128 layers,
+                                   request-scoped: row = req_pool_idx * 128 + position % 128
+                                   (online C128: one running row per request, ring 1)
 
 Real-KV fingerprints read the live bytes of the chosen layers: MHA rows whole (``[H, D]``
 of ``store_dtype``); DeepSeek-V4 pages hold ``page_size`` tokens of 576 data bytes (448 fp8
 nope + 64 bf16 rope) followed by the per-token fp8 scales (8 bytes, not fingerprinted: not a
 multiple of 16), the indexer ``page_size`` x 128 fp8 bytes followed by 4-byte scales (same).
 
-Not covered: DeepSeek-V4 compress-state rings (``compress_state_pools``,
-``indexer_compress_state_pools``). They are running accumulators of the block being
-compressed, rewritten by every token until the block completes (then dead or reused), so
-there is no write-once content for a record to bind; their buf-info entries pass through
-the splice unchanged. What they produce lands in the C4 / C128 / indexer rows, which are
-fingerprinted from the forward that completes the block on.
+Compress-state rows hold one token's raw compressor state (kv, score; fp32), written when
+the token is processed and read back only while the token is in the live tail (the open
+compression window, plus the previous one for the overlapping C4): one record per row
+binds it to that token's position and chain, and real-KV fingerprints cover the row's
+bytes (see :mod:`kvcanary.canary.state_plan`). Transfers carry the records: the state
+buf-infos (page-scoped C4 rings) and the request-state buf-infos (C128) are spliced too.
 
 Refused with a one-line error naming what is supported: another SGLang version, another
 pool class (subclasses included: FP4 / MXFP8 / page-major MHA, HiSparse C4 ...), an MHA
@@ -49,10 +57,12 @@ from kvcanary.canary.buffers import CanaryBufferGroup, allocate_group, real_kv_s
 from kvcanary.canary.constants import PoolKind, RealKvHashMode
 from kvcanary.canary.real_kv import RealKvSource, resolve_read_bytes
 from kvcanary.canary.splice import Segment, patch_buf_infos
+from kvcanary.canary.state_plan import StateRing
 
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
 SUPPORTED_POOLS = ("MHATokenToKVPool", "SWAKVPool", "DeepSeekV4TokenToKVPool")
-_BUF_INFO_METHODS = ("get_contiguous_buf_infos", "get_state_buf_infos")
+_BUF_INFO_METHODS = ("get_contiguous_buf_infos", "get_state_buf_infos",
+                     "get_request_state_buf_infos")  # fmt: skip
 # DeepSeek-V4 (V4 layout) page bytes per token before the scales: 448 fp8 + 64 bf16.
 DSV4_DATA_BYTES_PER_TOKEN = 576
 
@@ -132,6 +142,11 @@ def _check_dsv4(pool: Any) -> None:
             ("uniform FP8 (trtllm)", bool(getattr(pool, "uniform_fp8", False))),
             (f"the {pool.kv_layout} layout", pool.kv_layout is not KVLayout.V4),
             ("ratio-1/2 layers", bool(set(pool.compression_ratios) - {0, 4, 128})),
+            ("online C128 MTP draft banks", any(
+                getattr(p, "online_mtp_max_draft_tokens", 0)
+                for p in (*pool.compress_state_pools, *pool.indexer_compress_state_pools)
+                if p is not None
+            )),
         ) if is_bad
     ]  # fmt: skip
     if bad or pool.swa_kv_pool is None:
@@ -279,11 +294,53 @@ def _attach_dsv4(pool: Any, options: AttachOptions) -> list[CanaryBufferGroup]:
                                 compression_ratio=ratio)  # fmt: skip
             groups.append(group)
             contiguous.append(Segment(len(bufs), group.k_head, group.k_tail, group.page_size))
+    state = [Segment(len(swa.kv_buffer), swa_group.k_head, swa_group.k_tail, swa_group.page_size)]
+    request_state: list[Segment] = []
+    for kind, name, pools, segments in (
+        (PoolKind.C4_STATE, "compress_state_pools", _state_pools(pool.compress_state_pools, 4),
+         state),
+        (PoolKind.INDEXER_STATE, "indexer_compress_state_pools",
+         _state_pools(pool.indexer_compress_state_pools, 4), state),
+        (PoolKind.C128_STATE, "compress_state_pools",
+         _state_pools(pool.compress_state_pools, 128), request_state),
+    ):  # fmt: skip
+        if not pools:
+            continue
+        group = _state_group(kind, name, pools, lut, options)
+        groups.append(group)
+        segments.append(Segment(len(pools), group.k_head, group.k_tail, group.page_size))
     patch_buf_infos(pool, "get_contiguous_buf_infos", contiguous)
-    patch_buf_infos(pool, "get_state_buf_infos",
-                    [Segment(len(swa.kv_buffer), swa_group.k_head, swa_group.k_tail,
-                             swa_group.page_size)])  # fmt: skip
+    # SGLang's state buf-infos: SWA layers, then page-scoped attention rings (the C4 layers:
+    # C128 is request-scoped), then the indexer rings; request-state: the C128 rings.
+    patch_buf_infos(pool, "get_state_buf_infos", state)
+    if request_state:
+        patch_buf_infos(pool, "get_request_state_buf_infos", request_state)
     return groups
+
+
+def _state_pools(pools: list[Any], ratio: int) -> list[Any]:
+    """The compress-state pools of the ``ratio`` layers, in layer order."""
+    return [p for p in pools if p is not None and p.ratio == ratio]
+
+
+def _state_group(kind: PoolKind, name: str, pools: list[Any], lut: torch.Tensor,
+                 options: AttachOptions) -> CanaryBufferGroup:  # fmt: skip
+    first = pools[0]
+    if first.request_scoped:
+        ring = StateRing(first.ratio, first.ring_size, "request")
+    else:
+        ring = StateRing(first.ratio, first.ring_size, "swa_page", overlap=first.ratio == 4,
+                         swa_page_size=int(first.swa_page_size))  # fmt: skip
+    tensors = [p.kv_score_buffer.kv_score for p in pools]
+    what = f"DeepSeekV4TokenToKVPool.{name}[C{first.ratio}]"
+    return allocate_group(
+        kind, sub_pool=name, num_slots=int(tensors[0].shape[0]), page_size=first.ring_size,
+        device=tensors[0].device, with_v=False,
+        real_kv_sources_k=real_kv_sources(tensors, options.real_kv_mode,
+                                          options.real_data_layers, what),
+        swa_index_lut=None if first.request_scoped else lut, state_ring=ring,
+        kv_token_id_vs_position_offset=options.kv_token_id_vs_position_offset,
+    )  # fmt: skip
 
 
 register_pool_attacher(MHATokenToKVPool, _attach_mha)
