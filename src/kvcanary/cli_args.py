@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import typing
 from collections.abc import Iterator
 from typing import Any, TypeVar
@@ -85,7 +86,9 @@ def add_engine_flags(p: argparse.ArgumentParser, with_canary: bool = True) -> No
                    help="builtin:tiny-swa | builtin:tiny-swa-all | builtin:tiny-mha | path to a HF model directory (default: %(default)s)")
     if with_canary:
         add_dataclass_flags(p, CanaryConfig)
-    p.add_argument("--page-size", type=int, default=_E("page_size"), help="KV page size in tokens (default: %(default)s)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help=f"KV page size in tokens (default: {_E('page_size')}, or a multiple of it that "
+                        "every compression ratio of a DeepSeek-V4 model divides: 128 for builtin:tiny-dsv4)")
     p.add_argument("--max-total-tokens", type=int, default=_E("max_total_tokens"),
                    help="full KV pool size in tokens (default: %(default)s)")
     p.add_argument("--swa-full-tokens-ratio", type=float, default=_E("swa_full_tokens_ratio"),
@@ -103,12 +106,20 @@ def add_engine_flags(p: argparse.ArgumentParser, with_canary: bool = True) -> No
                    help="seeds weights of builtin models, sampling and the workload (default: %(default)s)")
 
 
+def default_page_size(model: str) -> int:
+    """The page size a model gets when ``--page-size`` is not given: the engine's default,
+    raised to a multiple of every compression ratio the model uses (DeepSeek-V4)."""
+    from kvcanary.model.loader import load_model_config
+
+    return math.lcm(_E("page_size"), load_model_config(model).min_page_size)
+
+
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     """The :class:`EngineConfig` of :func:`add_engine_flags`' flags (commands without the
     canary flags: the canary off)."""
     return EngineConfig(
         model=a.model,
-        page_size=a.page_size,
+        page_size=a.page_size if a.page_size is not None else default_page_size(a.model),
         max_total_tokens=a.max_total_tokens,
         swa_full_tokens_ratio=a.swa_full_tokens_ratio,
         chunked_prefill_size=a.chunked_prefill_size,

@@ -45,7 +45,8 @@ def _drop_tensor(path: Path, name: str) -> None:
 def test_not_a_directory_lists_presets(tmp_path: Path) -> None:
     with pytest.raises(
         ModelLoadError,
-        match=r"neither a builtin preset \(builtin:tiny-mha, builtin:tiny-swa, builtin:tiny-swa-all\)",
+        match=r"neither a builtin preset \(builtin:tiny-mha, builtin:tiny-swa, builtin:tiny-swa-all, "
+        r"builtin:tiny-dsv4, builtin:qwen3-0.6b-shape\)",
     ):
         load_model(str(tmp_path / "nope"))
 

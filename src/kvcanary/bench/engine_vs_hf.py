@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.engine.engine import Engine
+from kvcanary.model.decoder import HybridDecoder
 from kvcanary.model.hf_export import to_hf_qwen3
 from kvcanary.workload import WorkloadSpec, make_prompts
 
@@ -42,6 +43,11 @@ def bench_engine(
     spec = spec or WorkloadSpec(num_requests=16, input_len=128, output_len=64, shared_prefix_len=0)
     engine = Engine(EngineConfig(model=model, page_size=page_size, enable_prefix_cache=False))
     runner = engine.runner
+    if not isinstance(runner.model, HybridDecoder):
+        raise ValueError(
+            f"--model {model}: bench engine exports Qwen3-architecture models to transformers; "
+            f"got {runner.model_config.architecture}"
+        )
     hf = to_hf_qwen3(runner.model, runner.model_config, attn_implementation="sdpa")
     prompts = make_prompts(spec, runner.vocab_size)
     params = SamplingParams(max_new_tokens=spec.output_len, ignore_eos=True)

@@ -15,6 +15,7 @@ before ``key_start`` may already be evicted from the SWA pool; they are never re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -66,6 +67,60 @@ class StaticKeyBuffers:
         return _KeyView(slots, mask, self.write_loc[:n])
 
 
+class QueryLayout(NamedTuple):
+    """Where each request's new tokens sit when padded to ``[bs, max_q]`` (CPU lengths,
+    device index tables)."""
+
+    pre: torch.Tensor  # int64 [bs] prefix lengths (CPU)
+    seq: torch.Tensor  # int64 [bs] sequence lengths after the forward (CPU)
+    ext: torch.Tensor  # int64 [bs] new tokens (CPU)
+    q_pos: torch.Tensor  # int64 [bs, max_q] position of each padded query (CPU)
+    valid: torch.Tensor  # bool [bs, max_q] real (not padding) queries
+    flat_index: torch.Tensor  # int64 [bs, max_q] flat token index (clamped for padding)
+    dense: bool  # every request has max_q new tokens: the flat order already is [bs, max_q]
+
+    @staticmethod
+    def of(fb: ForwardBatch) -> QueryLayout:
+        device = fb.input_ids.device
+        ext = torch.as_tensor(fb.extend_seq_lens_cpu, dtype=torch.int64)
+        pre = torch.as_tensor(fb.prefix_lens_cpu, dtype=torch.int64)
+        seq = torch.as_tensor(fb.seq_lens_cpu, dtype=torch.int64)
+        max_q = int(ext.max()) if fb.batch_size else 0
+        starts = torch.cumsum(ext, 0) - ext
+        qi = torch.arange(max_q)
+        valid = (qi[None, :] < ext[:, None]).to(device)
+        index = (starts[:, None] + qi[None, :]).clamp(max=max(fb.num_tokens - 1, 0)).to(device)
+        return QueryLayout(pre, seq, ext, pre[:, None] + qi[None, :], valid, index,
+                           bool((ext == max_q).all()))  # fmt: skip
+
+
+def key_view(
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    layout: QueryLayout,
+    key_start: torch.Tensor,
+    window: int | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full slots of each request's keys ``[key_start, seq_len)`` ``[bs, max_k]`` (0 where
+    padded) and which keys each query sees ``[bs, max_q, max_k]`` (causal, and within
+    ``window`` when given). Padded query rows see key 0 only, so a softmax stays finite."""
+    seq, q_pos = layout.seq, layout.q_pos
+    num_keys = seq - key_start
+    max_k = int(num_keys.max()) if seq.numel() else 0
+    kj = torch.arange(max_k)
+    k_pos = key_start[:, None] + kj[None, :]  # [bs, max_k]
+    k_valid = kj[None, :] < num_keys[:, None]
+    cols = torch.where(k_valid, k_pos, torch.zeros_like(k_pos)).to(device)
+    slots = req_to_token[rows[:, None], cols].to(torch.int64)
+    slots = torch.where(k_valid.to(device), slots, torch.zeros_like(slots))
+    vis = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+    if window is not None:
+        vis &= k_pos[:, None, :] > q_pos[:, :, None] - window
+    vis[:, :, 0] |= ~layout.valid.cpu()
+    return slots, vis.to(device)
+
+
 class PagedAttentionBackend:
     def __init__(
         self,
@@ -87,42 +142,19 @@ class PagedAttentionBackend:
     # ----------------------------------------------------------- metadata
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         device = fb.input_ids.device
-        bs = fb.batch_size
-        ext = torch.as_tensor(fb.extend_seq_lens_cpu, dtype=torch.int64)
-        pre = torch.as_tensor(fb.prefix_lens_cpu, dtype=torch.int64)
-        seq = torch.as_tensor(fb.seq_lens_cpu, dtype=torch.int64)
-        max_q = int(ext.max()) if bs else 0
-        starts = torch.cumsum(ext, 0) - ext
-        qi = torch.arange(max_q)
-        self._q_valid = (qi[None, :] < ext[:, None]).to(device)
-        # Every request has max_q new tokens: the flat token order already is [bs, max_q].
-        self._dense_q = bool((ext == max_q).all())
-        self._q_index = (starts[:, None] + qi[None, :]).clamp(max=max(fb.num_tokens - 1, 0)).to(device)
-        q_pos = pre[:, None] + qi[None, :]  # [bs, max_q]
+        layout = QueryLayout.of(fb)
+        self._q_valid, self._dense_q, self._q_index = layout.valid, layout.dense, layout.flat_index
         rows = fb.req_pool_indices.to(torch.int64)
-
-        def key_view(key_start: torch.Tensor, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-            num_keys = seq - key_start
-            max_k = int(num_keys.max()) if bs else 0
-            kj = torch.arange(max_k)
-            k_pos = key_start[:, None] + kj[None, :]  # [bs, max_k]
-            k_valid = kj[None, :] < num_keys[:, None]
-            cols = torch.where(k_valid, k_pos, torch.zeros_like(k_pos)).to(device)
-            slots = self.req_to_token_pool.req_to_token[rows[:, None], cols].to(torch.int64)
-            slots = torch.where(k_valid.to(device), slots, torch.zeros_like(slots))
-            vis = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
-            if window is not None:
-                vis &= k_pos[:, None, :] > q_pos[:, :, None] - window
-            # Padded query rows see key 0 only, so softmax stays finite; their output is dropped.
-            vis[:, :, 0] |= ~(qi[None, :] < ext[:, None])
-            return slots, vis.to(device)
-
-        full_slots, full_mask = key_view(torch.zeros(bs, dtype=torch.int64), None)
+        table = self.req_to_token_pool.req_to_token
+        bs = fb.batch_size
+        full_slots, full_mask = key_view(
+            table, rows, layout, torch.zeros(bs, dtype=torch.int64), None, device
+        )
         self._full = _KeyView(full_slots, full_mask, fb.out_cache_loc)
         self._sliding = None
         if self.sliding_window is not None:
             w = self.sliding_window
-            slots, mask = key_view((pre - w + 1).clamp(min=0), w)
+            slots, mask = key_view(table, rows, layout, (layout.pre - w + 1).clamp(min=0), w, device)
             write_loc = fb.out_cache_loc
             if self.swa_pool is not None:
                 # One gather for this forward's write locations and the whole read table.

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvcanary.engine.attention import StaticKeyBuffers
+from kvcanary.engine.attention import PagedAttentionBackend, StaticKeyBuffers
 from kvcanary.engine.forward_batch import ForwardBatch, ForwardMode
 from kvcanary.engine.model_runner import ModelRunner
 from kvcanary.utils import ceil_page
@@ -55,12 +55,14 @@ class GraphRunner:
         self.full_keys = StaticKeyBuffers(self.max_bs, self.max_keys, dev)
         window = runner.attn_backend.sliding_window
         self.sliding_keys = StaticKeyBuffers(self.max_bs, window, dev) if window else None
+        # DeepSeek-V4 decode builds per-request compressed-entry tables: eager only.
+        self.supported = isinstance(runner.attn_backend, PagedAttentionBackend)
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self.capture_failed = False
         self.num_replays = 0
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.is_decode and fb.batch_size <= self.max_bs
+        return self.supported and fb.is_decode and fb.batch_size <= self.max_bs
 
     def bucket_for(self, bs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
@@ -83,7 +85,10 @@ class GraphRunner:
         return self.runner.forward(padded, static=lambda: self._make_static(width))[:bs]
 
     def _make_static(self, width: int) -> None:
-        self.runner.attn_backend.make_static(self.full_keys, self.sliding_keys, width)
+        backend = self.runner.attn_backend
+        if not isinstance(backend, PagedAttentionBackend):
+            raise RuntimeError("graph runner: only the paged attention backend has static tables")
+        backend.make_static(self.full_keys, self.sliding_keys, width)
 
     def _pad(self, fb: ForwardBatch) -> ForwardBatch:
         bs = fb.batch_size

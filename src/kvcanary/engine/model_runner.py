@@ -2,8 +2,9 @@
 the attention backend; runs one forward per call.
 
 Who owns what:
-  * ``token_to_kv_pool`` — the K/V tensors (MHAKVPool, or SWAKVPool for models with
-    sliding layers); written only by the attention backend during a forward.
+  * ``token_to_kv_pool`` — the K/V tensors (MHAKVPool, SWAKVPool for models with
+    sliding layers, DSV4KVPool for DeepSeek-V4); written only by the attention backend
+    during a forward.
   * ``allocator`` — which slots are live (PagedAllocator/TokenAllocator or SWAAllocator,
     the latter also owns the full→SWA mapping); mutated only by the scheduler.
   * ``req_to_token_pool`` — per-request slot rows; written only by the scheduler.
@@ -23,9 +24,11 @@ import torch
 
 from kvcanary.config import EngineConfig
 from kvcanary.engine.attention import PagedAttentionBackend
+from kvcanary.engine.dsv4_attention import DSV4AttentionBackend
 from kvcanary.engine.forward_batch import ForwardBatch
 from kvcanary.engine.hooks import ForwardHooks
 from kvcanary.memory.allocator import PagedAllocator, make_allocator
+from kvcanary.memory.dsv4_pool import DSV4KVPool
 from kvcanary.memory.mha_pool import MHAKVPool
 from kvcanary.memory.req_to_token import ReqToTokenPool
 from kvcanary.memory.swa_allocator import SWAAllocator
@@ -36,10 +39,15 @@ from kvcanary.utils import floor_page, show
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+KVPoolType = MHAKVPool | SWAKVPool | DSV4KVPool
+
+
 def build_kv_memory(
     config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype
-) -> tuple[MHAKVPool | SWAKVPool, PagedAllocator | SWAAllocator]:
-    """Pool + allocator for the model: an SWA pair when the model has sliding layers.
+) -> tuple[KVPoolType, PagedAllocator | SWAAllocator]:
+    """Pool + allocator for the model: an SWA pair when the model has sliding layers (a
+    DSV4 pool, whose full side is the logical index space of its compressed sub-pools,
+    for DeepSeek-V4).
 
     The full pool holds ``max_total_tokens``; the SWA pool
     ``floor_page(max_total_tokens * swa_full_tokens_ratio)`` (at least two pages).
@@ -53,6 +61,18 @@ def build_kv_memory(
         )
         return pool, make_allocator(full_tokens, ps, device)
     swa_tokens = max(floor_page(int(full_tokens * config.swa_full_tokens_ratio), ps), 2 * ps)
+    if model_config.dsv4 is not None:
+        need = model_config.min_page_size
+        if ps % need:
+            raise ValueError(
+                f"--page-size {ps} is invalid for {show(config.model)}: its compressed layers "
+                f"need a multiple of {need}"
+            )
+        dsv4 = DSV4KVPool(
+            full_tokens, swa_tokens, ps, model_config.compression_ratios, head_dim,
+            model_config.dsv4.index_head_dim, dtype, device,
+        )  # fmt: skip
+        return dsv4, SWAAllocator(full_tokens, swa_tokens, ps, device, kvcache=dsv4)
     swa_pool = SWAKVPool(
         full_tokens,
         swa_tokens,
@@ -87,9 +107,14 @@ class ModelRunner:
             config.max_running_requests, self.max_context_len, self.device
         )
         self.token_to_kv_pool, self.allocator = build_kv_memory(config, mc, self.device, self.dtype)
-        self.attn_backend = PagedAttentionBackend(
-            self.token_to_kv_pool, self.req_to_token_pool, self.sliding_window
-        )
+        pool = self.token_to_kv_pool
+        self.attn_backend: PagedAttentionBackend | DSV4AttentionBackend
+        if isinstance(pool, DSV4KVPool):
+            if self.sliding_window is None:
+                raise ValueError(f"model {show(config.model)}: a DeepSeek-V4 model without a window")
+            self.attn_backend = DSV4AttentionBackend(pool, self.req_to_token_pool, self.sliding_window)
+        else:
+            self.attn_backend = PagedAttentionBackend(pool, self.req_to_token_pool, self.sliding_window)
         self.forward_ct = 0
         self.is_draft_worker = False  # a speculative draft worker would hold token p + 1 at p
         # Set by kvcanary.integrations.engine_host; None: no canary, no cost.

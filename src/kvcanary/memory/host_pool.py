@@ -10,6 +10,15 @@ A copy holds one CPU tensor per *row buffer* of each sub-pool, in a fixed order:
     SWAKVPool   {"full": [...],                               rows = indices
                  "swa": [...],                                rows = indices where swa_mask
                  "swa_mask": cpu bool[len(indices)]}          mapping[indices] > 0 at save
+    DSV4KVPool  {"swa": [...], "swa_mask": ...,               latent rows, as SWAKVPool's
+                 "compressed": [...],                         C4, C4-indexer, C128 layers:
+                                                              rows full // ratio of every
+                                                              ratio-th index (one per window)
+                 "state": [...]}                              each ring (C4 and its indexer's,
+                                                              C128): the rows of the last
+                                                              ``ring`` indices (the live tail
+                                                              fits), restored where mapped
+                                                              at save and at load
 
 Row ``j`` of a "full" tensor is slot ``indices[j]``; row ``j`` of a "swa" tensor belongs to
 the ``j``-th index whose mapping was > 0 when saved. Unmapped positions (out of the window,
@@ -34,6 +43,7 @@ from typing import Any, TypeAlias
 import torch
 
 from kvcanary.memory.base import KVPool
+from kvcanary.memory.dsv4_pool import STATE_RING_SIZE, DSV4KVPool
 from kvcanary.memory.mha_pool import MHAKVPool
 from kvcanary.memory.swa_pool import SWAKVPool
 
@@ -97,8 +107,68 @@ def _slots(pool: KVPool, indices: torch.Tensor, chunk_size: int) -> torch.Tensor
 
 def _unsupported(pool: KVPool) -> NotImplementedError:
     return NotImplementedError(
-        f"host copy of {type(pool).__name__}: supported pools are MHAKVPool, SWAKVPool"
+        f"host copy of {type(pool).__name__}: supported pools are MHAKVPool, SWAKVPool, DSV4KVPool"
     )
+
+
+# ---------------------------------------------------------------------- DSV4
+def _dsv4_parts(
+    pool: DSV4KVPool, slots: torch.Tensor, swa: torch.Tensor
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``(buffer, rows)`` of every compressed layer (one row per window of ``slots``) and
+    every compress-state ring (rows of the last ``ring`` of ``slots``; 0 where unmapped)."""
+    compressed, state = [], []
+    for layer_id, entry in enumerate(pool.layer_mapping):
+        if entry.ratio == 0:
+            continue
+        rows = pool.compressed_loc(layer_id, slots[:: entry.ratio])
+        compressed.append((pool.get_compressed_buffer(layer_id), rows))
+        if entry.ratio == 4:
+            compressed.append((pool.get_indexer_buffer(layer_id), rows))
+        tail = swa[-STATE_RING_SIZE[entry.ratio] :]
+        ring_rows = pool.state_loc(layer_id, tail.clamp(min=0)) * (tail > 0)
+        state.append((pool.get_state_buffer(layer_id), ring_rows))
+        if entry.ratio == 4:
+            state.append((pool.get_indexer_state_buffer(layer_id), ring_rows))
+    return compressed, state
+
+
+def _save_rows(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    return [buf[rows].cpu() for buf, rows in parts]
+
+
+def _get_dsv4_copy(pool: DSV4KVPool, slots: torch.Tensor) -> HostCopy:
+    """One gather per buffer (latent rows are few: the window; compressed rows 1/ratio)."""
+    swa = pool.full_to_swa_index_mapping[slots]
+    mask = swa > 0
+    compressed, state = _dsv4_parts(pool, slots, swa)
+    return {
+        "swa": [_save_rows([(buf, swa[mask])])[0] for buf in pool.swa_kv_pool.buffers],
+        "swa_mask": mask.cpu(),
+        "compressed": _save_rows(compressed),
+        "state": _save_rows(state),
+    }
+
+
+def _load_dsv4_copy(pool: DSV4KVPool, copy: HostCopy, slots: torch.Tensor) -> None:
+    old_mask: torch.Tensor = copy["swa_mask"].to(slots.device)
+    if old_mask.numel() != slots.numel():
+        raise ValueError(f"load_cpu_copy: copy has {old_mask.numel()} indices, got {slots.numel()}")
+    new_swa = pool.full_to_swa_index_mapping[slots]
+    compressed, state = _dsv4_parts(pool, slots, new_swa)
+    if len(copy["compressed"]) != len(compressed) or len(copy["state"]) != len(state):
+        raise ValueError("load_cpu_copy: the copy's DSV4 sub-pools do not match the pool's layers")
+    row_mask = (new_swa > 0)[old_mask]
+    dest = new_swa[old_mask][row_mask]
+    src_rows = torch.nonzero(row_mask).reshape(-1).cpu()
+    for cpu, buf in zip(copy["swa"], pool.swa_kv_pool.buffers, strict=True):
+        buf[dest] = cpu[src_rows].to(buf.device)
+    for cpu, (buf, rows) in zip(copy["compressed"], compressed, strict=True):
+        buf[rows] = cpu.to(buf.device)
+    # Ring rows only where the token had an SWA slot at save time and has one now.
+    for cpu, (buf, rows) in zip(copy["state"], state, strict=True):
+        keep = (rows > 0) & old_mask[-rows.numel() :]
+        buf[rows[keep]] = cpu[keep.cpu()].to(buf.device)
 
 
 def get_cpu_copy(
@@ -107,6 +177,8 @@ def get_cpu_copy(
     """Copy the KV (and registered slot buffers) of full slots ``indices`` to the CPU."""
     chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
     slots = _slots(pool, indices, chunk_size)
+    if isinstance(pool, DSV4KVPool):
+        return _get_dsv4_copy(pool, slots)
     if isinstance(pool, SWAKVPool):
         swa = pool.full_to_swa_index_mapping[slots]
         mask = swa > 0
@@ -135,6 +207,9 @@ def load_cpu_copy(
     if isinstance(pool, MHAKVPool):
         _check_rows(pool, copy["full"], slots.numel(), "full")
         _load(pool, copy["full"], slots, None, chunk_size)
+        return
+    if isinstance(pool, DSV4KVPool):
+        _load_dsv4_copy(pool, copy, slots)
         return
     if not isinstance(pool, SWAKVPool):
         raise _unsupported(pool)

@@ -52,6 +52,57 @@ class RopeScaling:
 
 
 @dataclass(frozen=True, slots=True)
+class DSV4Params:
+    """What a DeepSeek-V4 (``DeepseekV4ForCausalLM``) model adds to :class:`ModelConfig`.
+
+    Every DSV4 layer has a sliding-window branch (so the enclosing config marks every layer
+    ``sliding_attention`` with the model's window); ``compress_ratios[i]`` adds a
+    compressed branch: 0 none, 4 compressed sparse attention (with the lightning indexer's
+    top-k), 128 heavily compressed attention. Field names follow transformers'
+    ``DeepseekV4Config``.
+    """
+
+    compress_ratios: tuple[int, ...]  # per layer: 0, 4 or 128
+    hash_moe: tuple[bool, ...]  # per layer: hash-routed (True) or top-k routed MoE
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    rope_head_dim: int  # trailing channels of each head that get RoPE (qk_rope_head_dim)
+    compress_rope_theta: float  # RoPE base of CSA/HCA layers and their compressors
+    compress_rope_scaling: RopeScaling | None  # yarn (attention_factor 1) or None
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    scoring_func: str  # sqrtsoftplus | softmax | sigmoid
+    routed_scaling_factor: float
+    swiglu_limit: float
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+
+    def __post_init__(self) -> None:
+        bad = [r for r in self.compress_ratios if r not in (0, 4, 128)]
+        if bad:
+            raise ModelLoadError(f"compress ratios {bad} unsupported; supported: 0, 4, 128")
+        if len(self.hash_moe) != len(self.compress_ratios):
+            raise ModelLoadError(
+                f"mlp_layer_types has {len(self.hash_moe)} entries for "
+                f"{len(self.compress_ratios)} layers"
+            )
+        if self.rope_head_dim % 2 or self.rope_head_dim > self.index_head_dim:
+            raise ModelLoadError(
+                f"qk_rope_head_dim={self.rope_head_dim}: must be even and <= "
+                f"index_head_dim={self.index_head_dim}"
+            )
+        if self.scoring_func not in ("sqrtsoftplus", "softmax", "sigmoid"):
+            raise ModelLoadError(
+                f"scoring_func={self.scoring_func!r}; supported: sqrtsoftplus, softmax, sigmoid"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Shape and numerics of a Llama/Qwen/Mistral/Gemma3-style decoder.
 
@@ -91,6 +142,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    dsv4: DSV4Params | None = None  # set: a DeepSeek-V4 model (every layer slides, see there)
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -116,6 +168,42 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ModelLoadError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.dsv4 is not None:
+            self._check_dsv4(self.dsv4)
+
+    def _check_dsv4(self, d: DSV4Params) -> None:
+        if len(d.compress_ratios) != self.num_hidden_layers:
+            raise ModelLoadError(
+                f"layer_types has {len(d.compress_ratios)} entries but num_hidden_layers is "
+                f"{self.num_hidden_layers}"
+            )
+        if self.layer_types != (SLIDING_ATTENTION,) * self.num_hidden_layers:
+            raise ModelLoadError("DeepSeek-V4: every layer has a sliding-window branch")
+        # The C4 compressor reads the 7 tokens before the open window from the SWA pages'
+        # compress-state rings: they must still be in the window.
+        if 4 in d.compress_ratios and (self.sliding_window or 0) < 8:
+            raise ModelLoadError(
+                f"sliding_window={self.sliding_window}: DeepSeek-V4 with compress ratio 4 "
+                "needs a window of at least 8"
+            )
+        if self.num_key_value_heads != 1:
+            raise ModelLoadError("DeepSeek-V4 attention has one shared KV head")
+        if (self.num_attention_heads * self.head_dim) % d.o_groups:
+            raise ModelLoadError(
+                f"o_groups={d.o_groups} does not divide num_attention_heads * head_dim "
+                f"({self.num_attention_heads * self.head_dim})"
+            )
+
+    @property
+    def min_page_size(self) -> int:
+        """KV pages must be a multiple of this: every compression ratio in use (a compressed
+        entry never straddles pages), else 1."""
+        return max(self.compression_ratios + (1,))
+
+    @property
+    def compression_ratios(self) -> tuple[int, ...]:
+        """Per layer: 0, 4 or 128 (DeepSeek-V4); all 0 for other models."""
+        return self.dsv4.compress_ratios if self.dsv4 is not None else (0,) * self.num_hidden_layers
 
     @property
     def swa_layer_ids(self) -> tuple[int, ...]:

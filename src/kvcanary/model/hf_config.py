@@ -14,6 +14,10 @@ Qwen2/Qwen3ForCausalLM  window = ``sliding_window`` if ``use_sliding_window`` el
                         window is set and ``i >= max_window_layers``
 Gemma3ForCausalLM       ``layer_types`` when present, else layer i slides iff
                         ``(i + 1) % sliding_window_pattern != 0`` (pattern 6)
+DeepseekV4ForCausalLM   every layer slides (window ``sliding_window``, default 128);
+                        ``layer_types`` (or legacy ``compress_ratios``) give each
+                        layer's compressed branch, default 2 HCA then CSA/HCA
+                        alternating (see :func:`parse_dsv4_config`)
 ======================  ==========================================================
 """
 
@@ -24,6 +28,7 @@ from typing import Any
 from kvcanary.model.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
+    DSV4Params,
     ModelConfig,
     ModelLoadError,
     RopeScaling,
@@ -35,8 +40,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
+    "DeepseekV4ForCausalLM",
 )
 _ARCH_BY_MODEL_TYPE = {
+    "deepseek_v4": "DeepseekV4ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -114,6 +121,8 @@ def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     EOS ids are the union of both files' ``eos_token_id`` (config.json first, order kept).
     """
     arch = resolve_architecture(raw)
+    if arch == "DeepseekV4ForCausalLM":
+        return parse_dsv4_config(raw, generation)
     cfg = {**_DEFAULTS[arch], **raw}
     missing = [k for k in _REQUIRED if cfg.get(k) is None]
     if missing:
@@ -170,6 +179,112 @@ def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         eos_token_ids=tuple(dict.fromkeys(eos)),
         pad_token_id=cfg.get("pad_token_id"),
     )
+
+
+# transformers' DeepseekV4Config defaults for the keys we read.
+_DSV4_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
+    num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=1024,
+    num_experts_per_tok=6, n_routed_experts=256, scoring_func="sqrtsoftplus",
+    routed_scaling_factor=1.5, max_position_embeddings=1048576, rope_theta=10000.0,
+    compress_rope_theta=160000.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+    swiglu_limit=10.0, sliding_window=128, o_groups=8, o_lora_rank=1024, index_n_heads=64,
+    index_head_dim=128, index_topk=512, hidden_act="silu", rms_norm_eps=1e-6, bos_token_id=0,
+    eos_token_id=1, tie_word_embeddings=False,
+)  # fmt: skip
+_DSV4_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4,
+               "heavily_compressed_attention": 128}  # fmt: skip
+
+
+def parse_dsv4_config(raw: dict[str, Any], generation: dict[str, Any] | None) -> ModelConfig:
+    """``DeepseekV4ForCausalLM``'s ``config.json`` the way ``DeepseekV4Config`` reads it
+    (its defaults, its legacy keys ``compress_ratios`` / ``num_hash_layers`` /
+    ``qk_rope_head_dim``). Supported: compress rates 4 and 128, RoPE ``default`` (and
+    ``yarn`` on compressed layers), no attention/MLP bias, silu, no tied embeddings."""
+    cfg = {**_DSV4_DEFAULTS, **raw}
+    n = int(cfg["num_hidden_layers"])
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    rates.update(cfg.get("compress_rates") or {})
+    for key, legacy in (("compressed_sparse_attention", "compress_rate_csa"),
+                        ("heavily_compressed_attention", "compress_rate_hca")):  # fmt: skip
+        if cfg.get(legacy) is not None:
+            rates[key] = cfg[legacy]
+    if (rates["compressed_sparse_attention"], rates["heavily_compressed_attention"]) != (4, 128):
+        raise ModelLoadError(f"unsupported DeepSeek-V4 compress_rates {rates}; supported: 4 and 128")
+    types = cfg.get("layer_types")
+    if types is None and cfg.get("compress_ratios") is not None:
+        ratios = [int(r) for r in cfg["compress_ratios"]]
+    else:
+        if types is None:
+            types = ["heavily_compressed_attention"] * min(n, 2) + [
+                "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                for i in range(max(n - 2, 0))
+            ]
+        bad = sorted(set(types) - set(_DSV4_RATIO))
+        if bad:
+            raise ModelLoadError(f"unsupported DeepSeek-V4 layer type(s) {bad}; supported: {list(_DSV4_RATIO)}")
+        ratios = [_DSV4_RATIO[t] for t in types]
+    mlp = cfg.get("mlp_layer_types")
+    if mlp is None:
+        n_hash = cfg.get("num_hash_layers", 3)
+        mlp = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    head_dim = int(cfg["head_dim"])
+    legacy_rope_dim = cfg.get("qk_rope_head_dim")
+    prf = cfg.get("partial_rotary_factor")
+    if prf is None:
+        prf = int(legacy_rope_dim) / head_dim if legacy_rope_dim is not None else 64 / 512
+    for key in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+        if cfg.get(key):
+            raise ModelLoadError(f"unsupported: DeepSeek-V4 {key}=true")
+    if cfg["hidden_act"] not in ("silu", "swish"):
+        raise ModelLoadError(f"unsupported DeepSeek-V4 hidden_act {cfg['hidden_act']!r}; supported: silu")
+    rope = cfg.get("rope_parameters") or {}
+    main: dict[str, Any] = rope["main"] if isinstance(rope.get("main"), dict) else {}
+    compress: dict[str, Any]
+    if isinstance(rope.get("compress"), dict):
+        compress = rope["compress"]
+    else:  # flat (yarn) parameters apply to the compressed layers
+        compress = {k: v for k, v in rope.items() if k not in ("main", "compress")}
+        compress.setdefault("rope_type", "default")
+        compress["rope_theta"] = cfg["compress_rope_theta"]
+        if compress["rope_type"] == "yarn":
+            compress.setdefault("attention_factor", 1.0)
+    if main.get("rope_type", "default") != "default":
+        raise ModelLoadError("unsupported: DeepSeek-V4 main rope type other than 'default'")
+    max_pos = int(cfg["max_position_embeddings"])
+    compress_theta, compress_scaling = parse_rope_parameters(
+        {**compress, "partial_rotary_factor": 1.0}, max_pos, None
+    )
+    if compress_scaling is not None and compress_scaling.rope_type != "yarn":
+        raise ModelLoadError(
+            f"unsupported DeepSeek-V4 compress rope type {compress_scaling.rope_type!r}; "
+            "supported: default, yarn"
+        )
+    eos = _as_ids(cfg.get("eos_token_id")) + _as_ids((generation or {}).get("eos_token_id"))
+    dsv4 = DSV4Params(
+        compress_ratios=tuple(ratios), hash_moe=tuple(t == "hash_moe" for t in mlp),
+        q_lora_rank=int(cfg["q_lora_rank"]), o_groups=int(cfg["o_groups"]),
+        o_lora_rank=int(cfg["o_lora_rank"]), rope_head_dim=int(head_dim * prf),
+        compress_rope_theta=compress_theta, compress_rope_scaling=compress_scaling,
+        index_n_heads=int(cfg["index_n_heads"]), index_head_dim=int(cfg["index_head_dim"]),
+        index_topk=int(cfg["index_topk"]), n_routed_experts=int(cfg["n_routed_experts"]),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]), scoring_func=cfg["scoring_func"],
+        routed_scaling_factor=float(cfg["routed_scaling_factor"]),
+        swiglu_limit=float(cfg["swiglu_limit"]), hc_mult=int(cfg["hc_mult"]),
+        hc_sinkhorn_iters=int(cfg["hc_sinkhorn_iters"]), hc_eps=float(cfg["hc_eps"]),
+    )  # fmt: skip
+    return ModelConfig(
+        architecture="DeepseekV4ForCausalLM", vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["moe_intermediate_size"]),
+        num_hidden_layers=n, num_attention_heads=int(cfg["num_attention_heads"]),
+        num_key_value_heads=int(cfg["num_key_value_heads"]), head_dim=head_dim,
+        rms_norm_eps=float(cfg["rms_norm_eps"]),
+        rope_theta=float(main.get("rope_theta", cfg["rope_theta"])), rope_scaling=None,
+        max_position_embeddings=max_pos, tie_word_embeddings=False,
+        layer_types=(SLIDING_ATTENTION,) * n, sliding_window=int(cfg["sliding_window"]),
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)),
+        pad_token_id=cfg.get("pad_token_id"), dsv4=dsv4,
+    )  # fmt: skip
 
 
 def _layer_types(

@@ -4,7 +4,9 @@ A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or
 ``model.safetensors.index.json`` plus its shards (any other ``*.safetensors`` files are
 read as a fallback). Tensors use Hugging Face names (``model.layers.N.self_attn.q_proj.weight``,
 ``lm_head.weight`` absent when tied); every parameter must be present, extra tensors
-(e.g. rotary ``inv_freq``) are ignored.
+(e.g. rotary ``inv_freq``) are ignored. Checkpoint buffers a model declares persistent
+(DeepSeek-V4's hash-routing table ``tid2eid`` and ``e_score_correction_bias``) are loaded
+like parameters.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from safetensors import safe_open
 
 from kvcanary.model.config import ModelConfig, ModelLoadError
 from kvcanary.model.decoder import HybridDecoder
+from kvcanary.model.deepseek_v4 import DeepseekV4Decoder, init_preset_dsv4
+from kvcanary.model.dsv4_checkpoint import checkpoint_target, expected_labels, label
 from kvcanary.model.hf_config import parse_hf_config
 from kvcanary.model.presets import BUILTIN_PREFIX, PRESETS, init_preset_weights, preset_config
 from kvcanary.model.tokenizer import ByteTokenizer, Tokenizer, load_hf_tokenizer
@@ -25,6 +29,7 @@ from kvcanary.utils import show
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES_SHOWN = 8
+Decoder = HybridDecoder | DeepseekV4Decoder
 
 
 def load_model_config(model: str) -> ModelConfig:
@@ -53,17 +58,25 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
-) -> tuple[HybridDecoder, Tokenizer, ModelConfig]:
-    """Build the decoder on ``device`` in ``dtype`` with its weights and tokenizer.
+) -> tuple[Decoder, Tokenizer, ModelConfig]:
+    """Build the decoder (a :class:`DeepseekV4Decoder` for DeepSeek-V4 configs) on
+    ``device`` in ``dtype`` with its weights and tokenizer.
 
     Presets get seeded random weights (``seed``) and a :class:`ByteTokenizer`; checkpoint
     directories get their safetensors weights (``seed`` unused) and their own tokenizer.
     """
     config = load_model_config(model)
-    decoder = HybridDecoder(config, device=device, dtype=dtype)
+    decoder: Decoder
+    if config.dsv4 is not None:
+        decoder = DeepseekV4Decoder(config, device=device, dtype=dtype)
+    else:
+        decoder = HybridDecoder(config, device=device, dtype=dtype)
     tokenizer: Tokenizer
     if model.startswith(BUILTIN_PREFIX):
-        init_preset_weights(decoder, seed)
+        if isinstance(decoder, DeepseekV4Decoder):
+            init_preset_dsv4(decoder, seed)
+        else:
+            init_preset_weights(decoder, seed)
         tokenizer = ByteTokenizer()
     else:
         load_safetensors_weights(decoder, Path(model))
@@ -77,25 +90,31 @@ def hf_parameter_name(name: str) -> str:
 
 
 @torch.no_grad()
-def load_safetensors_weights(decoder: HybridDecoder, model_dir: Path) -> None:
-    """Copy every parameter of ``decoder`` from the checkpoint (cast to its dtype/device)."""
-    params = {hf_parameter_name(n): p for n, p in decoder.named_parameters()}
+def load_safetensors_weights(decoder: Decoder, model_dir: Path) -> None:
+    """Copy every parameter and persistent buffer of ``decoder`` from the checkpoint (cast
+    to its dtype/device). DeepSeek-V4 checkpoints use DeepSeek's tensor names and
+    per-expert tensors (:mod:`~kvcanary.model.dsv4_checkpoint` maps them)."""
+    params = {hf_parameter_name(n): p for n, p in decoder.state_dict(keep_vars=True).items()}
+    dsv4 = isinstance(decoder, DeepseekV4Decoder)
     loaded: set[str] = set()
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 -- safe_open is not a Mapping
-                param = params.get(key)
-                if param is None or key in loaded:
+                name, part = checkpoint_target(key) if dsv4 else (key, None)
+                param, what = params.get(name), label(name, part)
+                if param is None or what in loaded:
                     continue
+                dest = param if part is None else part.view(param)
                 tensor = f.get_tensor(key)
-                if tuple(tensor.shape) != tuple(param.shape):
+                if tuple(tensor.shape) != tuple(dest.shape):
                     raise ModelLoadError(
                         f"tensor {key} in {path.name} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(param.shape)} from config.json"
+                        f"expected {tuple(dest.shape)} from config.json"
                     )
-                param.copy_(tensor)
-                loaded.add(key)
-    missing = sorted(set(params) - loaded, key=_natural_key)
+                dest.copy_(tensor)
+                loaded.add(what)
+    expected = [x for n, p in params.items() for x in expected_labels(n, p)]
+    missing = sorted(set(expected) - loaded, key=_natural_key)
     if missing:
         shown = ", ".join(missing[:_MAX_NAMES_SHOWN])
         more = (
