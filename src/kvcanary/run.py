@@ -85,6 +85,19 @@ def summarize(engine: Engine, outs: list, wall_s: float) -> dict[str, Any]:
     }
 
 
+def written_by_group(write_entries_by_tag: dict[str, int]) -> dict[str, int]:
+    """Records written per canary group (pool kind: FULL, SWA, C4, C4_STATE ...): its
+    TAIL K writes, one per token (compressed groups: per block) stored in that sub-pool."""
+    from kvcanary.canary.constants import CanaryLaunchTag, KvHalf, LaunchStage, split_launch_tag
+
+    out: dict[str, int] = {}
+    for name, count in write_entries_by_tag.items():
+        kind, stage, half = split_launch_tag(CanaryLaunchTag[name])
+        if stage == LaunchStage.TAIL and half == KvHalf.K:
+            out[kind.name] = count
+    return out
+
+
 def canary_summary(engine: Engine) -> dict[str, Any]:
     """The canary's figures (zeros when it is off); see README for the keys."""
     c = engine.canary.stats() if engine.canary is not None else {}
@@ -93,6 +106,7 @@ def canary_summary(engine: Engine) -> dict[str, Any]:
         "canary_protected_tokens": c.get("protected_tokens", 0),
         "canary_verify_entries": c.get("verify_entries", 0),
         "canary_write_entries": c.get("write_entries", 0),
+        "canary_written_by_group": written_by_group(c.get("write_entries_by_tag", {})),
         "canary_violations": c.get("violations", 0),
         "canary_violations_by_tag": c.get("violations_by_tag", {}),
         "canary_violations_by_reason": c.get("violations_by_reason", {}),

@@ -25,7 +25,7 @@ from kvcanary.cli_args import default_page_size
 from kvcanary.memory import host_pool
 from kvcanary.memory.dsv4_pool import DSV4KVPool
 from kvcanary.model import deepseek_v4
-from kvcanary.run import run_workload
+from kvcanary.run import canary_summary, run_workload
 from kvcanary.workload import WorkloadSpec
 
 LOGIT_TOL = 2e-3
@@ -267,6 +267,31 @@ def test_canary_raise_with_real_data_is_silent(ckpt: Path) -> None:
     assert summary["canary_violations"] == 0
     assert summary["canary_write_entries"] > 0
     assert summary["prefix_cache_hit_rate"] > 0
+    assert_all_memory_free(e)
+
+
+def test_canary_rides_through_retraction_with_host_offload(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Canary raise + real-data partial with requests retracted and restored from host
+    copies: the records of every sub-pool (rings included) travel with the copy, so the
+    restored requests verify clean; every group wrote its records."""
+    loads: list[int] = []
+    load = host_pool.load_cpu_copy
+    monkeypatch.setattr(host_pool, "load_cpu_copy",
+                        lambda pool, copy, slots: (loads.append(slots.numel()), load(pool, copy, slots)))  # fmt: skip
+    e = Engine(EngineConfig(model="builtin:tiny-dsv4", page_size=128, max_total_tokens=1024,
+                            swa_full_tokens_ratio=1.0, chunked_prefill_size=0,
+                            enable_prefix_cache=False, enable_host_offload=True,
+                            canary=CanaryConfig(mode="raise", real_data="partial")))  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(0, 256, (250,), generator=g).tolist() for _ in range(3)]  # bytes
+    e.generate(ps, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    assert e.stats.num_retractions > 0 and loads  # restored from the host copies
+    summary = canary_summary(e)
+    assert summary["canary_violations"] == 0
+    written = summary["canary_written_by_group"]
+    assert set(written) == {"SWA", "C4", "INDEXER", "C128", "C4_STATE", "INDEXER_STATE",
+                            "C128_STATE"}  # fmt: skip
+    assert written["C4_STATE"] == written["SWA"] > written["C4"] > written["C128"] > 0
     assert_all_memory_free(e)
 
 

@@ -17,8 +17,9 @@
 Attaching also (1) splices the groups' record buffers into the pool's buf-infos
 (:mod:`.splice`) and (2) registers them as slot sidecars of their sub-pool
 (``register_slot_buffer``), so host copies for retraction/offload carry the records with
-the KV. Other pool types raise ``NotImplementedError`` naming the supported ones; more can
-be added with :func:`register_pool_attacher`. A missing or empty sub-pool is a clear
+the KV (DSV4KVPool: every sub-pool, rings included). Other pool types raise
+``NotImplementedError`` naming the supported ones; more can be added with
+:func:`register_pool_attacher`. A missing or empty sub-pool is a clear
 ``ValueError``, never a half-attached pool -- except the full sub-pool of an all-sliding
 ``SWAKVPool``: its slots are still the logical index space every request's req->token row
 points into, so its FULL group keeps one record per full slot (the chain over each
@@ -207,6 +208,7 @@ def _attach_dsv4(pool: DSV4KVPool, options: AttachOptions) -> list[CanaryBufferG
     swa_group = latent_group(PoolKind.SWA, "swa_kv_pool", pool.swa_kv_pool, swa_index_lut=lut,
                              window=window)  # fmt: skip
     groups = [swa_group]
+    owners = [(swa_group, pool.swa_kv_pool)]
     contiguous: list[Segment] = []
     state: list[Segment] = [wrap(swa_group, pool.swa_kv_pool)]
     full_slots = torch.arange(lut.shape[0], device=lut.device)
@@ -217,6 +219,7 @@ def _attach_dsv4(pool: DSV4KVPool, options: AttachOptions) -> list[CanaryBufferG
         group = latent_group(kind, name, sub, swa_index_lut=full_slots // ratio,
                              compression_ratio=ratio)  # fmt: skip
         groups.append(group)
+        owners.append((group, sub))
         contiguous.append(wrap(group, sub))
     # Compress-state rings, in get_state_buf_infos order: one ring per SWA page.
     rings = [
@@ -232,10 +235,14 @@ def _attach_dsv4(pool: DSV4KVPool, options: AttachOptions) -> list[CanaryBufferG
                          swa_page_size=pool.page_size)  # fmt: skip
         group = latent_group(kind, name, sub, swa_index_lut=lut, state_ring=ring)
         groups.append(group)
+        owners.append((group, sub))
         state.append(wrap(group, sub))
     patch_buf_infos(pool, "get_contiguous_buf_infos", contiguous)
     patch_buf_infos(pool, "get_state_buf_infos", state)
-    # Host copies (host_pool) do not cover DSV4 pools, so there is no sidecar to register.
+    # Host copies (retraction / offload) carry each group's records with its sub-pool's rows.
+    for group, sub in owners:
+        for buf in group.buffers():
+            sub.register_slot_buffer(buf)
     return groups
 
 

@@ -67,6 +67,17 @@ class LatentKVPool:
         self.buffers = [
             torch.zeros((self.num_slots, dim), dtype=dtype, device=device) for _ in range(layer_num)
         ]
+        self.extra_slot_buffers: list[torch.Tensor] = []
+
+    def register_slot_buffer(self, buf: torch.Tensor) -> None:
+        """Attach a per-row sidecar (row ``i`` describes row ``i``, e.g. the canary's records)
+        that host copies carry along with the rows; the pool never reads or writes it."""
+        if buf.shape[0] != self.num_slots:
+            raise ValueError(
+                f"register_slot_buffer: sidecar has {buf.shape[0]} rows; the sub-pool has "
+                f"{self.num_slots}"
+            )
+        self.extra_slot_buffers.append(buf)
 
     def buf_infos(self) -> BufInfos:
         """One item = one page (``rows_per_page`` rows)."""

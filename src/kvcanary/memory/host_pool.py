@@ -130,7 +130,24 @@ def _dsv4_parts(
         state.append((pool.get_state_buffer(layer_id), ring_rows))
         if entry.ratio == 4:
             state.append((pool.get_indexer_state_buffer(layer_id), ring_rows))
+    # Sidecars (the canary's records) ride with the rows of their sub-pool.
+    for sub, ratio in ((pool.c4_kv_pool, 4), (pool.c4_indexer_kv_pool, 4),
+                       (pool.c128_kv_pool, 128)):  # fmt: skip
+        rows = slots[::ratio].to(torch.int64) // ratio
+        compressed += [(buf, rows) for buf in sub.extra_slot_buffers]
+    for ratio, ring_pool in ((4, pool.compress_state_pools[4]),
+                             (128, pool.compress_state_pools[128]),
+                             (4, pool.indexer_compress_state_pool)):  # fmt: skip
+        ring = STATE_RING_SIZE[ratio]
+        tail = swa[-ring:].to(torch.int64)
+        ring_rows = ((tail // pool.page_size) * ring + tail % ring) * (tail > 0)
+        state += [(buf, ring_rows) for buf in ring_pool.extra_slot_buffers]
     return compressed, state
+
+
+def _latent_rows(pool: DSV4KVPool) -> list[torch.Tensor]:
+    """The SWA latent layer buffers, then their sidecars."""
+    return pool.swa_kv_pool.buffers + pool.swa_kv_pool.extra_slot_buffers
 
 
 def _save_rows(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
@@ -143,7 +160,7 @@ def _get_dsv4_copy(pool: DSV4KVPool, slots: torch.Tensor) -> HostCopy:
     mask = swa > 0
     compressed, state = _dsv4_parts(pool, slots, swa)
     return {
-        "swa": [_save_rows([(buf, swa[mask])])[0] for buf in pool.swa_kv_pool.buffers],
+        "swa": [_save_rows([(buf, swa[mask])])[0] for buf in _latent_rows(pool)],
         "swa_mask": mask.cpu(),
         "compressed": _save_rows(compressed),
         "state": _save_rows(state),
@@ -161,7 +178,9 @@ def _load_dsv4_copy(pool: DSV4KVPool, copy: HostCopy, slots: torch.Tensor) -> No
     row_mask = (new_swa > 0)[old_mask]
     dest = new_swa[old_mask][row_mask]
     src_rows = torch.nonzero(row_mask).reshape(-1).cpu()
-    for cpu, buf in zip(copy["swa"], pool.swa_kv_pool.buffers, strict=True):
+    if len(copy["swa"]) != len(_latent_rows(pool)):
+        raise ValueError("load_cpu_copy: the copy's DSV4 latent buffers do not match the pool's")
+    for cpu, buf in zip(copy["swa"], _latent_rows(pool), strict=True):
         buf[dest] = cpu[src_rows].to(buf.device)
     for cpu, (buf, rows) in zip(copy["compressed"], compressed, strict=True):
         buf[rows] = cpu.to(buf.device)
