@@ -66,8 +66,9 @@ KVCANARY_KV_CANARY_VERIFY_CAPACITY_FACTOR: EnvVar[int] = EnvVar(
     "(radix sharing lets the sum of prefix lengths exceed the pool)",
 )  # fmt: skip
 KVCANARY_KV_CANARY_KERNEL_BACKEND: EnvVar[str] = EnvVar(
-    "KVCANARY_KV_CANARY_KERNEL_BACKEND", "auto", _choice("auto", "numba", "torch"),
-    "one of auto, numba, torch", "canary kernels: auto = numba on CPU, torch elsewhere",
+    "KVCANARY_KV_CANARY_KERNEL_BACKEND", "auto", _choice("auto", "numba", "torch", "triton"),
+    "one of auto, numba, torch, triton",
+    "canary kernels: auto = numba on CPU, Triton on CUDA when installed, torch elsewhere",
 )  # fmt: skip
 
 KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL: EnvVar[int] = EnvVar(

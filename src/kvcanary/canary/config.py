@@ -28,7 +28,7 @@ from kvcanary.utils import show
 KV_CANARY_MODES = ("none", "log", "raise", "abort")
 REAL_DATA_MODES = ("none", "partial", "all")
 REAL_DATA_LAYERS = ("first", "all")
-KERNEL_BACKENDS = ("auto", "numba", "torch")
+KERNEL_BACKENDS = ("auto", "numba", "torch", "triton")
 
 
 def _flag(flag: str, help: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -71,7 +71,8 @@ class CanaryConfig:
         "--kv-canary-verify-capacity",
         help="most verify entries per group per forward, 0 = 3 x pool slots; more skips "
              "verify that step with a warning (default: %(default)s)"))  # fmt: skip
-    # Not a flag: set through the environment.
+    # Canary kernels: auto = numba on CPU, triton on CUDA when installed, torch elsewhere;
+    # triton needs the `gpu` extra. Not a flag: set through the environment.
     backend: str = field(default_factory=envs.KVCANARY_KV_CANARY_KERNEL_BACKEND.get,
                          metadata={"flag": None, "env": "KVCANARY_KV_CANARY_KERNEL_BACKEND"})
     # Steps between a violation and its report. None: 1 on accelerators (the device->host
@@ -115,6 +116,12 @@ class CanaryConfig:
                self.verify_capacity, "an integer >= 0 (0 = automatic)")  # fmt: skip
         _check(self.backend in KERNEL_BACKENDS, "backend", self.backend,
                f"one of {show(KERNEL_BACKENDS)}")  # fmt: skip
+        if self.backend == "triton":
+            from kvcanary.canary.kernels import TRITON_MISSING, triton_installed
+
+            if not triton_installed():
+                env = _FIELDS["backend"].metadata["env"]
+                raise ValueError(f"{env}={show(self.backend)} {TRITON_MISSING}")
         _check(self.pump_delay_steps in (None, 0, 1), "pump_delay_steps",
                self.pump_delay_steps, "None (automatic), 0 or 1")  # fmt: skip
         for name in ("sweep_interval", "stats_interval", "health_check_interval",

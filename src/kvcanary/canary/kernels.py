@@ -1,7 +1,9 @@
 """Canary verify/write kernels: the contract, and the per-device choice of implementation.
 
-Both backends (:mod:`.kernels_numba` for CPU, :mod:`.kernels_torch` for any device) and the
-test-only Python reference implement exactly this, bit for bit (ring rows in the same order):
+Every backend (:mod:`.kernels_numba` for CPU, :mod:`.kernels_triton` for CUDA,
+:mod:`.kernels_torch` for any device) and the test-only Python reference implement exactly
+this, bit for bit (ring rows in the same order). ``auto`` picks numba on CPU tensors, Triton
+on CUDA tensors when the ``triton`` package is installed (extra ``gpu``), torch otherwise:
 
 **verify(records, plan, ring, tag)** — for each plan entry ``i`` in order::
 
@@ -36,13 +38,16 @@ raise. ``counters`` (optional) count one launch per call and the entries process
 all entries of an enabled plan; write: tokens stored). A disabled verify plan does nothing
 but count the launch.
 
-Plans come materialised (:mod:`.plan`, any backend) or as CPU row plans (:mod:`.row_plan`,
-the numba backend only: the per-forward path on the CPU); both give the same result.
+Plans come materialised (:mod:`.plan`, or :mod:`.plan_triton` on CUDA; any backend) or as
+CPU row plans (:mod:`.row_plan`, the numba backend only: the per-forward path on the CPU);
+both give the same result.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
+from functools import cache
 from types import ModuleType
 from typing import Literal
 
@@ -53,20 +58,37 @@ from kvcanary.canary.plan_types import HostWritePlan, RowVerifyPlan, VerifyPlan,
 from kvcanary.canary.real_kv import RealKvSource
 from kvcanary.canary.ring import RunCounters, ViolationRing
 
-Backend = Literal["auto", "numba", "torch"]
-BACKENDS: tuple[Backend, ...] = ("auto", "numba", "torch")
+Backend = Literal["auto", "numba", "torch", "triton"]
+BACKENDS: tuple[Backend, ...] = ("auto", "numba", "torch", "triton")
 _ROW_PLAN_BACKENDS = ("auto", "numba")
+TRITON_MISSING = "needs the triton package, which is not installed (pip install 'kvcanary[gpu]')"
+
+
+@cache
+def triton_installed() -> bool:
+    """Whether ``triton`` can be imported (looked up once; importing it costs ~1 s)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_kernels() -> ModuleType:
+    """:mod:`.kernels_triton`, imported on first use (the CPU install has no triton)."""
+    if not triton_installed():
+        raise ValueError(f"canary kernel backend='triton' {TRITON_MISSING}")
+    return importlib.import_module("kvcanary.canary.kernels_triton")
 
 
 def _module(records: torch.Tensor, backend: Backend, plan: object) -> ModuleType:
     if backend not in BACKENDS:
         raise ValueError(f"canary kernel backend={backend!r}; allowed: {', '.join(BACKENDS)}")
     if isinstance(plan, (RowVerifyPlan, HostWritePlan)):  # CPU row plans: numba only
-        if backend == "torch":
-            raise ValueError("canary kernel backend='torch' got a CPU row plan (numba only)")
+        if backend not in _ROW_PLAN_BACKENDS:
+            raise ValueError(f"canary kernel backend={backend!r} got a CPU row plan (numba only)")
         return kernels_numba
-    if backend == "numba" or (backend == "auto" and records.device.type == "cpu"):
+    on = records.device.type
+    if backend == "numba" or (backend == "auto" and on == "cpu"):
         return kernels_numba
+    if backend == "triton" or (backend == "auto" and on == "cuda" and triton_installed()):
+        return triton_kernels()
     return kernels_torch
 
 

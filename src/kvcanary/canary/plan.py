@@ -26,6 +26,7 @@ device.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Literal
 
 import torch
@@ -52,8 +53,8 @@ def translate_slots(slots: torch.Tensor, lut: torch.Tensor | None) -> torch.Tens
     return torch.where(slots >= 0, lut[slots.clamp(min=0)].long(), slots)
 
 
-PlanBackend = Literal["auto", "numba", "torch"]
-PLAN_BACKENDS: tuple[PlanBackend, ...] = ("auto", "numba", "torch")
+PlanBackend = Literal["auto", "numba", "torch", "triton"]
+PLAN_BACKENDS: tuple[PlanBackend, ...] = ("auto", "numba", "torch", "triton")
 
 
 def build_plans(
@@ -71,8 +72,8 @@ def build_plans(
     ``window``: the SWA window (None: full attention); ``lut``: full→SWA slot mapping for SWA
     groups; ``verify_capacity``: most verify entries per forward (more ⇒ verify disabled);
     ``kv_token_id_vs_position_offset``: 1 for draft pools whose slot ``p`` holds token ``p + 1``;
-    ``backend``: auto = numba on CPU tensors, torch elsewhere; ``check_residency``: list the
-    plan's holes (:class:`CanaryPlans`).
+    ``backend``: auto = numba on CPU tensors, Triton on CUDA when triton is installed, torch
+    elsewhere; ``check_residency``: list the plan's holes (:class:`CanaryPlans`).
     """
     check_plan_args(verify_capacity, window)
     if backend not in PLAN_BACKENDS:
@@ -85,8 +86,23 @@ def build_plans(
 
         return build_plans_numba(inputs, verify_capacity, window, lut,
                                  kv_token_id_vs_position_offset, check_residency)  # fmt: skip
+    on_cuda = inputs.req_to_token.device.type == "cuda"
+    if backend == "triton" or (backend == "auto" and on_cuda and _triton_installed()):
+        if not _triton_installed():
+            raise ValueError(
+                "plan backend='triton' needs the triton package, which is not installed "
+                "(pip install 'kvcanary[gpu]')"
+            )
+        from kvcanary.canary.plan_triton import build_plans_triton  # triton: only when used
+
+        return build_plans_triton(inputs, verify_capacity, window, lut,
+                                  kv_token_id_vs_position_offset, check_residency)  # fmt: skip
     return _build_plans_torch(inputs, verify_capacity, window, lut, kv_token_id_vs_position_offset,
                               check_residency)  # fmt: skip
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _build_plans_torch(
