@@ -16,6 +16,7 @@ import logging
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvcanary.cli_args import add_engine_flags, engine_config_from_args
 from kvcanary.config import DEFAULT_MAX_QUEUED_REQUESTS, EngineConfig
@@ -104,23 +105,33 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
 
 def _cmd_bench_overhead(a: argparse.Namespace) -> int:
-    from kvcanary.bench.overhead import bench_overhead
-    from kvcanary.engine.pool_check import check_workload
+    from kvcanary.bench.overhead import OverheadSpec, bench_overhead, parse_batches, table_rows
     from kvcanary.report import render_matrix, render_table, write_json
 
-    spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
-    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    spec = OverheadSpec(
+        models=tuple(_csv(a.model)), batches=parse_batches(a.batches), input_len=a.input_len,
+        output_len=a.output_len, shared_prefix_len=a.shared_prefix_len, prefill_len=a.prefill_len,
+        repeats=a.repeats, variants=tuple(_csv(a.variants)),
+    )  # fmt: skip
     _set_threads(a.threads)
-    check_workload(engine_config_from_args(a), spec)  # before any engine starts
-    summary = bench_overhead(engine_config_from_args(a), spec, repeats=a.repeats, variants=variants,
-                             progress=not a.no_progress)  # fmt: skip
-    head = {k: v for k, v in summary.items() if k != "variants"}
-    print(render_table("kvcanary bench overhead", head))
-    print(render_matrix("throughput (median) and overhead vs none (median of repeats)",
-                        summary["variants"]))  # fmt: skip
+    pools = ("max_total_tokens", "swa_full_tokens_ratio")
+    given = {f: _E(f) if getattr(a, f) is None else getattr(a, f) for f in pools}
+    base = engine_config_from_args(argparse.Namespace(**{**vars(a), **given, "model": spec.models[0]}))
+    summary = bench_overhead(base, spec, fit=tuple(f for f in pools if getattr(a, f) is None),
+                             page_size=a.page_size, progress=not a.no_progress)  # fmt: skip
+    print(render_table("kvcanary bench overhead", _head(summary)))
+    print(render_matrix("per model x batch x phase x variant: throughput, median paired overhead vs "
+                        "none, canary bytes vs the KV bytes attention reads (per forward)",
+                        table_rows(summary)))  # fmt: skip
     if a.json:
         write_json(a.json, summary)
     return 0
+
+
+def _head(summary: dict[str, Any]) -> dict[str, Any]:
+    """A bench summary's scalars for the table (lists comma-joined; ``rows`` left out)."""
+    return {k: ", ".join(map(str, v)) if isinstance(v, list) else v
+            for k, v in summary.items() if k != "rows"}  # fmt: skip
 
 
 def _set_threads(threads: int | None) -> None:
@@ -134,16 +145,22 @@ def _set_threads(threads: int | None) -> None:
 
 
 def _cmd_bench_engine(a: argparse.Namespace) -> int:
-    from kvcanary.bench.engine_vs_hf import bench_engine
-    from kvcanary.report import emit
+    from kvcanary.bench.engine_vs_hf import EngineBenchSpec, bench_engine
+    from kvcanary.bench.overhead import parse_batches
+    from kvcanary.report import render_matrix, render_table, write_json
 
-    if a.repeats < 1:
-        raise ValueError(f"--repeats={show(a.repeats)} is invalid: allowed an integer >= 1")
+    spec = EngineBenchSpec(
+        model=a.model, batches=parse_batches(a.batches), input_len=a.input_len,
+        output_len=a.output_len, repeats=a.repeats, page_size=a.page_size, seed=a.seed,
+        vllm_python=a.vllm_python,
+    )  # fmt: skip
     _set_threads(a.threads)
-    spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
-    summary = bench_engine(a.model, spec, repeats=a.repeats, page_size=a.page_size,
-                           progress=not a.no_progress)  # fmt: skip
-    emit("kvcanary bench engine (vs transformers generate)", summary, a.json)
+    summary = bench_engine(spec, threads=a.threads, progress=not a.no_progress)
+    print(render_table("kvcanary bench engine (vs transformers generate and vLLM)", _head(summary)))
+    print(render_matrix("tokens/s per batch size and system (median of the rounds); mismatches: "
+                        "prompts whose tokens differ from transformers'", summary["rows"]))  # fmt: skip
+    if a.json:
+        write_json(a.json, summary)
     return 0
 
 
@@ -311,15 +328,40 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks measured side by side in one run")
     benches = bench.add_subparsers(dest="bench", required=True)
     overhead = benches.add_parser(
-        "overhead", help="canary cost: none vs log vs log + real-data, prefill and decode"
-    )
+        "overhead", help="canary cost (none vs log vs log + real-data) per model: decode at each "
+                         "batch size and a long-prompt prefill, with the canary's bytes per "
+                         "forward against the KV bytes attention reads",
+        conflict_handler="resolve",  # --model and the pool flags are redefined below
+    )  # fmt: skip
     add_engine_flags(overhead, with_canary=False)
-    _workload_flags(overhead)
-    overhead.add_argument("--repeats", type=int, default=5,
-                          help="interleaved repeats; figures are medians (default: %(default)s)")
-    from kvcanary.bench.overhead import DEFAULT_VARIANTS, VARIANTS
+    from kvcanary.bench.overhead import VARIANTS, OverheadSpec
 
-    overhead.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+    _O = OverheadSpec()
+    overhead.add_argument("--model", default=",".join(_O.models),
+                          help="comma-separated models, each builtin:<preset> or a HF model "
+                               "directory; one engine per variant each (default: %(default)s)")  # fmt: skip
+    overhead.add_argument("--max-total-tokens", type=int, default=None,
+                          help="full KV pool size in tokens (default: sized to each model's "
+                               "largest case, so every batch runs at once)")  # fmt: skip
+    overhead.add_argument("--swa-full-tokens-ratio", type=float, default=None,
+                          help="SWA pool size / full pool size (default: sized like "
+                               "--max-total-tokens)")  # fmt: skip
+    overhead.add_argument("--batches", default=",".join(map(str, _O.batches)),
+                          help="comma-separated decode batch sizes, one case each (default: %(default)s)")
+    overhead.add_argument("--input-len", type=int, default=_O.input_len,
+                          help="max prompt length of the decode cases; prompts vary in "
+                               "[input_len/2, input_len] (default: %(default)s)")  # fmt: skip
+    overhead.add_argument("--output-len", type=int, default=_O.output_len,
+                          help="new tokens per request of the decode cases (default: %(default)s)")
+    overhead.add_argument("--shared-prefix-len", type=int, default=_O.shared_prefix_len,
+                          help="tokens every prompt of a decode case shares (default: %(default)s)")
+    overhead.add_argument("--prefill-len", type=int, default=_O.prefill_len,
+                          help="prompt length of the long-prompt prefill case; 0: no such case "
+                               "(default: %(default)s)")  # fmt: skip
+    overhead.add_argument("--repeats", type=int, default=_O.repeats,
+                          help="repeats of every case, new prompts each; figures are medians "
+                               "(default: %(default)s)")  # fmt: skip
+    overhead.add_argument("--variants", default=",".join(_O.variants),
                           help=f"comma-separated subset of {', '.join(VARIANTS)} (must include "
                                "none; default: %(default)s)")  # fmt: skip
     overhead.add_argument("--threads", type=int, default=None,
@@ -330,24 +372,34 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.set_defaults(func=_cmd_bench_overhead)
 
     engine = benches.add_parser(
-        "engine", help="our engine vs transformers generate: same weights, prompts, batched greedy"
-    )
-    engine.add_argument("--model", default="builtin:tiny-swa",
-                        help="builtin:tiny-swa | builtin:tiny-swa-all | builtin:tiny-mha (default: %(default)s)")
-    engine.add_argument("--page-size", type=int, default=_E("page_size"),
+        "engine", help="our engine vs transformers generate vs vLLM's CPU build (when its venv "
+                       "is there): same checkpoint and prompts, batched greedy, interleaved, "
+                       "outputs checked against transformers",
+    )  # fmt: skip
+    from kvcanary.bench.engine_vs_hf import EngineBenchSpec
+
+    _B = EngineBenchSpec()
+    engine.add_argument("--model", default=_B.model,
+                        help="a builtin preset or a Qwen3 checkpoint directory (default: %(default)s)")
+    engine.add_argument("--page-size", type=int, default=_B.page_size,
                         help="KV page size in tokens (default: %(default)s)")
-    engine.add_argument("--num-requests", type=int, default=16,
-                        help="requests in the synthetic workload (default: %(default)s)")
-    engine.add_argument("--input-len", type=int, default=128,
+    engine.add_argument("--batches", default=",".join(map(str, _B.batches)),
+                        help="comma-separated batch sizes: prompts generated together "
+                             "(default: %(default)s)")  # fmt: skip
+    engine.add_argument("--input-len", type=int, default=_B.input_len,
                         help="max prompt length; prompts vary in [input_len/2, input_len] (default: %(default)s)")
-    engine.add_argument("--output-len", type=int, default=64, help="new tokens per request (default: %(default)s)")
-    engine.add_argument("--shared-prefix-len", type=int, default=0,
-                        help="tokens every prompt shares (default: %(default)s)")
-    engine.add_argument("--seed", type=int, default=0,
-                        help="seeds the weights and the workload (default: %(default)s)")
-    engine.add_argument("--repeats", type=int, default=5,
-                        help="interleaved repeats; figures are medians (default: %(default)s)")
-    engine.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    engine.add_argument("--output-len", type=int, default=_B.output_len,
+                        help="new tokens per prompt (default: %(default)s)")
+    engine.add_argument("--seed", type=int, default=_B.seed,
+                        help="seeds the weights and the prompts (default: %(default)s)")
+    engine.add_argument("--repeats", type=int, default=_B.repeats,
+                        help="interleaved rounds; figures are medians (default: %(default)s)")
+    engine.add_argument("--vllm-python", default=_B.vllm_python,
+                        help="python of the vLLM venv; vLLM is skipped (with a note) when it is "
+                             "missing (default: %(default)s)")  # fmt: skip
+    engine.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads, here and in vLLM's worker (default: each its "
+                             "own choice); 1 is steadier on a machine shared with other work")  # fmt: skip
     engine.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
     engine.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     engine.set_defaults(func=_cmd_bench_engine)

@@ -92,17 +92,22 @@ def keep_torch_threads():
 def test_bench_overhead_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     assert main(["bench", "overhead", "--model", "builtin:tiny-mha", "--repeats", "1",
-                 "--variants", "none,log+partial", "--num-requests", "3", "--input-len", "24",
-                 "--shared-prefix-len", "8", "--output-len", "4", "--max-total-tokens", "512",
-                 "--threads", "1", "--no-progress", "--json", str(out)]) == 0  # fmt: skip
+                 "--variants", "none,log+partial", "--batches", "2", "--input-len", "24",
+                 "--shared-prefix-len", "8", "--output-len", "4", "--prefill-len", "32",
+                 "--max-total-tokens", "512", "--threads", "1", "--no-progress",
+                 "--json", str(out)]) == 0  # fmt: skip
     data = json.loads(out.read_text())
-    assert data["repeats"] == 1 and data["decode_steps"] > 0 and data["torch_threads"] == 1
-    rows = {r["variant"]: r for r in data["variants"]}
-    assert list(rows) == ["none", "log+partial"]
-    assert rows["none"]["decode_overhead_pct"] == 0.0
+    assert data["repeats"] == 1 and data["torch_threads"] == 1 and data["batches"] == [2]
+    rows = {(r["phase"], r["variant"]): r for r in data["rows"]}
+    assert set(rows) == {(p, v) for p in ("decode", "prefill") for v in ("none", "log+partial")}
+    assert rows["decode", "none"]["overhead_pct"] == 0.0
     assert all(r["identical_outputs"] and r["violations"] == 0 for r in rows.values())
-    assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows.values())
-    assert "decode_overhead_pct" in capsys.readouterr().out
+    assert all(r["tokens_per_s"] > 0 for r in rows.values())
+    # the canary touches bytes only when it is on, and fewer than attention reads here
+    assert rows["decode", "none"]["canary_bytes_per_forward"] == 0
+    assert 0 < rows["decode", "log+partial"]["canary_bytes_per_forward"] < rows[
+        "decode", "log+partial"]["kv_read_bytes_per_forward"]  # fmt: skip
+    assert "overhead %" in capsys.readouterr().out
 
 
 def test_bench_overhead_rejects_unknown_variants(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,20 +1,81 @@
-"""``kvcanary bench engine``: our engine vs Hugging Face transformers ``generate`` on the
-same weights and prompts (batched, greedy), measured side by side in one run."""
+"""``kvcanary bench engine``: our engine vs transformers ``generate`` vs vLLM's CPU build on
+the same checkpoint and prompts (batched, greedy), measured side by side in one run.
+
+The checkpoint: ``--model`` (a builtin preset or a Qwen3 checkpoint directory) as our engine
+loads it, exported with :func:`~kvcanary.model.hf_export.to_hf_qwen3` (transformers, sdpa
+attention, in this process) and saved to a temporary directory for vLLM, which runs in its
+own venv as :mod:`.vllm_peer` (started once; without its interpreter vLLM is skipped, and
+the summary says so in ``vllm``).
+
+For each batch size b (``--batches``): b prompts of ``[input_len/2, input_len]`` tokens,
+``--output-len`` new tokens each (no early stop). One untimed warm-up round, then
+``--repeats`` rounds, each running every system once per batch size, alternating (ours,
+transformers, vLLM, ours, ...), so drifting machine load hits all alike. Timed: the generate
+call only. Tokens/s = b x output_len / seconds, median over rounds; ``mismatches`` = prompts
+whose tokens differ from transformers' in any round.
+"""
 
 from __future__ import annotations
 
 import statistics
+import sys
+import tempfile
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+import kvcanary
+from kvcanary.bench.engines import fit_pools
+from kvcanary.bench.vllm_peer import VllmPeer
 from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.engine.engine import Engine
+from kvcanary.engine.pool_check import check_workload
 from kvcanary.model.decoder import HybridDecoder
 from kvcanary.model.hf_export import to_hf_qwen3
+from kvcanary.model.loader import load_model_config
+from kvcanary.utils import show
 from kvcanary.workload import WorkloadSpec, make_prompts
+
+OURS, HF, VLLM = "kvcanary", "transformers", "vllm"
+# <checkout>/.venv-vllm/bin/python for an editable install (`make test-vllm` builds it).
+DEFAULT_VLLM_PYTHON = str(Path(kvcanary.__file__).resolve().parents[2] / ".venv-vllm/bin/python")
+
+# prompts -> (seconds of the generate call, new tokens per prompt)
+Generate = Callable[[list[list[int]]], tuple[float, list[list[int]]]]
+
+
+@dataclass(frozen=True)
+class EngineBenchSpec:
+    """What ``bench engine`` runs (the CLI's defaults are read from here)."""
+
+    model: str = "builtin:tiny-swa"
+    batches: tuple[int, ...] = (1, 16, 64)
+    input_len: int = 128
+    output_len: int = 64
+    repeats: int = 3
+    page_size: int = 4
+    seed: int = 0
+    vllm_python: str = DEFAULT_VLLM_PYTHON
+
+    def __post_init__(self) -> None:
+        """Bad values raise ``ValueError`` naming the flag, the value and what is allowed."""
+        ok_batches = (bool(self.batches) and all(b >= 1 for b in self.batches)
+                      and len(set(self.batches)) == len(self.batches))  # fmt: skip
+        for ok, flag, value, allowed in (
+            (ok_batches, "--batches", ",".join(map(str, self.batches)),
+             "comma-separated distinct integers >= 1"),
+            (self.input_len >= 1, "--input-len", self.input_len, "an integer >= 1"),
+            (self.output_len >= 1, "--output-len", self.output_len, "an integer >= 1"),
+            (self.repeats >= 1, "--repeats", self.repeats, "an integer >= 1"),
+            (self.page_size >= 1, "--page-size", self.page_size, "an integer >= 1"),
+        ):  # fmt: skip
+            if not ok:
+                raise ValueError(f"{flag}={show(value)} is invalid: allowed {allowed}")
 
 
 def _hf_generate(hf: Any, prompts: list[list[int]], max_new_tokens: int, pad_id: int) -> list[list[int]]:
@@ -33,48 +94,118 @@ def _hf_generate(hf: Any, prompts: list[list[int]], max_new_tokens: int, pad_id:
     return out[:, width:].tolist()
 
 
-def bench_engine(
-    model: str = "builtin:tiny-swa",
-    spec: WorkloadSpec | None = None,
-    repeats: int = 3,
-    page_size: int = 4,
-    progress: bool = True,
-) -> dict[str, Any]:
-    spec = spec or WorkloadSpec(num_requests=16, input_len=128, output_len=64, shared_prefix_len=0)
-    engine = Engine(EngineConfig(model=model, page_size=page_size, enable_prefix_cache=False))
-    runner = engine.runner
-    if not isinstance(runner.model, HybridDecoder):
-        raise ValueError(
-            f"--model {model}: bench engine exports Qwen3-architecture models to transformers; "
-            f"got {runner.model_config.architecture}"
-        )
-    hf = to_hf_qwen3(runner.model, runner.model_config, attn_implementation="sdpa")
-    prompts = make_prompts(spec, runner.vocab_size)
+def bench_engine(spec: EngineBenchSpec, threads: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run the comparison (module doc); the summary (stable JSON keys, see README).
+    ``threads``: vLLM's, as torch's were set in this process (None: each its own choice)."""
+    prompts = {b: make_prompts(WorkloadSpec(b, spec.input_len, spec.output_len, 0, spec.seed), 256)
+               for b in spec.batches}  # fmt: skip
+    mc = load_model_config(spec.model)
+    if mc.architecture != "Qwen3ForCausalLM":
+        raise ValueError(f"--model={show(spec.model)} is invalid: allowed a Qwen3-architecture model "
+                         f"(builtin presets are; this one is {mc.architecture})")  # fmt: skip
+    config = EngineConfig(model=spec.model, page_size=spec.page_size, enable_prefix_cache=False,
+                          seed=spec.seed)  # fmt: skip
+    check_workload(config, WorkloadSpec(1, spec.input_len, spec.output_len, 0))
+    engine = Engine(fit_pools(config, mc.sliding_window,
+                              [([spec.input_len] * b, spec.output_len) for b in spec.batches]))  # fmt: skip
+    model = engine.runner.model
+    if not isinstance(model, HybridDecoder):
+        raise ValueError(f"--model={show(spec.model)} is invalid: allowed a Qwen3-architecture model")
+    hf = to_hf_qwen3(model, mc, attn_implementation="sdpa")
     params = SamplingParams(max_new_tokens=spec.output_len, ignore_eos=True)
-    pad_id = runner.vocab_size - 1
-    num_out = spec.num_requests * spec.output_len
-    ours_tps, hf_tps = [], []
-    ours_out: list[list[int]] = []
-    hf_out: list[list[int]] = []
-    for _ in tqdm(range(repeats), desc="bench engine", disable=not progress):
-        # Interleaved so drifting machine load hits both sides alike.
+    systems: dict[str, Generate] = {
+        OURS: _timed(lambda ps: [o.output_ids for o in engine.generate(ps, params)]),
+        HF: _timed(lambda ps: _hf_generate(hf, ps, spec.output_len, mc.vocab_size - 1)),
+    }
+    with tempfile.TemporaryDirectory(prefix="kvcanary-bench-engine-") as tmp:
+        peer, vllm_note = _start_vllm(spec, hf, Path(tmp), threads, progress)
+        try:
+            if peer is not None:  # timed inside the worker: its generate call only
+                systems[VLLM] = lambda ps: peer.generate(ps, spec.output_len)
+            results = _rounds(spec, prompts, systems, progress)
+        finally:
+            if peer is not None:
+                peer.close()
+    return _summarize(spec, results, vllm_note)
+
+
+def _start_vllm(spec: EngineBenchSpec, hf: Any, tmp: Path, threads: int | None,
+                progress: bool) -> tuple[VllmPeer | None, str]:  # fmt: skip
+    """The vLLM worker on the exported checkpoint, or None and why it was skipped."""
+    if not Path(spec.vllm_python).is_file():
+        return None, (f"skipped: {spec.vllm_python} not found (`make test-vllm` builds "
+                      ".venv-vllm; or pass --vllm-python)")  # fmt: skip
+    if progress:
+        print(f"bench engine: starting vLLM ({spec.vllm_python})", file=sys.stderr, flush=True)
+    hf.save_pretrained(tmp / "checkpoint")
+    peer = VllmPeer(spec.vllm_python, str(tmp / "checkpoint"),
+                    max_model_len=spec.input_len + spec.output_len + 8,
+                    max_num_seqs=max(spec.batches), threads=threads)  # fmt: skip
+    return peer, f"vLLM {peer.version} (CPU, torch threads {peer.threads}), {spec.vllm_python}"
+
+
+def _timed(generate: Callable[[list[list[int]]], list[list[int]]]) -> Generate:
+    def run(prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
         t0 = time.perf_counter()
-        ours_out = [o.output_ids for o in engine.generate(prompts, params)]
-        ours_tps.append(num_out / (time.perf_counter() - t0))
-        t0 = time.perf_counter()
-        hf_out = _hf_generate(hf, prompts, spec.output_len, pad_id)
-        hf_tps.append(num_out / (time.perf_counter() - t0))
-    same = sum(a == b for a, b in zip(ours_out, hf_out, strict=True))
-    ours, theirs = statistics.median(ours_tps), statistics.median(hf_tps)
+        outputs = generate(prompts)
+        return time.perf_counter() - t0, outputs
+
+    return run
+
+
+def _rounds(spec: EngineBenchSpec, prompts: dict[int, list[list[int]]], systems: dict[str, Generate],
+            progress: bool) -> dict[tuple[int, str], tuple[list[float], list[list[list[int]]]]]:  # fmt: skip
+    """(batch, system) -> (seconds of each round, outputs of each round)."""
+    for generate in systems.values():  # warm-up: first calls allocate and compile
+        generate(prompts[min(spec.batches)])
+    results: dict[tuple[int, str], tuple[list[float], list[list[list[int]]]]] = {
+        (b, s): ([], []) for b in spec.batches for s in systems
+    }
+    total = spec.repeats * len(spec.batches) * len(systems)
+    with tqdm(total=total, desc="bench engine", unit="run", disable=not progress) as bar:
+        for _ in range(spec.repeats):
+            for b in spec.batches:
+                for name, generate in systems.items():
+                    bar.set_postfix_str(f"batch {b} {name}")
+                    seconds, outputs = generate(prompts[b])
+                    results[b, name][0].append(seconds)
+                    results[b, name][1].append(outputs)
+                    bar.update(1)
+    return results
+
+
+def _summarize(spec: EngineBenchSpec,
+               results: dict[tuple[int, str], tuple[list[float], list[list[list[int]]]]],
+               vllm_note: str) -> dict[str, Any]:  # fmt: skip
+    rows = []
+    for b in spec.batches:
+        ref_seconds, ref_outputs = results[b, HF]
+        ref_tps = _tokens_per_s(b, spec.output_len, ref_seconds)
+        for name in (OURS, HF, VLLM):
+            if (b, name) not in results:
+                continue
+            seconds, outputs = results[b, name]
+            tps = _tokens_per_s(b, spec.output_len, seconds)
+            differ = {i for got, ref in zip(outputs, ref_outputs, strict=True)
+                      for i, (g, r) in enumerate(zip(got, ref, strict=True)) if g != r}  # fmt: skip
+            rows.append({
+                "batch": b,
+                "system": name,
+                "tokens_per_s": tps,
+                "vs_transformers": tps / ref_tps if ref_tps else 0.0,
+                "mismatches": f"{len(differ)}/{b}",
+            })  # fmt: skip
     return {
-        "model": model,
-        "requests": spec.num_requests,
+        "model": spec.model,
+        "batches": list(spec.batches),
         "input_len_max": spec.input_len,
         "output_len": spec.output_len,
-        "repeats": repeats,
+        "repeats": spec.repeats,
         "torch_threads": torch.get_num_threads(),
-        "kvcanary_tokens_per_s": ours,
-        "transformers_tokens_per_s": theirs,
-        "speedup": ours / theirs if theirs else 0.0,
-        "identical_outputs": f"{same}/{len(prompts)}",
+        "vllm": vllm_note,
+        "rows": rows,
     }
+
+
+def _tokens_per_s(batch: int, output_len: int, seconds: Sequence[float]) -> float:
+    return batch * output_len / statistics.median(seconds)

@@ -1,30 +1,51 @@
 """``kvcanary bench overhead``: what the KV canary costs, measured side by side in one run.
 
-One engine per variant (canary none, log, log + real-data partial, log + real-data all), all
-given the same seeded workload and stepped in lockstep: step ``i`` of every engine runs the
-same batch (the canary never changes scheduling), back to back, in an order rotated every
-step. Each step is timed (``Engine.step``: scheduling, forward with the canary, sampling)
-and classified as prefill (extend) or decode. The overhead of a variant is the median over
-steps of ``t_variant / t_none - 1`` (paired, so a burst of load from elsewhere hits both
-sides of a pair and drops out of the median), and the figure reported is the median over
-repeats; throughput is tokens / summed step time (median over repeats). Targets (SPEC §7):
-log decode <= 3 %, prefill <= 5 %, real-data partial <= 2 % more.
+Cases, per model (``--model``, comma-separated)::
+
+    decode b   for each b of --batches: b prompts of [input_len/2, input_len] tokens, each
+               generating --output-len tokens; its rows report the decode forwards (the
+               whole batch, one new token per request)
+    prefill    one prompt of exactly --prefill-len tokens (in --chunked-prefill-size chunks),
+               one new token; its rows report those prefill forwards (0: no such case)
+
+One engine per variant (canary none, log, log + real-data partial, log + real-data all). Per
+model they are built once, share one decoder (identical seeded weights) and run every case
+in lockstep: step ``i`` of every engine runs the same batch (the canary never changes
+scheduling), back to back, in an order rotated every step. Each step is timed
+(``Engine.step``: scheduling, forward with the canary, sampling). Every repeat draws new
+prompts, so no case is served by the prefix cache from an earlier one. The overhead of a
+variant is the median, over the case's paired steps of every repeat, of ``t_variant /
+t_none - 1`` (paired, so a burst of load from elsewhere hits both sides of a pair and drops
+out of the median); throughput is the case's tokens / summed step time (median over
+repeats).
+
+Bytes per forward (:mod:`.traffic`, from each forward's batch shape, mean over the case's
+forwards): the canary's record and fingerprint bytes against the KV bytes attention reads.
+Their ratio is the overhead a forward bound by KV traffic would see: how far the measured
+overhead is from the memory-traffic bound. Targets (SPEC §7): log decode <= 3 %, prefill
+<= 5 %, real-data partial <= 2 % more.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import replace
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any, NamedTuple
 
 import torch
 from tqdm import tqdm
 
+from kvcanary.bench.engines import fit_pools, random_prompt, record_forward_shapes, shared_decoder
+from kvcanary.bench.traffic import StepShape, canary_bytes, canary_groups, kv_read_bytes
+from kvcanary.cli_args import default_page_size
 from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.engine.engine import Engine
-from kvcanary.utils import show
+from kvcanary.engine.pool_check import check_workload
+from kvcanary.model.loader import load_model_config
+from kvcanary.utils import cdiv, show
 from kvcanary.workload import WorkloadSpec, make_prompts
 
 # CanaryConfig fields of each variant (the rest as the base config's canary).
@@ -40,103 +61,266 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_VARIANTS = ("none", "log", "log+partial", "log+all")
 BASELINE = "none"
-PHASES = ("prefill", "decode")
+DECODE, PREFILL = "decode", "prefill"
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def _lockstep(
-    configs: dict[str, EngineConfig], prompts: list[list[int]], output_len: int
-) -> dict[str, dict[str, Any]]:
-    """Run every variant's engine over ``prompts`` step by step; per-variant step timings."""
-    engines = {v: Engine(c) for v, c in configs.items()}
-    params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
-    for engine in engines.values():
-        for p in prompts:
-            engine.add_request(p, params)
-    names = list(engines)
-    out: dict[str, dict[str, Any]] = {
-        v: {"steps": {p: [] for p in PHASES}, "tokens": dict.fromkeys(PHASES, 0), "outputs": {}}
-        for v in names
-    }
-    step = 0
-    while any(e.has_unfinished() for e in engines.values()):
-        order = names[step % len(names) :] + names[: step % len(names)]
-        for v in order:
-            engine, rec = engines[v], out[v]
-            st = engine.stats
-            decodes, decode_tokens, prefill_tokens = (
-                st.num_decode_forwards, st.num_decode_tokens, st.num_prefill_tokens,
-            )  # fmt: skip
-            t0 = time.perf_counter()
-            finished = engine.step()
-            dt = time.perf_counter() - t0
-            phase = "decode" if st.num_decode_forwards > decodes else "prefill"
-            rec["steps"][phase].append(dt)
-            rec["tokens"]["decode"] += st.num_decode_tokens - decode_tokens
-            rec["tokens"]["prefill"] += st.num_prefill_tokens - prefill_tokens
-            rec["outputs"].update({o.rid: o.output_ids for o in finished})
-        step += 1
-    for v, engine in engines.items():
-        out[v]["violations"] = engine.canary.stats()["violations"] if engine.canary else 0
-    return out
+@dataclass(frozen=True)
+class OverheadSpec:
+    """What ``bench overhead`` runs (the CLI's defaults are read from here). Defaults take
+    a few minutes on 2 cores, most of it the 0.6B preset at batch 32."""
+
+    models: tuple[str, ...] = ("builtin:tiny-swa", "builtin:qwen3-0.6b-shape")
+    batches: tuple[int, ...] = (1, 8, 32)
+    input_len: int = 64
+    output_len: int = 6
+    shared_prefix_len: int = 0
+    prefill_len: int = 1024
+    repeats: int = 3
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
+
+    def __post_init__(self) -> None:
+        """Bad values raise ``ValueError`` naming the flag, the value and what is allowed."""
+        _check(bool(self.models) and all(self.models), "--model", ",".join(self.models),
+               "a comma-separated list of models")  # fmt: skip
+        _check(bool(self.batches) and all(b >= 1 for b in self.batches)
+               and len(set(self.batches)) == len(self.batches), "--batches",
+               ",".join(map(str, self.batches)), "comma-separated distinct integers >= 1")  # fmt: skip
+        _check(self.output_len >= 2, "--output-len", self.output_len,
+               "an integer >= 2 (one decode forward at least)")  # fmt: skip
+        _check(self.prefill_len >= 0, "--prefill-len", self.prefill_len,
+               "an integer >= 0 (0: no long-prompt case)")  # fmt: skip
+        _check(self.repeats >= 1, "--repeats", self.repeats, "an integer >= 1")
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        _check(not unknown and BASELINE in self.variants
+               and len(set(self.variants)) == len(self.variants), "--variants",
+               ",".join(self.variants),
+               f"a comma-separated subset of {', '.join(VARIANTS)} that includes {show(BASELINE)}")  # fmt: skip
+        # input_len and shared_prefix_len: WorkloadSpec's checks.
+        self.workload(1, 0)
+
+    def workload(self, batch: int, seed: int) -> WorkloadSpec:
+        return WorkloadSpec(batch, self.input_len, self.output_len, self.shared_prefix_len, seed)
+
+
+def _check(ok: bool, flag: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{flag}={show(value)} is invalid: allowed {allowed}")
+
+
+class Case(NamedTuple):
+    phase: str  # the phase whose forwards its rows report
+    batch: int
+    output_len: int
+
+
+class _Step(NamedTuple):
+    phase: str
+    seconds: float
+    shapes: list[StepShape]  # the step's forwards
+
+
+class _Run(NamedTuple):
+    """One variant's engine over one case in one repeat."""
+
+    steps: list[_Step]
+    outputs: dict[int, list[int]]
+    violations: int
+
+
+def cases_of(spec: OverheadSpec) -> list[Case]:
+    cases = [Case(DECODE, b, spec.output_len) for b in spec.batches]
+    return cases + ([Case(PREFILL, 1, 1)] if spec.prefill_len else [])
+
+
+def case_prompts(spec: OverheadSpec, case: Case, seed: int) -> list[list[int]]:
+    if case.phase == PREFILL:
+        return [random_prompt(spec.prefill_len, seed)]
+    return make_prompts(spec.workload(case.batch, seed), vocab_size=256)
+
+
+def check_models(base: EngineConfig, spec: OverheadSpec) -> None:
+    """Every case fits every model's context (before any engine starts)."""
+    for model in spec.models:
+        config = replace(base, model=model)
+        check_workload(config, spec.workload(1, 0))
+        limit = config.max_context_len or load_model_config(model).max_position_embeddings
+        _check(spec.prefill_len + 1 <= limit, "--prefill-len", spec.prefill_len,
+               f"--prefill-len + 1 <= {limit} (the context length of {model})")  # fmt: skip
 
 
 def bench_overhead(
     base: EngineConfig,
-    spec: WorkloadSpec,
+    spec: OverheadSpec,
     *,
-    repeats: int = 5,
-    variants: Sequence[str] = DEFAULT_VARIANTS,
+    fit: tuple[str, ...] = ("max_total_tokens", "swa_full_tokens_ratio"),
+    page_size: int | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Run the repeats; the summary (stable JSON keys, see README)."""
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown or BASELINE not in variants or len(set(variants)) != len(variants):
-        raise ValueError(
-            f"--variants={show(','.join(variants))} is invalid: allowed a comma-separated subset of "
-            f"{', '.join(VARIANTS)} that includes {show(BASELINE)}"
-        )
-    if repeats < 1:
-        raise ValueError(f"--repeats={show(repeats)} is invalid: allowed an integer >= 1")
-    configs = {v: replace(base, canary=replace(base.canary, **VARIANTS[v])) for v in variants}
-    vocab_size = Engine(configs[BASELINE]).runner.vocab_size
-    prompts = make_prompts(spec, vocab_size)
-    _lockstep(configs, prompts[:2], min(spec.output_len, 4))  # warm-up: compile, fill caches
-    runs = []
-    for _ in tqdm(range(repeats), desc="bench overhead", unit="repeat", disable=not progress):
-        runs.append(_lockstep(configs, prompts, spec.output_len))
-    return _summarize(base, spec, runs)
+    """Run every model's cases (module doc); the summary (stable JSON keys, see README).
 
-
-def _summarize(base: EngineConfig, spec: WorkloadSpec,
-               runs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:  # fmt: skip
-    ref_outputs = runs[0][BASELINE]["outputs"]
-    rows = []
-    for v in runs[0]:
-        row: dict[str, Any] = {"variant": v}
-        for phase in PHASES:
-            tps, overheads = [], []
-            for run in runs:
-                mine, ref = run[v]["steps"][phase], run[BASELINE]["steps"][phase]
-                total = sum(mine)
-                tps.append(run[v]["tokens"][phase] / total if total else 0.0)
-                ratios = [m / r - 1.0 for m, r in zip(mine, ref, strict=True) if r > 0]
-                overheads.append(statistics.median(ratios) if ratios else 0.0)
-            row[f"{phase}_tokens_per_s"] = statistics.median(tps)
-            row[f"{phase}_overhead_pct"] = 100.0 * statistics.median(overheads)
-        row["violations"] = int(sum(run[v]["violations"] for run in runs))
-        row["identical_outputs"] = all(run[v]["outputs"] == ref_outputs for run in runs)
-        rows.append(row)
-    first = runs[0][BASELINE]
+    ``fit``: the EngineConfig pool fields sized per model to its largest case (the rest as
+    in ``base``). ``page_size``: None gives each model its default (``--page-size``)."""
+    check_models(base, spec)
+    cases = cases_of(spec)
+    rows: list[dict[str, Any]] = []
+    total = sum(_estimated_steps(base, spec, c) for c in cases) * len(spec.models)
+    with tqdm(total=total * spec.repeats * len(spec.variants), desc="bench overhead",
+              unit="step", disable=not progress) as bar:  # fmt: skip
+        for model in spec.models:
+            config = replace(base, model=model,
+                             page_size=page_size or default_page_size(model))  # fmt: skip
+            rows += _bench_model(_model_config(config, spec, cases, fit), spec, cases, bar)
+        bar.total = bar.n
+        bar.refresh()
     return {
-        "model": base.model,
-        "page_size": base.page_size,
-        "requests": spec.num_requests,
+        "models": list(spec.models),
+        "variants": list(spec.variants),
+        "batches": list(spec.batches),
         "input_len_max": spec.input_len,
         "output_len": spec.output_len,
         "shared_prefix_len": spec.shared_prefix_len,
-        "repeats": len(runs),
-        "prefill_steps": len(first["steps"]["prefill"]),
-        "decode_steps": len(first["steps"]["decode"]),
+        "prefill_len": spec.prefill_len,
+        "repeats": spec.repeats,
+        "chunked_prefill_size": base.chunked_prefill_size,
         "torch_threads": torch.get_num_threads(),
-        "variants": rows,
+        "rows": rows,
     }
+
+
+def _model_config(config: EngineConfig, spec: OverheadSpec, cases: list[Case],
+                  fit: tuple[str, ...]) -> EngineConfig:  # fmt: skip
+    batches = [([spec.prefill_len if c.phase == PREFILL else spec.input_len] * c.batch, c.output_len)
+               for c in cases]  # fmt: skip
+    fitted = fit_pools(config, load_model_config(config.model).sliding_window, batches)
+    return replace(config, **{f: getattr(fitted, f) for f in fit})
+
+
+def _estimated_steps(base: EngineConfig, spec: OverheadSpec, case: Case) -> int:
+    """Steps per engine (for the progress bar): prefill chunks + decode forwards."""
+    prompt_tokens = spec.prefill_len if case.phase == PREFILL else case.batch * (spec.input_len * 3 // 4)
+    chunk = base.chunked_prefill_size if base.chunked_prefill_size > 0 else prompt_tokens
+    return cdiv(prompt_tokens, chunk) + case.output_len - 1
+
+
+def _bench_model(config: EngineConfig, spec: OverheadSpec, cases: list[Case], bar: tqdm) -> list[dict[str, Any]]:
+    model = config.model
+    bar.set_postfix_str(f"{model}: building engines")
+    with shared_decoder():
+        engines = {v: Engine(replace(config, canary=replace(config.canary, **VARIANTS[v])))
+                   for v in spec.variants}  # fmt: skip
+    shapes = {v: record_forward_shapes(e) for v, e in engines.items()}
+    bar.set_postfix_str(f"{model}: warm-up")
+    warm = [random_prompt(spec.input_len, config.seed - k) for k in (1, 2)]
+    _lockstep(engines, shapes, warm, min(spec.output_len, 4), lambda: None)  # compile, fill caches
+    runs: list[list[dict[str, _Run]]] = [[] for _ in cases]  # [case][repeat][variant]
+    for repeat in range(spec.repeats):
+        for i, case in enumerate(cases):
+            bar.set_postfix_str(f"{model}: {case.phase} batch {case.batch}")
+            prompts = case_prompts(spec, case, config.seed + 1 + repeat * len(cases) + i)
+            runs[i].append(_lockstep(engines, shapes, prompts, case.output_len, lambda: bar.update(1)))
+    mc = engines[spec.variants[0]].runner.model_config
+    dtype_bytes = _DTYPE_BYTES[config.dtype]
+    kv_of = None if mc.dsv4 else partial(kv_read_bytes, model=mc, dtype_bytes=dtype_bytes)
+    rows = []
+    for case, case_runs in zip(cases, runs, strict=True):
+        for v in spec.variants:
+            canary_of = None
+            if kv_of is not None:  # the bytes model covers MHA and SWA pools
+                groups = canary_groups(mc, replace(config.canary, **VARIANTS[v]), dtype_bytes)
+                canary_of = partial(canary_bytes, groups=groups)
+            rows.append(_row(model, case, v, case_runs, canary_of, kv_of))
+    return rows
+
+
+def _lockstep(engines: dict[str, Engine], shapes: dict[str, list[StepShape]],
+              prompts: list[list[int]], output_len: int,
+              on_step: Callable[[], None]) -> dict[str, _Run]:  # fmt: skip
+    """Every variant's engine over ``prompts``, step by step (module doc)."""
+    params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
+    rids: dict[str, list[int]] = {v: [e.add_request(p, params) for p in prompts] for v, e in engines.items()}
+    violations = {v: _violations(e) for v, e in engines.items()}
+    names = list(engines)
+    steps: dict[str, list[_Step]] = {v: [] for v in names}
+    outputs: dict[str, dict[int, list[int]]] = {v: {} for v in names}
+    step = 0
+    while any(e.has_unfinished() for e in engines.values()):
+        order = names[step % len(names) :] + names[: step % len(names)]
+        for v in order:
+            engine = engines[v]
+            decodes, first_shape = engine.stats.num_decode_forwards, len(shapes[v])
+            t0 = time.perf_counter()
+            finished = engine.step()
+            dt = time.perf_counter() - t0
+            phase = DECODE if engine.stats.num_decode_forwards > decodes else PREFILL
+            steps[v].append(_Step(phase, dt, shapes[v][first_shape:]))
+            outputs[v].update({rids[v].index(o.rid): o.output_ids for o in finished})
+            on_step()
+        step += 1
+    return {v: _Run(steps[v], outputs[v], _violations(engines[v]) - violations[v]) for v in names}
+
+
+def _violations(engine: Engine) -> int:
+    return int(engine.canary.stats()["violations"]) if engine.canary else 0
+
+
+def _row(model: str, case: Case, variant: str, runs: list[dict[str, _Run]],
+         canary_bytes_of: Callable[[StepShape], int] | None,
+         kv_bytes_of: Callable[[StepShape], int] | None) -> dict[str, Any]:  # fmt: skip
+    """One (model, batch, phase, variant) row over the repeats of a case (bytes: None
+    without a bytes model)."""
+    ratios, tps, forwards = [], [], []
+    for run in runs:
+        mine = [s for s in run[variant].steps if s.phase == case.phase]
+        ref = [s for s in run[BASELINE].steps if s.phase == case.phase]
+        ratios += [m.seconds / r.seconds - 1.0 for m, r in zip(mine, ref, strict=True) if r.seconds > 0]
+        shapes = [shape for s in mine for shape in s.shapes]
+        seconds = sum(s.seconds for s in mine)
+        tps.append(sum(sum(s.extend_lens) for s in shapes) / seconds if seconds else 0.0)
+        forwards += shapes
+    n = max(len(forwards), 1)
+    canary = kv = None
+    if canary_bytes_of is not None and kv_bytes_of is not None:
+        canary = sum(map(canary_bytes_of, forwards)) / n
+        kv = sum(map(kv_bytes_of, forwards)) / n
+    return {
+        "model": model,
+        "batch": case.batch,
+        "phase": case.phase,
+        "variant": variant,
+        "forwards": len(forwards) // len(runs),
+        "mean_batch": round(sum(len(s.prefix_lens) for s in forwards) / n, 2),
+        "tokens_per_s": statistics.median(tps),
+        "overhead_pct": 100.0 * statistics.median(ratios) if ratios else 0.0,
+        "canary_bytes_per_forward": None if canary is None else round(canary),
+        "kv_read_bytes_per_forward": None if kv is None else round(kv),
+        "canary_vs_kv_read_pct": 100.0 * canary / kv if canary is not None and kv else None,
+        "violations": sum(run[variant].violations for run in runs),
+        "identical_outputs": all(run[variant].outputs == run[BASELINE].outputs for run in runs),
+    }
+
+
+def table_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The summary's rows, abridged for the terminal (bytes n/a: no bytes model for the
+    model's pool, e.g. DeepSeek-V4's compressed groups)."""
+    short = {"tokens_per_s": "tok/s", "overhead_pct": "overhead %",
+             "canary_bytes_per_forward": "canary B/fwd", "kv_read_bytes_per_forward": "KV read B/fwd",
+             "canary_vs_kv_read_pct": "canary/KV %", "identical_outputs": "same"}  # fmt: skip
+    out = []
+    for row in summary["rows"]:
+        r = {short.get(k, k): "n/a" if v is None else v for k, v in row.items()
+             if k not in ("forwards", "mean_batch")}  # fmt: skip
+        r["model"] = str(r["model"]).removeprefix("builtin:")
+        out.append(r)
+    return out
+
+
+def parse_batches(value: str) -> tuple[int, ...]:
+    """``--batches`` ("1,8,32") -> (1, 8, 32); a one-line error naming the flag otherwise."""
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(
+            f"--batches={show(value)} is invalid: allowed comma-separated distinct integers >= 1"
+        ) from None
+

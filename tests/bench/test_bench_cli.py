@@ -1,0 +1,119 @@
+"""`kvcanary bench overhead` and `kvcanary bench engine` on tiny settings: what they report,
+and one-line errors for bad flags (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvcanary.bench.vllm_peer import VllmPeer, VllmPeerError
+from kvcanary.cli import main
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():  # --threads sets them for the process
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_bench_overhead_reports_each_model_batch_phase_and_variant(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "overhead.json"
+    assert main(["bench", "overhead", "--model", "builtin:tiny-swa,builtin:tiny-mha",
+                 "--batches", "1,3", "--input-len", "40", "--output-len", "3", "--prefill-len", "48",
+                 "--repeats", "2", "--variants", "none,log,log+partial", "--threads", "1",
+                 "--no-progress", "--json", str(out)]) == 0  # fmt: skip
+    data = json.loads(out.read_text())
+    rows = {(r["model"], r["batch"], r["phase"], r["variant"]): r for r in data["rows"]}
+    keys = [(m, b, p, v) for m in ("builtin:tiny-swa", "builtin:tiny-mha")
+            for b, p in ((1, "decode"), (3, "decode"), (1, "prefill"))
+            for v in ("none", "log", "log+partial")]  # fmt: skip
+    assert list(rows) == keys
+    for (_, batch, phase, variant), r in rows.items():
+        assert r["identical_outputs"] and r["violations"] == 0
+        assert r["tokens_per_s"] > 0
+        # decode: output_len - 1 forwards of the whole batch; prefill: one 48-token forward
+        assert (r["forwards"], r["mean_batch"]) == ((2, batch) if phase == "decode" else (1, 1))
+        assert r["kv_read_bytes_per_forward"] > 0
+        if variant == "none":
+            assert (r["overhead_pct"], r["canary_bytes_per_forward"]) == (0.0, 0)
+        else:
+            assert r["canary_vs_kv_read_pct"] == pytest.approx(
+                100 * r["canary_bytes_per_forward"] / r["kv_read_bytes_per_forward"], rel=1e-3)
+    for m in ("builtin:tiny-swa", "builtin:tiny-mha"):
+        log, partial = rows[m, 3, "decode", "log"], rows[m, 3, "decode", "log+partial"]
+        assert 0 < log["canary_bytes_per_forward"] < partial["canary_bytes_per_forward"]
+    # A forward of 3 decoding requests reads more KV than one of 1.
+    assert (rows["builtin:tiny-swa", 3, "decode", "none"]["kv_read_bytes_per_forward"]
+            > rows["builtin:tiny-swa", 1, "decode", "none"]["kv_read_bytes_per_forward"])  # fmt: skip
+    assert (data["repeats"], data["torch_threads"], data["prefill_len"]) == (2, 1, 48)
+    printed = capsys.readouterr().out
+    assert "canary/KV %" in printed and "tiny-mha" in printed
+
+
+def test_bench_engine_matches_transformers_and_notes_a_missing_vllm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, missing = tmp_path / "engine.json", tmp_path / "no-venv" / "python"
+    assert main(["bench", "engine", "--batches", "1,2", "--input-len", "24", "--output-len", "5",
+                 "--repeats", "1", "--vllm-python", str(missing), "--threads", "1",
+                 "--no-progress", "--json", str(out)]) == 0  # fmt: skip
+    data = json.loads(out.read_text())
+    assert [(r["batch"], r["system"], r["mismatches"]) for r in data["rows"]] == [
+        (1, "kvcanary", "0/1"), (1, "transformers", "0/1"),
+        (2, "kvcanary", "0/2"), (2, "transformers", "0/2"),
+    ]  # fmt: skip
+    assert all(r["tokens_per_s"] > 0 for r in data["rows"])
+    assert data["vllm"].startswith(f"skipped: {missing} not found")
+    assert "make test-vllm" in data["vllm"]
+    assert f"skipped: {missing} not found" in capsys.readouterr().out
+
+
+def test_a_vllm_worker_that_cannot_start_is_an_error_with_its_reason(tmp_path: Path) -> None:
+    """This venv has no vLLM: the worker reports the import error instead of hanging."""
+    with pytest.raises(VllmPeerError, match="vLLM worker: ModuleNotFoundError: No module named 'vllm'"):
+        VllmPeer(sys.executable, str(tmp_path), max_model_len=64, max_num_seqs=2, start_timeout_s=120)
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["overhead", "--batches", "1,x"], '--batches="1,x" is invalid: allowed comma-separated'),
+    (["overhead", "--batches", "0,8"], '--batches="0,8" is invalid'),
+    (["overhead", "--batches", "8,8"], '--batches="8,8" is invalid'),
+    (["overhead", "--output-len", "1"], "--output-len=1 is invalid: allowed an integer >= 2"),
+    (["overhead", "--prefill-len", "-1"], "--prefill-len=-1 is invalid: allowed an integer >= 0"),
+    (["overhead", "--prefill-len", "5000"],
+     "--prefill-len=5000 is invalid: allowed --prefill-len + 1 <= 4096"),
+    (["overhead", "--repeats", "0"], "--repeats=0 is invalid: allowed an integer >= 1"),
+    (["overhead", "--variants", "log"], '--variants="log" is invalid: allowed a comma-separated subset'),
+    (["overhead", "--model", ","], '--model="" is invalid'),
+    (["overhead", "--input-len", "0"], "--input-len=0 is invalid: allowed an integer >= 1"),
+    (["overhead", "--threads", "0"], "--threads=0 is invalid: allowed an integer >= 1"),
+    (["engine", "--batches", "16,a"], '--batches="16,a" is invalid'),
+    (["engine", "--repeats", "0"], "--repeats=0 is invalid: allowed an integer >= 1"),
+    (["engine", "--output-len", "0"], "--output-len=0 is invalid: allowed an integer >= 1"),
+    (["engine", "--input-len", "5000"], "--input-len=5000 is invalid"),
+])  # fmt: skip
+def test_bad_flags_are_one_line_naming_the_flag(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str], monkeypatch: Any
+) -> None:
+    def no_engine(*_: Any, **__: Any) -> None:
+        raise AssertionError("the engine must not start")
+
+    monkeypatch.setattr("kvcanary.bench.overhead.Engine", no_engine)
+    monkeypatch.setattr("kvcanary.bench.engine_vs_hf.Engine", no_engine)
+    assert main(["bench", *argv, "--no-progress"]) == 2
+    assert expected in _one_error_line(capsys)
