@@ -83,7 +83,7 @@ def dataclass_from_args(cls: type[T], a: argparse.Namespace) -> T:
 def add_engine_flags(p: argparse.ArgumentParser, with_canary: bool = True) -> None:
     """The :class:`EngineConfig` flags (and, ``with_canary``, the ``--kv-canary*`` ones)."""
     p.add_argument("--model", default=_E("model"),
-                   help="builtin:tiny-swa | builtin:tiny-swa-all | builtin:tiny-mha | path to a HF model directory (default: %(default)s)")
+                   help="builtin:tiny-swa | builtin:tiny-swa-all | builtin:tiny-mha | builtin:tiny-dsv4 | builtin:qwen3-0.6b-shape | path to a HF model directory (default: %(default)s)")
     if with_canary:
         add_dataclass_flags(p, CanaryConfig)
     p.add_argument("--page-size", type=int, default=None,

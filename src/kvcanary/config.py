@@ -62,7 +62,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", self.model,
-               "\"builtin:tiny-mha\", \"builtin:tiny-swa\", \"builtin:tiny-swa-all\" or a HF model directory")
+               "\"builtin:tiny-mha\", \"builtin:tiny-swa\", \"builtin:tiny-swa-all\", \"builtin:tiny-dsv4\", "
+               "\"builtin:qwen3-0.6b-shape\" or a HF model directory")
         _check(self.page_size >= 1, "page_size", self.page_size, "an integer >= 1")
         _check(self.max_total_tokens >= 2 * self.page_size, "max_total_tokens",
                self.max_total_tokens, f">= 2 * page_size ({2 * self.page_size})")
