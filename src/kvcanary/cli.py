@@ -180,7 +180,8 @@ def _cmd_selftest(a: argparse.Namespace) -> int:
     if not a.verbose:  # the injected faults' violation reports are the expected outcome
         canary_log.setLevel(logging.ERROR)
     try:
-        summary = run_selftest(_csv(a.models), _csv(a.faults), seeds, progress=not a.no_progress)
+        faults = None if a.faults is None else _csv(a.faults)
+        summary = run_selftest(_csv(a.models), faults, seeds, progress=not a.no_progress)
     finally:
         canary_log.setLevel(level)
     print(render_selftest(summary))
@@ -304,9 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "plus clean runs (false positives); exit 1 on a miss or a false positive",
     )  # fmt: skip
     selftest.add_argument("--models", default=",".join(SELFTEST_MODELS),
-                          help="comma-separated pools to test (default: %(default)s)")
-    selftest.add_argument("--faults", default=",".join(PERTURB_MODES),
-                          help="comma-separated fault classes (default: all: %(default)s)")
+                          help="comma-separated pools to test; builtin:tiny-dsv4 adds the "
+                               "DeepSeek-V4 pool's per-sub-pool classes (default: %(default)s)")
+    selftest.add_argument("--faults", default=None,
+                          help="comma-separated fault classes, each applying to at least one "
+                               "model (default: every class that applies to each model, of "
+                               f"{','.join(PERTURB_MODES)})")
     selftest.add_argument("--seed", type=int, default=0, help="first seed (default: %(default)s)")
     selftest.add_argument("--num-seeds", type=int, default=3,
                           help="seeds seed, seed+1, ...: each draws other prompts and injection "

@@ -11,6 +11,14 @@ fault class that applies to it (byte-level classes once per group holding finger
              slides and SWA slots stop mirroring full slots); the fault is injected
              WARMUP_STEPS forward steps into wave 2
 
+A compressed model (DeepSeek-V4: ``builtin:tiny-dsv4``) needs pages of 128 and prompts that
+close C128 windows, so it runs its own workload: wave 1 shares a 128-token prefix (one cached
+page whose SWA part stays resident), wave 2 has 4 requests of 100-124 prompt + 40 new tokens
+(each crosses a C128 boundary while decoding) in 37-token chunks (chunks that do not align
+with the compression windows), and the fault lands in the first decode steps
+(WARMUP_STEPS_COMPRESSED). Its byte-level classes run once per group holding KV bytes:
+SWA, the C4 / C128 / indexer entries and the three compress-state rings.
+
 The canary runs in log mode with everything a fault class needs (real-KV ``partial``, radix
 sweep every 4 steps, token check, the token oracle's write-input assertion) and its
 observability on (health check and SWA divergence every 8 steps). A class is *detected*
@@ -24,6 +32,7 @@ reports anything.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -31,7 +40,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvcanary.canary.constants import PoolKind
+from kvcanary.canary.constants import KvHalf, LaunchStage, PoolKind, launch_tag
 from kvcanary.canary.manager import CanaryManager
 from kvcanary.canary.perturb import (
     PERTURB_MODES,
@@ -40,21 +49,28 @@ from kvcanary.canary.perturb import (
     expected_detection,
     install_perturbation,
 )
-from kvcanary.canary.perturb.config import BYTE_FLIP_MODES
+from kvcanary.canary.perturb.config import BYTE_FLIP_MODES, PerturbMode
 from kvcanary.config import CanaryConfig, EngineConfig, SamplingParams
 from kvcanary.engine.engine import Engine
+from kvcanary.model.loader import load_model_config
 from kvcanary.utils import show
 
 SELFTEST_MODELS = ("builtin:tiny-mha", "builtin:tiny-swa", "builtin:tiny-swa-all")
 WARMUP_STEPS = 6  # forward steps into wave 2 (prefill done, decoding) before the injection
+WARMUP_STEPS_COMPRESSED = 16  # the same on a compressed model's longer prompts (~13 chunks)
 MAX_STEPS = 300  # per run; the workload needs ~70
+
+
+def _compressed(model: str) -> bool:
+    """DeepSeek-V4-style model: compressed KV (pages must hold whole compression windows)."""
+    return load_model_config(model).min_page_size > 1
 
 
 @dataclass(frozen=True)
 class FaultCase:
     mode: str
     model: str
-    target_group: str | None = None  # byte flips: full | swa
+    target_group: str | None = None  # byte flips: the group kind, lower case (full, swa, c4, ...)
 
     @property
     def name(self) -> str:
@@ -63,37 +79,56 @@ class FaultCase:
 
 def engine_config(model: str, seed: int = 0) -> EngineConfig:
     """Log mode with every check a fault class needs (see the module doc)."""
+    canary = CanaryConfig(mode="log", real_data="partial", verify_tokens=True, sweep_interval=4,
+                          health_check_interval=8, swa_divergence_interval=8)  # fmt: skip
+    if _compressed(model):
+        page = math.lcm(4, load_model_config(model).min_page_size)
+        return EngineConfig(
+            model=model, page_size=page, max_total_tokens=24 * page, swa_full_tokens_ratio=0.5,
+            max_context_len=512, chunked_prefill_size=37, seed=seed, token_oracle=True,
+            canary=canary,
+        )  # fmt: skip
     return EngineConfig(
         model=model, page_size=4, max_total_tokens=2048, swa_full_tokens_ratio=0.1875,
-        max_context_len=512, chunked_prefill_size=64, seed=seed, token_oracle=True,
-        canary=CanaryConfig(mode="log", real_data="partial", verify_tokens=True, sweep_interval=4,
-                            health_check_interval=8, swa_divergence_interval=8),
+        max_context_len=512, chunked_prefill_size=64, seed=seed, token_oracle=True, canary=canary,
     )  # fmt: skip
 
 
-def workload(seed: int = 0) -> list[tuple[list[list[int]], int]]:
+def workload(seed: int = 0, compressed: bool = False) -> list[tuple[list[list[int]], int]]:
     """``[(prompts, max_new_tokens)]`` per wave (see the module doc)."""
     rng = random.Random(seed)
-    shared = [rng.randrange(256) for _ in range(16)]
-    wave1 = [shared + [rng.randrange(256) for _ in range(rng.randint(8, 12))] for _ in range(2)]
-    wave2 = [[rng.randrange(256) for _ in range(rng.randint(40, 56))] for _ in range(4)]
-    return [(wave1, 4), (wave2, 64)]
+    # compressed: wave 1 ends within one window of its first page's end, so the cached page
+    # keeps its SWA part (the sweep's target); wave 2 crosses a C128 boundary while decoding
+    shared_len, suffix, lens, new2 = ((128, (2, 6), (100, 124), 40) if compressed
+                                      else (16, (8, 12), (40, 56), 64))  # fmt: skip
+    shared = [rng.randrange(256) for _ in range(shared_len)]
+    wave1 = [shared + [rng.randrange(256) for _ in range(rng.randint(*suffix))] for _ in range(2)]
+    wave2 = [[rng.randrange(256) for _ in range(rng.randint(*lens))] for _ in range(4)]
+    return [(wave1, 4), (wave2, new2)]
 
 
 def cases_for(model: str, group_kinds: set[PoolKind], modes: list[str],
-              byte_groups: set[str] | None = None) -> list[FaultCase]:  # fmt: skip
-    """The fault classes of one model. ``byte_groups``: the groups (full | swa) that hold
-    fingerprinted KV bytes (None: every group present); the byte-level classes target only
-    those (an all-sliding model's FULL group is records-only: no bytes to corrupt)."""
-    has_swa = PoolKind.SWA in group_kinds
-    present = {"full"} | ({"swa"} if has_swa else set())
+              byte_groups: set[str] | None = None, sweepable: set[str] | None = None,
+              store_checked: set[str] | None = None) -> list[FaultCase]:  # fmt: skip
+    """The fault classes of one model. ``byte_groups``: the groups (lower-case kind names)
+    that hold fingerprinted KV bytes (None: every group present); the byte-level classes
+    target only those (an all-sliding model's FULL group is records-only: no bytes to
+    corrupt); ``real_kv_unused_cache`` only the ``sweepable`` ones among them and
+    ``lost_kv_store`` only the ``store_checked`` ones (None: full and swa)."""
+    present = {k.name.lower() for k in group_kinds}
     targets = present if byte_groups is None else present & byte_groups
+    per_mode = {
+        PerturbMode.REAL_KV_UNUSED_CACHE: targets & ({"full", "swa"} if sweepable is None else sweepable),
+        PerturbMode.LOST_KV_STORE: targets & ({"full", "swa"} if store_checked is None else store_checked),
+    }  # fmt: skip
+    order = [k.name.lower() for k in sorted(group_kinds)]
     out = []
     for mode in modes:
-        if not applies_to(mode, has_swa):
+        if not applies_to(mode, PoolKind.SWA in group_kinds, PoolKind.FULL in group_kinds):
             continue
         if mode in BYTE_FLIP_MODES:
-            out += [FaultCase(mode, model, g) for g in ("full", "swa") if g in targets]
+            allowed = per_mode.get(PerturbMode(mode), targets)
+            out += [FaultCase(mode, model, g) for g in order if g in allowed]
         else:
             out.append(FaultCase(mode, model))
     return out
@@ -112,14 +147,16 @@ def _rows(engine: Engine, start: int) -> list[Any]:
 def run_case(model: str, case: FaultCase | None, seed: int = 0) -> tuple[dict[str, Any], Engine]:
     """One run (``case`` None: the clean run); its result row and the engine."""
     engine = Engine(engine_config(model, seed))
-    (wave1, new1), (wave2, new2) = workload(seed)
+    compressed = _compressed(model)
+    (wave1, new1), (wave2, new2) = workload(seed, compressed)
+    warmup = WARMUP_STEPS_COMPRESSED if compressed else WARMUP_STEPS
     engine.generate(wave1, SamplingParams(max_new_tokens=new1, ignore_eos=True))
     canary = _canary(engine)
     first_row = 0 if case is None else len(canary.violations)
     perturber = None
     if case is not None:
         config = PerturbConfig.single(case.mode, 1.0, target_group=case.target_group, seed=seed,
-                                      warmup_steps=canary.step + WARMUP_STEPS, max_injections=1)  # fmt: skip
+                                      warmup_steps=canary.step + warmup, max_injections=1)  # fmt: skip
         perturber = install_perturbation(engine, config)
         expected = expected_detection(case.mode, case.target_group)
     params = SamplingParams(max_new_tokens=new2, ignore_eos=True)
@@ -185,8 +222,11 @@ def _check_every_mode_applies(modes: tuple[str, ...] | list[str], models: tuple[
     if not unapplied:
         return
     needs_swa = all(applies_to(m, True) and not applies_to(m, False) for m in unapplied)
+    needs_full = all(applies_to(m, True) and not applies_to(m, True, False) for m in unapplied)
     where = (" (they need a model with sliding-window layers: builtin:tiny-swa or "
-             "builtin:tiny-swa-all)" if needs_swa else "")  # fmt: skip
+             "builtin:tiny-swa-all)" if needs_swa else
+             " (they need a model with a FULL group: not builtin:tiny-dsv4)" if needs_full
+             else "")  # fmt: skip
     raise ValueError(
         f"--faults={show(','.join(modes))} is invalid with --models={show(','.join(models))}: "
         f"{', '.join(unapplied)} apply to none of these models{where}"
@@ -195,12 +235,15 @@ def _check_every_mode_applies(modes: tuple[str, ...] | list[str], models: tuple[
 
 def run_selftest(
     models: tuple[str, ...] | list[str] = SELFTEST_MODELS,
-    modes: tuple[str, ...] | list[str] = PERTURB_MODES,
+    modes: tuple[str, ...] | list[str] | None = None,
     seeds: tuple[int, ...] | list[int] = (0, 1, 2),
     progress: bool = True,
 ) -> dict[str, Any]:
-    """The whole campaign; the summary (stable JSON keys, see README)."""
+    """The whole campaign; the summary (stable JSON keys, see README). ``modes`` None: every
+    fault class that applies to each model; given: each must apply to at least one."""
     t0 = time.perf_counter()
+    explicit = modes is not None
+    modes = PERTURB_MODES if modes is None else modes
     bad = [m for m in modes if m not in PERTURB_MODES]
     if bad or not modes:
         raise ValueError(
@@ -213,13 +256,18 @@ def run_selftest(
         raise ValueError("--num-seeds=0 is invalid: allowed an integer >= 1")
     plans: list[tuple[FaultCase | None, str, int]] = []
     for model in models:
-        groups = _canary(Engine(engine_config(model))).groups  # which classes apply
+        canary = _canary(Engine(engine_config(model)))  # which classes apply
+        groups, checker = canary.groups, canary.runtime.store_checker
         kinds = {g.kind for g in groups}
         byte_groups = {g.kind.name.lower() for g in groups if g.real_kv_sources_k}
+        sweepable = {g.kind.name.lower() for g in groups if g.sweepable}
+        store_checked = {g.kind.name.lower() for g in groups if checker is not None
+                         and checker.watch_for(int(launch_tag(g.kind, LaunchStage.TAIL, KvHalf.K)))}  # fmt: skip
+        cases = cases_for(model, kinds, list(modes), byte_groups, sweepable, store_checked)
         plans += [(None, model, seed) for seed in seeds]
-        plans += [(case, model, seed) for case in cases_for(model, kinds, list(modes), byte_groups)
-                  for seed in seeds]  # fmt: skip
-    _check_every_mode_applies(modes, models, plans)
+        plans += [(case, model, seed) for case in cases for seed in seeds]
+    if explicit:
+        _check_every_mode_applies(modes, models, plans)
     clean: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
     for case, model, seed in tqdm(plans, desc="selftest", unit="run", disable=not progress):

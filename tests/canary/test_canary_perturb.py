@@ -21,9 +21,10 @@ from kvcanary.canary.perturb import (
     install_perturbation,
 )
 from kvcanary.canary.token_oracle import TokenOracleExpectations, oracle_tokens_t
+from kvcanary.engine.engine import Engine
 from kvcanary.engine.forward_batch import ForwardBatch, ForwardMode
 from kvcanary.engine.sampling import oracle_token
-from kvcanary.selftest import FaultCase, run_case, run_selftest
+from kvcanary.selftest import FaultCase, engine_config, run_case, run_selftest
 
 LOG_PARTIAL = CanaryConfig(mode="log", real_data="partial")
 
@@ -64,6 +65,46 @@ def test_reduced_campaign_detects_every_class_on_every_pool_and_clean_runs_are_s
         assert row["protected_tokens"] > 0 and row["sweep_passes"] > 0
     swa_clean = next(r for r in summary["clean_runs"] if r["model"] == "builtin:tiny-swa")
     assert swa_clean["swa_divergence"]["swa_out_of_window_tokens"] > 0  # the window slid
+
+
+def test_dsv4_campaign_detects_every_sub_pool_class_and_clean_run_is_silent() -> None:
+    """builtin:tiny-dsv4, default classes: a byte flip per group holding KV bytes (SWA, the
+    C4 / C128 / indexer entries, the three compress-state rings) before and after a forward,
+    the cached-slot flip on the sweepable SWA group, and the two SWA-mapping faults; the
+    modes expected under HEAD_K_FULL (the pool has no FULL group) and lost_kv_store (no store
+    check on a DSV4 pool) are left out."""
+    summary = run_selftest(models=["builtin:tiny-dsv4"], seeds=[0], progress=False)
+    assert summary["ok"], summary["missed"]
+    groups = ["swa", "c4", "c128", "indexer", "c4_state", "c128_state", "indexer_state"]
+    expected = {f"{m}[{g}]" for m in ("real_kv_used", "real_kv_post_forward") for g in groups}
+    expected |= {"real_kv_unused_cache[swa]", "swa_mapping", "premature_window_eviction"}
+    assert {r["fault"] for r in summary["matrix"]} == expected
+    for row in summary["fault_runs"]:
+        assert row["injected"] and row["detected"], row
+        assert expected_detection(row["mode"], row["target_group"]).matches(
+            row["detected_tag"], row["detected_reasons"])
+    (clean,) = summary["clean_runs"]
+    assert clean["violations"] == 0 and clean["error"] is None and clean["sweep_passes"] > 0
+
+
+def test_dsv4_byte_flip_targets() -> None:
+    """On a DSV4 pool the target group is required and any of its groups may be named;
+    the sweep / store-check modes only per-position groups with a store check serve."""
+    def dsv4() -> Engine:
+        return Engine(engine_config("builtin:tiny-dsv4"))
+
+    with pytest.raises(ValueError, match="target_group=None is invalid: allowed one of c128, "):
+        install_perturbation(dsv4(), PerturbConfig(real_kv_used_prob=0.1))
+    with pytest.raises(ValueError, match=re.escape("target_group='c4' is invalid for "
+                                                   "['real_kv_unused_cache']")):  # fmt: skip
+        install_perturbation(dsv4(), PerturbConfig(real_kv_unused_cache_prob=0.1, target_group="c4"))
+    with pytest.raises(ValueError, match="lost_kv_store on group 'swa' needs the canary's store check"):
+        install_perturbation(dsv4(), PerturbConfig(lost_kv_store_prob=0.1, target_group="swa"))
+    with pytest.raises(ValueError, match="target_group='c4_state'; allowed one of full, swa"):
+        expected_detection("lost_kv_store", "c4_state")
+    assert expected_detection("real_kv_used", "c4_state").tags == ("TAIL_K_C4_STATE",)
+    assert not applies_to("page_shift", has_swa_group=True, has_full_group=False)
+    assert applies_to("swa_mapping", has_swa_group=True, has_full_group=False)
 
 
 def test_expected_table_and_where_classes_apply() -> None:

@@ -210,6 +210,15 @@ def test_selftest_fault_that_applies_to_no_chosen_model_is_an_error(
     assert "builtin:tiny-swa" in line  # where it would apply
 
 
+def test_selftest_fault_needing_a_full_group_on_dsv4_is_an_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["selftest", "--faults", "page_shift", "--models", "builtin:tiny-dsv4",
+                 "--no-progress"]) == 2  # fmt: skip
+    line = _one_error_line(capsys)
+    assert '--faults="page_shift"' in line and "FULL group" in line
+
+
 def test_messages_print_values_as_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--kv-canary-v-half", *SMALL]) == 2
     line = _one_error_line(capsys)

@@ -300,3 +300,40 @@ def test_page_size_must_fit_the_compressors() -> None:
         Engine(EngineConfig(model="builtin:tiny-dsv4", page_size=4))
     assert default_page_size("builtin:tiny-dsv4") == 128
     assert default_page_size("builtin:tiny-swa") == EngineConfig.field_default("page_size")
+
+
+@pytest.mark.parametrize(("target", "tag"), [
+    ("swa", "TAIL_K_SWA"), ("c4", "TAIL_K_C4"), ("c128", "TAIL_K_C128"),
+    ("indexer", "TAIL_K_INDEXER"), ("c4_ring", "TAIL_K_C4_STATE"),
+    ("c128_ring", "TAIL_K_C128_STATE"), ("indexer_ring", "TAIL_K_INDEXER_STATE"),
+])  # fmt: skip
+def test_canary_reports_a_row_corrupted_in_the_pool(ckpt: Path, target: str, tag: str) -> None:
+    """A row of a running request corrupted in place in the DSV4 pool's memory (every layer
+    of its sub-pool, no perturb module) is reported by the next forward's TAIL under its
+    group's tag as a real-KV mismatch; before the corruption the run is silent."""
+    e = engine(ckpt, canary=CanaryConfig(mode="log", real_data="all"))
+    prompt = prompts((301,), seed=5)[0]  # live tails: C4 rows 296..300, C128 rows 256..300
+    _prefill(e, prompt)
+    canary = e.canary
+    assert canary is not None and not canary.violations
+    pool = e.runner.token_to_kv_pool
+    assert isinstance(pool, DSV4KVPool)
+    layers = {r: [i for i, x in enumerate(pool.compression_ratios) if x == r] for r in (0, 4, 128)}
+    full, swa = _running_slots(e, {"c128": 255, "c128_ring": 280}.get(target, 298))
+    if target == "swa":
+        for buf in pool.swa_kv_pool.buffers:
+            buf[swa] += 1.0
+    elif target in ("c4", "c128", "indexer"):
+        ratio = 128 if target == "c128" else 4
+        for layer in layers[ratio]:
+            buf = pool.get_indexer_buffer(layer) if target == "indexer" else pool.get_compressed_buffer(layer)
+            buf[full // ratio] += 1.0
+    else:
+        for layer in layers[128 if target == "c128_ring" else 4]:
+            ring = pool.get_indexer_state_buffer(layer) if target == "indexer_ring" else pool.get_state_buffer(layer)
+            ring[pool.state_loc(layer, torch.tensor(swa))] += 1.0
+    e.step()
+    canary.flush()
+    rows = [r for r in canary.violations if r.launch_tag == tag]
+    assert rows and all("verify_real_kv_hash" in r.fail_reasons for r in rows), canary.violations
+    assert {r.launch_tag for r in canary.violations} == {tag}

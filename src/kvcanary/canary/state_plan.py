@@ -84,6 +84,17 @@ class StateRing:
         return torch.minimum(torch.minimum(seq_len, open_window), torch.full_like(seq_len,
                              self.ring_size))  # fmt: skip
 
+    def row(self, req_rows: torch.Tensor, positions: torch.Tensor,
+            swa_slots: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """Ring row of each token (module doc): ``request`` addressing reads the request row
+        and position, ``swa_page`` the token's SWA slot (int64, elementwise)."""
+        if self.addressing == "request":
+            return req_rows.long() * self.ring_size + positions.long() % self.ring_size
+        if swa_slots is None:
+            raise ValueError("kv-canary: a swa_page compress-state ring row needs the SWA slot")
+        swa = swa_slots.long()
+        return (swa // self.swa_page_size) * self.ring_size + swa % self.ring_size
+
 
 def build_state_plans(
     inputs: PlanInputs,
@@ -107,10 +118,10 @@ def build_state_plans(
 
     def row_of(req_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Ring row of each (request row, position); 0 where the SWA slot is gone."""
-        if ring.addressing == "request":
-            return req_rows * ring.ring_size + positions % ring.ring_size
-        assert lut is not None
-        return _swa_row(lut[r2t[req_rows, positions].long()].long(), ring)
+        swa = None
+        if ring.addressing == "swa_page" and lut is not None:
+            swa = lut[r2t[req_rows, positions].long()]
+        return ring.row(req_rows, positions, swa)
 
     # ---- verify: the live tail of the committed prefix
     tail = torch.where(real, ring.tail_len(prefix), 0)
@@ -138,11 +149,9 @@ def build_state_plans(
     owner_t = torch.repeat_interleave(torch.arange(rows.shape[0], device=device), extend,
                                       output_size=int(extend.sum()))  # fmt: skip
     flat_pos = inputs.positions.long()
-    if ring.addressing == "request":
-        written = rows[owner_t] * ring.ring_size + flat_pos[: owner_t.shape[0]] % ring.ring_size
-    else:
-        assert lut is not None
-        written = _swa_row(lut[inputs.out_cache_loc[: owner_t.shape[0]].long()].long(), ring)
+    swa_written = (lut[inputs.out_cache_loc[: owner_t.shape[0]].long()]
+                   if ring.addressing == "swa_page" and lut is not None else None)  # fmt: skip
+    written = ring.row(rows[owner_t], flat_pos[: owner_t.shape[0]], swa_written)
     write_slots = torch.full((num_flat,), NO_SLOT, dtype=torch.int64, device=device)
     write_slots[: owner_t.shape[0]] = written
     seed_pos = (prefix - 1).clamp(min=0)
@@ -154,10 +163,6 @@ def build_state_plans(
         _long(inputs.expected_input_ids), _long(inputs.expected_positions),
     )  # fmt: skip
     return CanaryPlans(head_verify, write, None, tail_verify)
-
-
-def _swa_row(swa_slots: torch.Tensor, ring: StateRing) -> torch.Tensor:
-    return (swa_slots // ring.swa_page_size) * ring.ring_size + swa_slots % ring.ring_size
 
 
 def _long(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -18,8 +18,13 @@ Each mode has its own probability per hook call (SGLang's five, then kvcanary's 
 
 A hook fires when its probability is > 0, the forward step is >= ``warmup_steps``, fewer than
 ``max_injections`` (0 = no limit) of that mode happened, and the seeded RNG draws below the
-probability: the same seed and workload inject the same faults. ``target_group`` (``full`` |
-``swa``) picks the group of the byte-flip modes and is required when the pool has both.
+probability: the same seed and workload inject the same faults. ``target_group`` picks the
+group of the byte-flip modes (any group kind, lower case: ``full``, ``swa``, and on a
+DeepSeek-V4 pool ``c4``, ``c128``, ``indexer``, ``c4_state``, ``c128_state``,
+``indexer_state``) and is required when the pool has more than one. On a compressed group
+the byte lands in a complete compressed entry; on a compress-state ring, in a live tail row
+(one the next read of the ring uses). ``real_kv_unused_cache`` and ``lost_kv_store`` need a
+per-position group (full, swa): the radix sweep and the store check cover only those.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any
+
+from kvcanary.canary.constants import PoolKind
 
 
 class PerturbMode(StrEnum):
@@ -43,11 +50,19 @@ class PerturbMode(StrEnum):
 
 
 PERTURB_MODES: tuple[str, ...] = tuple(m.value for m in PerturbMode)
-TARGET_GROUPS = ("full", "swa")
+TARGET_GROUPS: tuple[str, ...] = tuple(k.name.lower() for k in PoolKind)
 # Modes that corrupt the real KV bytes of one buffer group (they need target_group on SWA pools).
 BYTE_FLIP_MODES = frozenset({
     PerturbMode.REAL_KV_USED, PerturbMode.REAL_KV_UNUSED_CACHE, PerturbMode.REAL_KV_POST_FORWARD,
     PerturbMode.LOST_KV_STORE,
+})  # fmt: skip
+# Byte-flip modes only a per-position group (full, swa) serves: the radix sweep reads cached
+# slots of those groups, the store check watches their layer buffers.
+PER_POSITION_BYTE_MODES = frozenset({PerturbMode.REAL_KV_UNUSED_CACHE, PerturbMode.LOST_KV_STORE})
+# Modes whose report is expected under the FULL group's tag (pools without one: not applicable).
+FULL_GROUP_MODES = frozenset({
+    PerturbMode.REQ_TO_TOKEN, PerturbMode.NEXT_TOKEN_SWAP, PerturbMode.STALE_REUSE,
+    PerturbMode.PAGE_SHIFT,
 })  # fmt: skip
 
 
@@ -68,7 +83,7 @@ class PerturbConfig:
     page_shift_prob: float = 0.0
     premature_window_eviction_prob: float = 0.0
     lost_kv_store_prob: float = 0.0
-    target_group: str | None = None  # full | swa (byte-flip modes)
+    target_group: str | None = None  # a group kind, lower case (byte-flip modes)
     warmup_steps: int = 50  # forward steps before any injection (SGLang's default)
     seed: int = 0
     max_injections: int = 0  # per mode; 0 = no limit

@@ -12,7 +12,11 @@
     premature_window_eviction SWA    HEAD_K_SWA                   verify_not_resident
     lost_kv_store         MHA, SWA   TAIL_K_<group>               write_kv_store
 
-``<group>`` is the target group (FULL or SWA). What each mode needs besides the canary:
+``<group>`` is the target group (FULL, SWA, or a DeepSeek-V4 group: C4, C128, INDEXER,
+C4_STATE, C128_STATE, INDEXER_STATE; ``real_kv_unused_cache`` and ``lost_kv_store`` only FULL
+or SWA). The modes expected under HEAD_K_FULL apply only to pools with a FULL group (a
+DeepSeek-V4 pool has none: its metadata faults are ``swa_mapping`` and
+``premature_window_eviction``, the byte flips one class per group). What each mode needs besides the canary:
 real-KV fingerprints (``--kv-canary-real-data partial|all``) for the byte flips, a radix
 sweep and a prefix cache for ``real_kv_unused_cache``, the token oracle for
 ``next_token_swap``, an SWA pool for ``swa_mapping`` and ``premature_window_eviction``.
@@ -23,7 +27,13 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from typing import NamedTuple
 
-from kvcanary.canary.perturb.config import BYTE_FLIP_MODES, PerturbMode
+from kvcanary.canary.perturb.config import (
+    BYTE_FLIP_MODES,
+    FULL_GROUP_MODES,
+    PER_POSITION_BYTE_MODES,
+    TARGET_GROUPS,
+    PerturbMode,
+)
 
 
 class ExpectedDetection(NamedTuple):
@@ -52,17 +62,22 @@ _TABLE: dict[PerturbMode, ExpectedDetection] = {
 
 
 def expected_detection(mode: str, target_group: str | None = None) -> ExpectedDetection:
-    """The expected report of ``mode``; byte-flip modes need ``target_group`` (full | swa)."""
+    """The expected report of ``mode``; byte-flip modes need ``target_group`` (a group kind,
+    lower case; ``full`` or ``swa`` for the modes only per-position groups serve)."""
     mode = PerturbMode(mode)
     exp = _TABLE[mode]
     if mode in BYTE_FLIP_MODES:
-        if target_group not in ("full", "swa"):
-            raise ValueError(f"{mode.value}: target_group={target_group!r}; allowed 'full' or 'swa'")
+        allowed = ("full", "swa") if mode in PER_POSITION_BYTE_MODES else TARGET_GROUPS
+        if target_group not in allowed:
+            raise ValueError(f"{mode.value}: target_group={target_group!r}; allowed one of "
+                             f"{', '.join(allowed)}")  # fmt: skip
         exp = exp._replace(tags=tuple(t.format(G=target_group.upper()) for t in exp.tags))
     return exp
 
 
-def applies_to(mode: str, has_swa_group: bool) -> bool:
-    """Whether ``mode`` is meaningful on a pool (the SWA-mapping faults need an SWA group)."""
+def applies_to(mode: str, has_swa_group: bool, has_full_group: bool = True) -> bool:
+    """Whether ``mode`` is meaningful on a pool: the SWA-mapping faults need an SWA group, the
+    modes expected under HEAD_K_FULL a FULL group."""
+    m = PerturbMode(mode)
     swa_only = (PerturbMode.SWA_MAPPING, PerturbMode.PREMATURE_WINDOW_EVICTION)
-    return PerturbMode(mode) not in swa_only or has_swa_group
+    return (m not in swa_only or has_swa_group) and (m not in FULL_GROUP_MODES or has_full_group)

@@ -28,11 +28,22 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvcanary.canary.buffers import CanaryBufferGroup
-from kvcanary.canary.constants import PoolKind, RealKvHashMode
+from kvcanary.canary.constants import KvHalf, LaunchStage, PoolKind, RealKvHashMode, launch_tag
 from kvcanary.canary.perturb import faults
-from kvcanary.canary.perturb.config import BYTE_FLIP_MODES, PerturbConfig, PerturbMode
+from kvcanary.canary.perturb.config import (
+    BYTE_FLIP_MODES,
+    PER_POSITION_BYTE_MODES,
+    PerturbConfig,
+    PerturbMode,
+)
 from kvcanary.canary.perturb.faults import Injection
-from kvcanary.canary.perturb.slots import prefix_entries, unlocked_cached_slots, write_entries
+from kvcanary.canary.perturb.slots import (
+    complete_blocks,
+    live_ring_rows,
+    prefix_entries,
+    unlocked_cached_slots,
+    write_entries,
+)
 
 logger = logging.getLogger("kvcanary.canary")
 
@@ -91,21 +102,37 @@ class Perturber:
 
     # ------------------------------------------------------------------ validation
     def _resolve_target(self) -> PoolKind | None:
-        kinds = {k for k in self.groups if k in (PoolKind.FULL, PoolKind.SWA)}
-        if not any(m in BYTE_FLIP_MODES for m in self.config.active_modes):
+        modes = set(self.config.active_modes)
+        if not modes & BYTE_FLIP_MODES:
             return None
+        kinds = set(self.groups)
         if self.config.target_group is None:
             if len(kinds) != 1:
                 raise ValueError(
-                    "PerturbConfig.target_group=None is invalid: allowed 'full' or 'swa' (the "
-                    "pool has both groups; byte-flip modes need one)"
+                    "PerturbConfig.target_group=None is invalid: allowed one of "
+                    f"{', '.join(sorted(k.name.lower() for k in kinds))} (the pool has several "
+                    "groups; byte-flip modes need one)"
                 )
-            return next(iter(kinds))
-        kind = PoolKind[self.config.target_group.upper()]
+            kind = next(iter(kinds))
+        else:
+            kind = PoolKind[self.config.target_group.upper()]
         if kind not in kinds:
             raise ValueError(
                 f"PerturbConfig.target_group={self.config.target_group!r} is invalid: allowed "
                 f"{sorted(k.name.lower() for k in kinds)} (the pool's groups)"
+            )
+        group = self.groups[kind]
+        per_position_modes = sorted(m.value for m in modes & PER_POSITION_BYTE_MODES)
+        if per_position_modes and not group.per_position:
+            raise ValueError(
+                f"PerturbConfig.target_group={kind.name.lower()!r} is invalid for "
+                f"{per_position_modes}: allowed a per-position group (full, swa); the radix sweep "
+                "and the store check cover only those"
+            )
+        if not group.real_kv_sources_k and self.canary.config.real_kv_hash_mode != RealKvHashMode.NONE:
+            raise ValueError(
+                f"PerturbConfig.target_group={kind.name.lower()!r} is invalid: the group holds "
+                "no fingerprinted KV bytes (records only); allowed a group with KV layers"
             )
         return kind
 
@@ -123,6 +150,15 @@ class Perturber:
             )
         if PerturbMode.REAL_KV_UNUSED_CACHE in modes and self.canary.sweep.cache is None:
             raise ValueError("perturbation real_kv_unused_cache needs a prefix cache (none attached)")
+        if PerturbMode.LOST_KV_STORE in modes and self.target is not None:
+            checker = self.canary.runtime.store_checker
+            tag = int(launch_tag(self.target, LaunchStage.TAIL, KvHalf.K))
+            if checker is None or checker.watch_for(tag) is None:
+                raise ValueError(
+                    f"perturbation lost_kv_store on group {self.target.name.lower()!r} needs the "
+                    "canary's store check on that group (real-KV fingerprints and a pool whose "
+                    "set_kv_buffer writes its layers; a DeepSeek-V4 pool has none)"
+                )
         if PerturbMode.SWA_MAPPING in modes and PoolKind.SWA not in self.groups:
             raise ValueError("perturbation swa_mapping needs a pool with an SWA group")
         if PerturbMode.NEXT_TOKEN_SWAP in modes and (
@@ -214,32 +250,54 @@ class Perturber:
                                                 self.rng, step))  # fmt: skip
 
     # ------------------------------------------------------------------ byte flips
-    def _flip(self, mode: PerturbMode, full_slots: list[int], step: int) -> Injection | None:
+    def _flip(self, mode: PerturbMode, group_slots: list[int], step: int) -> Injection | None:
+        """Flip a byte of one of ``group_slots`` (in the target group's index space)."""
         assert self.target is not None
         group = self.groups[self.target]
-        slots = [s for s in (faults.group_slot(group, f) for f in full_slots) if s > 0]
+        slots = [s for s in group_slots if s > 0]
         if not slots:
             return None
         detail = faults.flip_byte(group, self.rng.choice(slots), self.rng, mode.value)
         return None if detail is None else Injection(mode.value, step, self._target_group_name(), detail)
 
-    def _flip_running(self, fb: Any, step: int) -> Injection | None:
-        """A running request's committed slot (SWA: in its window)."""
+    def _group_slots(self, entries: list[Any]) -> list[int]:
+        """The target group's slots of per-position ``entries`` (``.slot``: full slots,
+        ``.position``); a compressed group keeps the entries that close a block."""
         assert self.target is not None
-        window = self.groups[self.target].window
-        slots = [e.slot for e in prefix_entries(fb, self.req_to_token, window)]
-        return self._flip(PerturbMode.REAL_KV_USED, slots, step)
+        group = self.groups[self.target]
+        if group.compression_ratio > 1:
+            entries = complete_blocks(entries, group.compression_ratio)
+        return [faults.group_slot(group, e.slot) for e in entries]
+
+    def _flip_running(self, fb: Any, step: int) -> Injection | None:
+        """A running request's committed slot (SWA: in its window; compressed: a complete
+        entry; compress-state ring: a live tail row this forward keeps)."""
+        assert self.target is not None
+        group = self.groups[self.target]
+        if group.state_ring is not None:
+            rows = live_ring_rows(fb, self.req_to_token, group.state_ring, group.swa_index_lut)
+            return self._flip(PerturbMode.REAL_KV_USED, rows, step)
+        entries = prefix_entries(fb, self.req_to_token, group.window)
+        return self._flip(PerturbMode.REAL_KV_USED, self._group_slots(entries), step)
 
     def _flip_cached(self, step: int) -> Injection | None:
         """A cached slot no running request holds (SWA: resident)."""
         assert self.target is not None
-        lut = self.groups[self.target].swa_index_lut
+        group = self.groups[self.target]
+        lut = group.swa_index_lut
         slots = unlocked_cached_slots(self.canary.sweep.cache, lut)
-        return self._flip(PerturbMode.REAL_KV_UNUSED_CACHE, slots, step)
+        return self._flip(PerturbMode.REAL_KV_UNUSED_CACHE, [faults.group_slot(group, s) for s in slots], step)
 
     def _flip_written(self, fb: Any, step: int) -> Injection | None:
-        """A slot this forward wrote: first read by the next forward (whose index is step + 1)."""
-        slots = [w.slot for w in write_entries(fb)]
+        """A slot this forward wrote: first read by the next forward (whose index is step + 1)
+        (compressed: an entry this forward completed; ring: a row of the new live tail)."""
+        assert self.target is not None
+        group = self.groups[self.target]
+        if group.state_ring is not None:
+            rows = live_ring_rows(fb, self.req_to_token, group.state_ring, group.swa_index_lut,
+                                  after_forward=True)  # fmt: skip
+            return self._flip(PerturbMode.REAL_KV_POST_FORWARD, rows, step + 1)
+        slots = self._group_slots(write_entries(fb))
         return self._flip(PerturbMode.REAL_KV_POST_FORWARD, slots, step + 1)
 
 

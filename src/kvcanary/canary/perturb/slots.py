@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvcanary.canary.constants import REQ_POOL_IDX_PADDING
+from kvcanary.canary.state_plan import StateRing
 
 
 class PrefixEntry(NamedTuple):
@@ -30,6 +31,38 @@ def prefix_entries(fb: Any, req_to_token: torch.Tensor, window: int | None = Non
         start = max(0, k - window) if window else 0
         slots = req_to_token[row, start:k].tolist()
         out += [PrefixEntry(row, start + j, s) for j, s in enumerate(slots) if s > 0]
+    return out
+
+
+def complete_blocks(entries: list[PrefixEntry], ratio: int) -> list[PrefixEntry]:
+    """The entries that close a ``ratio`` block (position ``ratio - 1`` mod ``ratio``): their
+    full slot // ratio is a complete compressed entry (blocks never straddle pages)."""
+    return [e for e in entries if e.position % ratio == ratio - 1]
+
+
+def live_ring_rows(fb: Any, req_to_token: torch.Tensor, ring: StateRing, lut: torch.Tensor | None,
+                   after_forward: bool = False) -> list[int]:  # fmt: skip
+    """Compress-state rows of the batch's live tails that a TAIL verify fingerprints (see
+    :mod:`kvcanary.canary.state_plan`): before the forward, the tail of each prefix ``L`` the
+    forward does not take over (positions ``>= L + E - ring_size``); after it, the tail of
+    ``L + E`` a one-token decode keeps (``>= L + E + 1 - ring_size``). Rows whose SWA slot is
+    gone are left out."""
+    out: list[int] = []
+    rows, prefix = fb.req_pool_indices.tolist(), fb.prefix_lens.tolist()
+    for row, k, e in zip(rows, prefix, fb.extend_seq_lens.tolist(), strict=True):
+        if row == REQ_POOL_IDX_PADDING:
+            continue
+        length = k + e if after_forward else k
+        tail = int(ring.tail_len(torch.tensor([length]))[0])
+        first = max(length - tail, (length + 1 if after_forward else k + e) - ring.ring_size)
+        positions = torch.arange(max(first, 0), length)
+        if positions.numel() == 0:
+            continue
+        slots = req_to_token[row, positions].long()
+        swa = None if lut is None or ring.addressing == "request" else lut[slots].long()
+        ring_rows = ring.row(torch.full_like(positions, row), positions, swa)
+        keep = slots > 0 if swa is None else swa > 0
+        out += ring_rows[keep].tolist()
     return out
 
 
