@@ -168,14 +168,15 @@ class PagedAttentionBackend:
         self, full: StaticKeyBuffers, sliding: StaticKeyBuffers | None, full_width: int
     ) -> None:
         """Decode only: move this forward's key tables into persistent buffers (full tables
-        ``full_width`` wide, sliding tables ``W`` wide) so a captured graph can replay it."""
+        ``full_width`` wide, sliding tables ``min(W, full_width)`` wide: a decode query sees
+        at most that many keys) so a captured graph can replay it."""
         if self._full is None or self._dense_q is False or self._q_index is None or self._q_index.shape[1] != 1:
             raise RuntimeError("make_static: needs the metadata of a decode forward")
         self._full = full.fill(self._full, full_width)
         if self._sliding is not None:
             if sliding is None or self.sliding_window is None:
                 raise RuntimeError("make_static: sliding layers need sliding buffers")
-            self._sliding = sliding.fill(self._sliding, self.sliding_window)
+            self._sliding = sliding.fill(self._sliding, min(self.sliding_window, full_width))
 
     # ----------------------------------------------------------- forward
     def forward(

@@ -11,7 +11,9 @@ A decode batch of ``bs`` requests runs as the smallest bucket ``B >= bs``; rows
 
 Inputs and the attention key tables live in buffers allocated once (full tables padded
 to a multiple of ``KEY_WIDTH_BUCKET`` keys when graphs are captured — exact width on CPU,
-where padding would only cost — sliding tables ``W`` wide), so every replay of a bucket
+where padding would only cost — sliding tables ``min(W, that width)`` wide: attention
+gathers and reads every column, so a table wider than the keys a query can see costs
+K/V traffic for nothing), so every replay of a bucket
 ``(B, key width)`` reads the same addresses. On CUDA, without forward hooks (the canary's
 per-forward plans are host-driven, so its ``before_forward`` / ``after_forward`` must run
 around every replay), each bucket is captured once as a CUDA graph and replayed; a capture
