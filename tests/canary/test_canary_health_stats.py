@@ -85,14 +85,20 @@ def test_stats_line_off_with_interval_zero(caplog: pytest.LogCaptureFixture) -> 
 
 
 def _drop_launches(monkeypatch: pytest.MonkeyPatch, tags: set[CanaryLaunchTag]) -> None:
-    """From now on the verify kernel of ``tags`` silently does not run (a lost launch)."""
-    real = kernels.verify
+    """From now on the launches of ``tags`` silently do not run (a lost launch): per-forward
+    launches (verify + write) and the sweep's verify alike."""
+    real_verify, real_launch = kernels.verify, kernels.launch
 
     def verify(records, plan, ring, tag, **kw):
         if tag not in tags:
-            real(records, plan, ring, tag, **kw)
+            real_verify(records, plan, ring, tag, **kw)
+
+    def launch(records, verify_plan, write_plan, ring, tag, **kw):
+        if tag not in tags:
+            real_launch(records, verify_plan, write_plan, ring, tag, **kw)
 
     monkeypatch.setattr(kernels, "verify", verify)
+    monkeypatch.setattr(kernels, "launch", launch)
 
 
 @pytest.mark.parametrize(

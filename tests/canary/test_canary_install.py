@@ -76,8 +76,16 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[object]:
 
         return launch
 
+    def spy_launch(fn):  # one launch = verify then write (a CPU row plan: one compiled call)
+        def launch(records, verify_plan, write_plan, ring, tag, **kw):
+            log.extend([("verify", CanaryLaunchTag(tag).name), ("write", CanaryLaunchTag(tag).name)])
+            return fn(records, verify_plan, write_plan, ring, tag, **kw)
+
+        return launch
+
     monkeypatch.setattr(kernels, "verify", spy("verify", kernels.verify))
     monkeypatch.setattr(kernels, "write", spy("write", kernels.write))
+    monkeypatch.setattr(kernels, "launch", spy_launch(kernels.launch))
     return log
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from canary_testlib import ToyKvSystem, make_sources
 
-from kvcanary.canary import kernels_numba, kernels_torch
+from kvcanary.canary import kernels, kernels_numba, kernels_torch
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.constants import NO_SLOT
 from kvcanary.canary.constants import CanaryLaunchTag as Tag
@@ -187,10 +187,15 @@ def _forward(impl, side: Side, plans: CanaryPlans, kind: str, fresh_kv: dict[int
     for stage in ("HEAD", "TAIL"):
         tag = Tag[f"{stage}_K_{kind}"]
         buf, sources = (side.head, []) if stage == "HEAD" else (side.tail, side.sources)
-        impl.verify(buf, plans.verify, side.ring, tag, real_kv_sources=sources,
-                    check_token=check_token, counters=side.counters)  # fmt: skip
-        impl.write(buf, plans.write, side.ring, tag, real_kv_sources=sources,
-                   chain_position_assert=True, counters=side.counters)  # fmt: skip
+        if impl is kernels.launch:  # one call: verify then write (a row plan: one compiled call)
+            kernels.launch(buf, plans.verify, plans.write, side.ring, tag, real_kv_sources=sources,
+                           check_token=check_token, chain_position_assert=True,
+                           verify_counters=side.counters, write_counters=side.counters)  # fmt: skip
+        else:
+            impl.verify(buf, plans.verify, side.ring, tag, real_kv_sources=sources,
+                        check_token=check_token, counters=side.counters)  # fmt: skip
+            impl.write(buf, plans.write, side.ring, tag, real_kv_sources=sources,
+                       chain_position_assert=True, counters=side.counters)  # fmt: skip
         if stage == "HEAD":  # attention stores this forward's KV
             for s in side.sources:
                 words = s.words.view(-1)
@@ -212,7 +217,7 @@ def test_row_plan_launches_leave_the_same_state(seed: int, window: int | None) -
     sides = {
         name: _side(random.Random(seed), num_slots, ring_capacity, sources_seed, page_size,
                     read_bytes)
-        for name in ("materialised", "torch", "rows")
+        for name in ("materialised", "torch", "rows", "fused")
     }  # fmt: skip
     capacity = rng.choice([40, 10_000])
     planner = None
@@ -235,19 +240,22 @@ def test_row_plan_launches_leave_the_same_state(seed: int, window: int | None) -
         fresh = {int(s): rng.randrange(2**62) for s in want.write.slots.tolist() if s >= 0}
         plans = {"materialised": want, "torch": build_plans(inputs, backend="torch", **kw),  # type: ignore[arg-type]
                  "rows": planner.plan(HostInputs.of(inputs))}  # fmt: skip
-        impls = {"materialised": kernels_numba, "torch": kernels_torch, "rows": kernels_numba}
+        plans["fused"] = plans["rows"]
+        impls = {"materialised": kernels_numba, "torch": kernels_torch, "rows": kernels_numba,
+                 "fused": kernels.launch}  # fmt: skip
         errors = {}
         for name, side in sides.items():
             try:
                 _forward(impls[name], side, plans[name], kind, fresh, check_token)
             except IndexError as e:  # a remapped slot beyond the buffer: every side raises
                 errors[name] = type(e)
-        assert len(set(errors.values())) <= 1 and len(errors) in (0, 3)
+        assert len(set(errors.values())) <= 1 and len(errors) in (0, 4)
         if errors:
             return
         want_state = sides["materialised"].state()
         assert sides["rows"].state() == want_state
         assert sides["torch"].state() == want_state
+        assert sides["fused"].state() == want_state
     assert sides["rows"].ring.num_recorded() > 1  # the faults were seen
 
 

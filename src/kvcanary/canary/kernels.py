@@ -38,6 +38,10 @@ raise. ``counters`` (optional) count one launch per call and the entries process
 all entries of an enabled plan; write: tokens stored). A disabled verify plan does nothing
 but count the launch.
 
+**launch(records, verify_plan, write_plan, ring, tag)** — :func:`verify` then :func:`write`
+of one launch; a CPU row plan runs both in one compiled call (the per-forward path: after a
+forward has evicted the caches, each Python-to-native crossing costs microseconds).
+
 Plans come materialised (:mod:`.plan`, or :mod:`.plan_triton` on CUDA; any backend) or as
 CPU row plans (:mod:`.row_plan`, the numba backend only: the per-forward path on the CPU);
 both give the same result.
@@ -112,6 +116,35 @@ def verify(
         records, plan, ring, launch_tag,
         real_kv_sources=real_kv_sources, check_token=check_token, counters=counters,
     )  # fmt: skip
+
+
+def launch(
+    records: torch.Tensor,
+    verify_plan: VerifyPlan | RowVerifyPlan,
+    write_plan: WritePlan | HostWritePlan,
+    ring: ViolationRing,
+    launch_tag: int,
+    *,
+    real_kv_sources: Sequence[RealKvSource] = (),
+    check_token: bool = False,
+    chain_position_assert: bool = False,
+    verify_counters: RunCounters | None = None,
+    write_counters: RunCounters | None = None,
+    backend: Backend = "auto",
+) -> None:
+    """One launch: :func:`verify` then :func:`write` of the same records (a CPU row plan
+    runs both in one compiled call)."""
+    if (type(verify_plan) is RowVerifyPlan and type(write_plan) is HostWritePlan
+            and backend in _ROW_PLAN_BACKENDS):  # fmt: skip
+        kernels_numba.launch_rows(records, verify_plan, write_plan, ring, launch_tag,
+                                  real_kv_sources, check_token, chain_position_assert,
+                                  verify_counters, write_counters)  # fmt: skip
+        return
+    verify(records, verify_plan, ring, launch_tag, real_kv_sources=real_kv_sources,
+           check_token=check_token, counters=verify_counters, backend=backend)  # fmt: skip
+    write(records, write_plan, ring, launch_tag, real_kv_sources=real_kv_sources,
+          chain_position_assert=chain_position_assert, counters=write_counters,
+          backend=backend)  # fmt: skip
 
 
 def write(

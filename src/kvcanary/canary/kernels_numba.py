@@ -277,6 +277,37 @@ def _write_kernel(
     return num_written
 
 
+@numba.njit(cache=True)
+def _launch_rows_kernel(
+    v_requests, v_rows, v_entries, v_num_entries, check_token,
+    w_requests, w_reqs, token_ids, positions, w_slots, do_write, check_inputs,
+    expected_token_ids, expected_positions, position_assert, tag,
+    rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
+    v_runs, v_processed, w_runs, w_processed,
+):  # fmt: skip
+    """One launch of a row plan: :func:`_verify_rows_kernel` then :func:`_write_kernel` on
+    the same records, sources and ring, in one call (returns the verify's error status;
+    nothing is written after an error)."""
+    status = _verify_rows_kernel(
+        v_requests, v_rows, v_entries, v_num_entries, check_token, tag,
+        rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
+        v_runs, v_processed,
+    )  # fmt: skip
+    if status:
+        return status
+    if do_write:
+        _write_kernel(
+            w_requests, w_reqs, token_ids, positions, w_slots, check_inputs, expected_token_ids,
+            expected_positions, position_assert, tag,
+            rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
+            w_runs, w_processed,
+        )  # fmt: skip
+    else:  # a write without tokens counts its launch, as write() does
+        _check_tag(tag, w_runs)
+        _count(w_runs, w_processed, tag, 0)
+    return 0
+
+
 def _np(t: torch.Tensor) -> np.ndarray:
     """A numpy view sharing ``t``'s memory (kernel outputs must never be copies)."""
     if t.device.type != "cpu":
@@ -359,6 +390,39 @@ def verify_rows(
         plan.requests, plan.bs, plan.entries,
         plan.num_requested_entries if plan.enabled else 0, check_token and plan.has_tokens,
         int(launch_tag), *_launch_args(records, real_kv_sources, ring, counters),
+    ):  # fmt: skip
+        raise IndexError("kv-canary: plan slot out of range of the canary buffer")
+
+
+def launch_rows(
+    records: torch.Tensor,
+    verify_plan: RowVerifyPlan,
+    write_plan: HostWritePlan,
+    ring: ViolationRing,
+    launch_tag: int,
+    real_kv_sources: Sequence[RealKvSource],
+    check_token: bool,
+    chain_position_assert: bool,
+    verify_counters: RunCounters | None,
+    write_counters: RunCounters | None,
+) -> None:
+    """:func:`verify_rows` then :func:`write` of one launch in one compiled call (the
+    per-forward path: it saves a dispatch and the Python around it per launch)."""
+    args = _launch_args(records, real_kv_sources, ring, verify_counters)
+    write_counts = args[-2:] if write_counters is verify_counters else (
+        _launch_args(records, real_kv_sources, ring, write_counters)[-2:])  # fmt: skip
+    ids, positions = write_plan.token_ids, write_plan.positions
+    expected_ids, expected_positions = write_plan.expected_token_ids, write_plan.expected_positions
+    check_inputs = expected_ids is not None and expected_positions is not None
+    if not check_inputs:  # typed dummies: numba compiles one signature either way
+        expected_ids, expected_positions = ids, positions
+    if _launch_rows_kernel(
+        verify_plan.requests, verify_plan.bs, verify_plan.entries,
+        verify_plan.num_requested_entries if verify_plan.enabled else 0,
+        check_token and verify_plan.has_tokens,
+        write_plan.requests, write_plan.bs, ids, positions, write_plan.slots,
+        write_plan.max_num_tokens > 0, check_inputs, expected_ids, expected_positions,
+        bool(chain_position_assert), int(launch_tag), *args, *write_counts,
     ):  # fmt: skip
         raise IndexError("kv-canary: plan slot out of range of the canary buffer")
 

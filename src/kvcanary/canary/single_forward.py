@@ -216,14 +216,10 @@ class SingleForwardManager:
         if stage == LaunchStage.TAIL and plans.tail_verify is not None:
             verify_plan = plans.tail_verify
         for tag, records, sources, watch in self._launches[id(group), stage]:
-            kernels.verify(
-                records, verify_plan, rt.ring, tag, real_kv_sources=sources,
-                check_token=rt.config.verify_tokens, counters=rt.verify_counters,
-                backend=backend,  # type: ignore[arg-type]
-            )  # fmt: skip
-            kernels.write(
-                records, plans.write, rt.ring, tag, real_kv_sources=sources,
-                chain_position_assert=rt.chain_position_assert, counters=rt.write_counters,
+            kernels.launch(
+                records, verify_plan, plans.write, rt.ring, tag, real_kv_sources=sources,
+                check_token=rt.config.verify_tokens, chain_position_assert=rt.chain_position_assert,
+                verify_counters=rt.verify_counters, write_counters=rt.write_counters,
                 backend=backend,  # type: ignore[arg-type]
             )  # fmt: skip
             if watch is not None and rt.store_checker is not None:
