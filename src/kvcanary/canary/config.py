@@ -75,6 +75,14 @@ class CanaryConfig:
     # triton needs the `gpu` extra. Not a flag: set through the environment.
     backend: str = field(default_factory=envs.KVCANARY_KV_CANARY_KERNEL_BACKEND.get,
                          metadata={"flag": None, "env": "KVCANARY_KV_CANARY_KERNEL_BACKEND"})
+    # Decode forwards planned with static capacities on the device (:mod:`.static_plan`): no
+    # host read in the canary's part of the forward, so the GraphRunner can capture decode
+    # with the canary on (CUDA); on the CPU the same plans run eagerly.
+    graph_safe: bool = field(default=False, metadata=_flag(
+        "--kv-canary-graph-safe",
+        help="plan decode forwards with static capacities on the device (no host read in "
+             "the forward): decode with the canary on can be captured in CUDA graphs; on "
+             "the CPU the same path runs eagerly"))  # fmt: skip
     # Steps between a violation and its report. None: 1 on accelerators (the device->host
     # copy of the ring counter is staged and read one step later: no host sync on the
     # forward path), 0 on CPU (reading host memory costs nothing). Internal, not a flag.
@@ -129,7 +137,7 @@ class CanaryConfig:
             value = getattr(self, name)
             _check(_is_int(value) and value >= 0, name, value, "an integer >= 0 (0 = off)")
         if self.mode == "none":  # options that only mean something with a mode
-            for name in ("real_data", "v_half", "verify_tokens", "sweep_interval"):
+            for name in ("real_data", "v_half", "verify_tokens", "sweep_interval", "graph_safe"):
                 value, default = getattr(self, name), _FIELDS[name].default
                 _check(value == default, name, value,
                        f"only {show(default)} while {_FIELDS['mode'].metadata['flag']} is \"none\" "

@@ -172,7 +172,41 @@ class CanaryManager:
         """Before the host's forward of ``batch`` (and before it gathers slot tables for
         attention): single-forward manager ``forward_index``'s host pre-ops, the
         perturbation pre-forward hook (faults must be what attention reads), then per group
-        plan -> holes -> HEAD verify / write."""
+        plan -> holes -> HEAD verify / write (:meth:`begin_forward` + :meth:`head`)."""
+        self.begin_forward(batch, forward_index)
+        try:
+            self.head(batch)
+        except BaseException:  # a forward whose HEAD failed never opened
+            self._open = None
+            raise
+
+    def after_forward(self, batch: ForwardBatchView) -> None:
+        """After the host's forward of ``batch`` (the one :meth:`before_forward` saw): per
+        group TAIL verify / write (+ store check) on the plans HEAD used, then the host-side
+        work: overflow warning, perturbation post-forward hook, radix sweep, step += 1,
+        pump -> reporter (``raise`` mode raises here), health check, stats line, SWA
+        divergence sample (:meth:`tail` + :meth:`end_forward`)."""
+        self.tail(batch)
+        self.end_forward(batch)
+
+    # A captured decode graph (GraphRunner on CUDA) splits each call in two: the host parts
+    # run around every replay, HEAD and TAIL are recorded into the graph with the model:
+    #     begin_forward(fb); [head(fb); model; tail(fb)]; end_forward(fb)
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether :meth:`head` / :meth:`tail` of a decode forward can be recorded into a
+        CUDA graph: graph-safe plans (``--kv-canary-graph-safe``, per-position groups) and
+        Triton kernels, and nothing in them that runs Python per forward (no store check, no
+        write-input assertion, no fault injection)."""
+        rt = self.runtime
+        device_ok = rt.ring.device.type == "cuda" and self.config.backend in ("auto", "triton")
+        return (device_ok and self.single_forward_managers[0].graph_safe
+                and rt.store_checker is None and rt.expected_inputs is None
+                and self.perturber is None)  # fmt: skip
+
+    def begin_forward(self, batch: ForwardBatchView, forward_index: int = 0) -> None:
+        """The host part before a forward: the single-forward manager's host pre-ops and the
+        perturbation pre-forward hook."""
         if self._open is not None:
             raise RuntimeError(
                 f"kv-canary: before_forward called while forward {self._open[0]} is still "
@@ -187,22 +221,35 @@ class CanaryManager:
         sfm.pre_ops_outside_graph(batch)
         if self.perturber is not None:
             self.perturber.pre_forward(batch)
-        plans = sfm.pre_ops_maybe_inside_graph(batch)
-        self._open = (forward_index, plans)
+        self._open = (forward_index, [])
 
-    def after_forward(self, batch: ForwardBatchView) -> None:
-        """After the host's forward of ``batch`` (the one :meth:`before_forward` saw): per
-        group TAIL verify / write (+ store check) on the plans HEAD used, then the host-side
-        work: overflow warning, perturbation post-forward hook, radix sweep, step += 1,
-        pump -> reporter (``raise`` mode raises here), health check, stats line, SWA
-        divergence sample."""
+    def head(self, batch: ForwardBatchView) -> list[CanaryPlans]:
+        """Per group plan -> holes -> HEAD verify / write (inside a captured graph: device
+        work only when graph-safe); the plans TAIL will use."""
+        if self._open is None:
+            raise RuntimeError("kv-canary: head(batch) needs begin_forward(batch) first")
+        index = self._open[0]
+        plans = self.single_forward_managers[index].pre_ops_maybe_inside_graph(batch)
+        self._open = (index, plans)
+        return plans
+
+    def tail(self, batch: ForwardBatchView) -> None:
+        """Per group TAIL verify / write (+ store check) on the plans :meth:`head` made."""
         if self._open is None:
             raise RuntimeError(
                 "kv-canary: after_forward called without before_forward(batch) for this forward"
             )
-        (index, plans), self._open = self._open, None
+        index, plans = self._open
+        self.single_forward_managers[index].post_ops_maybe_inside_graph(batch, plans)
+
+    def end_forward(self, batch: ForwardBatchView) -> None:
+        """The host part after a forward (see :meth:`after_forward`); closes the forward."""
+        if self._open is None:
+            raise RuntimeError(
+                "kv-canary: after_forward called without before_forward(batch) for this forward"
+            )
+        (index, _), self._open = self._open, None
         sfm = self.single_forward_managers[index]
-        sfm.post_ops_maybe_inside_graph(batch, plans)
         sfm.post_ops_outside_graph()
         if self.perturber is not None:
             self.perturber.post_forward(batch)

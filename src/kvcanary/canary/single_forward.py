@@ -34,7 +34,7 @@ import torch
 from kvcanary.canary import kernels
 from kvcanary.canary.buffers import CanaryBufferGroup
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import KvHalf, LaunchStage, launch_tag
+from kvcanary.canary.constants import RING_COL_LAUNCH_TAG, KvHalf, LaunchStage, launch_tag
 from kvcanary.canary.host import ExpectedInputs, ForwardBatchView, ReqToTokenTable, TokenMirror
 from kvcanary.canary.plan import CanaryPlans, PlanInputs, build_plans
 from kvcanary.canary.plan_inputs import (
@@ -45,6 +45,7 @@ from kvcanary.canary.plan_inputs import (
 from kvcanary.canary.ring import RunCounters, ViolationRing
 from kvcanary.canary.row_plan import HostInputs, RowPlanner
 from kvcanary.canary.state_plan import build_state_plans
+from kvcanary.canary.static_plan import build_static_decode_plans, is_decode, static_key_width
 from kvcanary.canary.store_check import StoreChecker, StoreWatch
 from kvcanary.canary.swa_divergence import VerifyTotals
 
@@ -107,6 +108,14 @@ class SingleForwardManager:
                 for g, capacity in zip(runtime.groups, runtime.verify_capacities, strict=True)
             ]  # fmt: skip
         self._req_to_token: tuple[torch.Tensor, np.ndarray] | None = None
+        # Graph-safe decode plans (:mod:`.static_plan`): per-position groups only (a
+        # DeepSeek-V4 pool's compressed and ring groups plan per forward; its decode is eager).
+        self._static = config.graph_safe and all(g.per_position for g in runtime.groups)
+
+    @property
+    def graph_safe(self) -> bool:
+        """Decode forwards plan with static capacities on the device (:mod:`.static_plan`)."""
+        return self._static
 
     def bind_store_checker(self) -> None:
         """Point each TAIL launch at its store watch (after ``rt.store_checker`` is set)."""
@@ -128,6 +137,10 @@ class SingleForwardManager:
         if rt.store_checker is not None:
             rt.store_checker.begin_forward(int(fb.out_cache_loc.shape[0]))
         expected_inputs = None if rt.expected_inputs is None else rt.expected_inputs(fb)
+        if self._static:
+            static = self._static_decode(fb, expected_inputs)
+            if static is not None:
+                return static
         host: HostInputs | None = None  # row planners' view of the batch, made once
         inputs: PlanInputs | None = None  # the others', made once
         all_plans = []
@@ -154,6 +167,31 @@ class SingleForwardManager:
                                      plans.holes)  # fmt: skip
             self._launch(group, LaunchStage.HEAD, plans)
             all_plans.append(plans)
+        return all_plans
+
+    def _static_decode(
+        self, fb: ForwardBatchView, expected_inputs: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> list[CanaryPlans] | None:
+        """HEAD of a decode forward with static-capacity plans (:mod:`.static_plan`): device
+        ops only, holes appended on the device; None when the batch is not a decode."""
+        rt = self.rt
+        inputs = plan_inputs_from_batch(fb, rt.req_to_token_pool, verify_tokens=rt.config.verify_tokens,
+                                        expected_inputs=expected_inputs)  # fmt: skip
+        if not is_decode(inputs):
+            return None
+        width = static_key_width(fb, inputs.req_to_token.shape[1])
+        all_plans = []
+        for group in rt.groups:
+            static = build_static_decode_plans(
+                inputs, width, window=group.window, lut=group.swa_index_lut,
+                kv_token_id_vs_position_offset=group.kv_token_id_vs_position_offset,
+            )  # fmt: skip
+            if rt.verify_totals is not None:
+                rt.verify_totals.observe(group.kind, static.num_live)
+            static.hole_rows[:, RING_COL_LAUNCH_TAG] = int(launch_tag(group.kind, LaunchStage.HEAD, KvHalf.K))
+            rt.ring.append_t(static.hole_rows, static.hole_mask)
+            self._launch(group, LaunchStage.HEAD, static.plans)
+            all_plans.append(static.plans)
         return all_plans
 
     def _plan_inputs(self, i: int, group: CanaryBufferGroup, inputs: PlanInputs) -> CanaryPlans:
