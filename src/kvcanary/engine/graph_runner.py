@@ -20,6 +20,20 @@ around every replay), each bucket is captured once as a CUDA graph and replayed;
 failure falls back to eager replay with a warning. Everywhere else the same buffers are
 used eagerly through ``ModelRunner.forward`` (hooks included), so the padding and
 static-table semantics a graph relies on are exercised by the CPU tests.
+
+With the canary on, a bucket is captured only when the canary says its decode work can be
+(``graph_capturable``: ``--kv-canary-graph-safe`` plans, Triton kernels, no per-forward
+Python in them); its host parts run around each replay and HEAD / TAIL are recorded with
+the model::
+
+    canary.begin_forward(fb)      host: pre-ops (before attention's tables are built)
+    init_forward_metadata; tables -> static buffers
+    replay [canary.head(fb); model; canary.tail(fb)]
+    canary.end_forward(fb)        host: step, pump (one step late on CUDA), health, ...
+
+The capture's two warm-up runs execute HEAD / TAIL of the capturing step for real too
+(the same records written again, the launch counters bumped twice more). Unvalidated:
+no GPU was available where this was written (see docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ import torch
 
 from kvcanary.engine.attention import PagedAttentionBackend, StaticKeyBuffers
 from kvcanary.engine.forward_batch import ForwardBatch, ForwardMode
+from kvcanary.engine.hooks import GraphForwardHooks
 from kvcanary.engine.model_runner import ModelRunner
 from kvcanary.utils import ceil_page
 
@@ -52,7 +67,8 @@ class GraphRunner:
             return torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
 
         self.input_ids, self.positions, self.req_pool_indices = z(), z(), z()
-        self.seq_lens, self.out_cache_loc = z(), z()
+        self.seq_lens, self.out_cache_loc, self.prefix_lens = z(), z(), z()
+        self.ones = torch.ones(self.max_bs, dtype=torch.int64, device=dev)
         self.max_keys = ceil_page(runner.max_context_len, KEY_WIDTH_BUCKET)
         self.full_keys = StaticKeyBuffers(self.max_bs, self.max_keys, dev)
         window = runner.attn_backend.sliding_window
@@ -75,7 +91,9 @@ class GraphRunner:
 
     def _uses_cuda_graphs(self) -> bool:
         r = self.runner
-        return r.device.type == "cuda" and r.canary is None and not self.capture_failed
+        canary_ok = r.canary is None or (isinstance(r.canary, GraphForwardHooks)
+                                         and r.canary.graph_capturable)  # fmt: skip
+        return r.device.type == "cuda" and canary_ok and not self.capture_failed
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         bs = fb.batch_size
@@ -105,12 +123,14 @@ class GraphRunner:
         ):
             buf[:bs].copy_(src)
             buf[bs:padded_bs].fill_(fill)
+        # Static too: a captured canary HEAD reads prefix_lens at these addresses.
+        torch.sub(self.seq_lens[:padded_bs], 1, out=self.prefix_lens[:padded_bs])
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             req_pool_indices=self.req_pool_indices[:padded_bs],
             seq_lens=self.seq_lens[:padded_bs],
-            prefix_lens=self.seq_lens[:padded_bs] - 1,
-            extend_seq_lens=torch.ones(padded_bs, dtype=torch.int64, device=self.runner.device),
+            prefix_lens=self.prefix_lens[:padded_bs],
+            extend_seq_lens=self.ones[:padded_bs],
             input_ids=self.input_ids[:padded_bs],
             positions=self.positions[:padded_bs],
             out_cache_loc=self.out_cache_loc[:padded_bs],
@@ -125,7 +145,10 @@ class GraphRunner:
     @torch.inference_mode()
     def _replay_cuda_graph(self, fb: ForwardBatch, width: int) -> torch.Tensor:
         runner = self.runner
+        canary = self._graph_hooks()
         runner.begin_forward(fb)
+        if canary is not None:  # its host part, before attention builds its tables
+            canary.begin_forward(fb)
         runner.attn_backend.init_forward_metadata(fb)  # host work, outside the graph
         self._make_static(width)
         key = (fb.batch_size, width)
@@ -135,14 +158,33 @@ class GraphRunner:
             except RuntimeError as e:  # pragma: no cover - needs a GPU
                 logger.warning("CUDA graph capture failed for bucket %s (%s); replaying eagerly", key, e)
                 self.capture_failed = True
-                return self._run_model(fb)
+                logits = self._run_model(fb)
+                if canary is not None:
+                    canary.end_forward(fb)
+                return logits
         graph, logits = self.graphs[key]
         graph.replay()
+        if canary is not None:
+            canary.end_forward(fb)
         return logits.clone()
 
+    def _graph_hooks(self) -> GraphForwardHooks | None:
+        canary = self.runner.canary
+        if canary is None:
+            return None
+        if not isinstance(canary, GraphForwardHooks):
+            raise RuntimeError("graph runner: the runner's hooks cannot be split around a graph")
+        return canary
+
     def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
-        model = self.runner.model
-        return model.compute_logits(model(fb.input_ids, fb.positions, fb))  # one token per row
+        """What a decode graph holds: the model (and the canary's HEAD / TAIL when on)."""
+        model, canary = self.runner.model, self._graph_hooks()
+        if canary is not None:
+            canary.head(fb)
+        hidden = model(fb.input_ids, fb.positions, fb)
+        if canary is not None:
+            canary.tail(fb)
+        return model.compute_logits(hidden)  # one token per row
 
     def _capture(self, fb: ForwardBatch) -> tuple[Any, torch.Tensor]:  # pragma: no cover
         stream = torch.cuda.Stream()

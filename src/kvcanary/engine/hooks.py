@@ -28,3 +28,28 @@ class ForwardHooks(Protocol):
     def after_forward(self, batch: ForwardBatch) -> None:
         """After the forward of ``batch`` (the one ``before_forward`` saw)."""
         ...
+
+
+@runtime_checkable
+class GraphForwardHooks(ForwardHooks, Protocol):
+    """Hooks whose per-forward work can be recorded into a captured decode graph: each call
+    split into a host part (around every replay) and a device part (in the graph)::
+
+        begin_forward(fb); [head(fb); model; tail(fb)]; end_forward(fb)
+
+    ``before_forward`` = ``begin_forward`` + ``head``; ``after_forward`` = ``tail`` +
+    ``end_forward``."""
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether ``head`` / ``tail`` may be recorded into a CUDA graph now."""
+        ...
+
+    def begin_forward(self, batch: ForwardBatch, forward_index: int = 0) -> None: ...
+
+    def head(self, batch: ForwardBatch) -> object: ...
+
+    def tail(self, batch: ForwardBatch) -> None: ...
+
+    def end_forward(self, batch: ForwardBatch) -> None: ...
+
