@@ -181,7 +181,8 @@ def _cmd_selftest(a: argparse.Namespace) -> int:
         canary_log.setLevel(logging.ERROR)
     try:
         faults = None if a.faults is None else _csv(a.faults)
-        summary = run_selftest(_csv(a.models), faults, seeds, progress=not a.no_progress)
+        summary = run_selftest(_csv(a.models), faults, seeds, progress=not a.no_progress,
+                               graph_safe=a.kv_canary_graph_safe)  # fmt: skip
     finally:
         canary_log.setLevel(level)
     print(render_selftest(summary))
@@ -315,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     selftest.add_argument("--num-seeds", type=int, default=3,
                           help="seeds seed, seed+1, ...: each draws other prompts and injection "
                                "targets; a class must be detected under all (default: %(default)s)")
+    selftest.add_argument("--kv-canary-graph-safe", action="store_true",
+                          help="run the campaign with graph-safe decode plans (static "
+                               "capacities on the device, as a captured decode uses)")
     selftest.add_argument("--json", metavar="OUT", help="also write the detection matrix as JSON to OUT")
     selftest.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     selftest.add_argument("--verbose", action="store_true",

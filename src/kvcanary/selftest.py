@@ -77,10 +77,12 @@ class FaultCase:
         return f"{self.mode}[{self.target_group}]" if self.target_group else self.mode
 
 
-def engine_config(model: str, seed: int = 0) -> EngineConfig:
-    """Log mode with every check a fault class needs (see the module doc)."""
+def engine_config(model: str, seed: int = 0, graph_safe: bool = False) -> EngineConfig:
+    """Log mode with every check a fault class needs (see the module doc); ``graph_safe``:
+    decode forwards planned with static capacities (``--kv-canary-graph-safe``)."""
     canary = CanaryConfig(mode="log", real_data="partial", verify_tokens=True, sweep_interval=4,
-                          health_check_interval=8, swa_divergence_interval=8)  # fmt: skip
+                          health_check_interval=8, swa_divergence_interval=8,
+                          graph_safe=graph_safe)  # fmt: skip
     if _compressed(model):
         page = math.lcm(4, load_model_config(model).min_page_size)
         return EngineConfig(
@@ -144,9 +146,10 @@ def _rows(engine: Engine, start: int) -> list[Any]:
     return _canary(engine).violations[start:]
 
 
-def run_case(model: str, case: FaultCase | None, seed: int = 0) -> tuple[dict[str, Any], Engine]:
+def run_case(model: str, case: FaultCase | None, seed: int = 0,
+             graph_safe: bool = False) -> tuple[dict[str, Any], Engine]:  # fmt: skip
     """One run (``case`` None: the clean run); its result row and the engine."""
-    engine = Engine(engine_config(model, seed))
+    engine = Engine(engine_config(model, seed, graph_safe))
     compressed = _compressed(model)
     (wave1, new1), (wave2, new2) = workload(seed, compressed)
     warmup = WARMUP_STEPS_COMPRESSED if compressed else WARMUP_STEPS
@@ -238,6 +241,7 @@ def run_selftest(
     modes: tuple[str, ...] | list[str] | None = None,
     seeds: tuple[int, ...] | list[int] = (0, 1, 2),
     progress: bool = True,
+    graph_safe: bool = False,
 ) -> dict[str, Any]:
     """The whole campaign; the summary (stable JSON keys, see README). ``modes`` None: every
     fault class that applies to each model; given: each must apply to at least one."""
@@ -271,13 +275,14 @@ def run_selftest(
     clean: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
     for case, model, seed in tqdm(plans, desc="selftest", unit="run", disable=not progress):
-        (clean if case is None else runs).append(run_case(model, case, seed)[0])
+        (clean if case is None else runs).append(run_case(model, case, seed, graph_safe)[0])
     matrix = _matrix(runs)
     missed = [f"{r['fault']}@{r['model']}" for r in matrix if not r["ok"]]
     return {
         "ok": not missed and all(r["ok"] for r in clean),
         "seeds": list(seeds),
         "models": list(models),
+        "graph_safe": graph_safe,
         "fault_classes": len(matrix),
         "detected_classes": sum(r["ok"] for r in matrix),
         "missed": missed,

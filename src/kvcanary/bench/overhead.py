@@ -58,6 +58,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "log+tokens": dict(mode="log", verify_tokens=True),
     "log+partial+v": dict(mode="log", real_data="partial", v_half=True),
     "log+partial+layers": dict(mode="log", real_data="partial", real_data_layers="all"),
+    "log+graph-safe": dict(mode="log", graph_safe=True),  # static decode plans (graphs)
 }
 DEFAULT_VARIANTS = ("none", "log", "log+partial", "log+all")
 BASELINE = "none"
