@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from kvcanary import envs
+from kvcanary.canary import kernels
 from kvcanary.canary.buffers import CanaryBufferGroup
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.constants import (
@@ -199,7 +200,8 @@ class CanaryManager:
         Triton kernels, and nothing in them that runs Python per forward (no store check, no
         write-input assertion, no fault injection)."""
         rt = self.runtime
-        device_ok = rt.ring.device.type == "cuda" and self.config.backend in ("auto", "triton")
+        device_ok = (rt.ring.device.type == "cuda" and self.config.backend in ("auto", "triton")
+                     and kernels.triton_installed())  # the torch write reads the device once
         return (device_ok and self.single_forward_managers[0].graph_safe
                 and rt.store_checker is None and rt.expected_inputs is None
                 and self.perturber is None)  # fmt: skip
