@@ -83,8 +83,9 @@ def engine_config(model: str, seed: int = 0, graph_safe: bool = False) -> Engine
     canary = CanaryConfig(mode="log", real_data="partial", verify_tokens=True, sweep_interval=4,
                           health_check_interval=8, swa_divergence_interval=8,
                           graph_safe=graph_safe)  # fmt: skip
-    if _compressed(model):
-        page = math.lcm(4, load_model_config(model).min_page_size)
+    min_page = load_model_config(model).min_page_size
+    if min_page > 1:  # compressed (see _compressed)
+        page = math.lcm(4, min_page)
         return EngineConfig(
             model=model, page_size=page, max_total_tokens=24 * page, swa_full_tokens_ratio=0.5,
             max_context_len=512, chunked_prefill_size=37, seed=seed, token_oracle=True,

@@ -137,10 +137,8 @@ class SingleForwardManager:
         if rt.store_checker is not None:
             rt.store_checker.begin_forward(int(fb.out_cache_loc.shape[0]))
         expected_inputs = None if rt.expected_inputs is None else rt.expected_inputs(fb)
-        if self._static:
-            static = self._static_decode(fb, expected_inputs)
-            if static is not None:
-                return static
+        if self._static and is_decode(fb):
+            return self._static_decode(fb, expected_inputs)
         host: HostInputs | None = None  # row planners' view of the batch, made once
         inputs: PlanInputs | None = None  # the others', made once
         all_plans = []
@@ -171,14 +169,12 @@ class SingleForwardManager:
 
     def _static_decode(
         self, fb: ForwardBatchView, expected_inputs: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> list[CanaryPlans] | None:
+    ) -> list[CanaryPlans]:
         """HEAD of a decode forward with static-capacity plans (:mod:`.static_plan`): device
-        ops only, holes appended on the device; None when the batch is not a decode."""
+        ops only, holes appended on the device."""
         rt = self.rt
         inputs = plan_inputs_from_batch(fb, rt.req_to_token_pool, verify_tokens=rt.config.verify_tokens,
                                         expected_inputs=expected_inputs)  # fmt: skip
-        if not is_decode(inputs):
-            return None
         width = static_key_width(fb, inputs.req_to_token.shape[1])
         all_plans = []
         for group in rt.groups:

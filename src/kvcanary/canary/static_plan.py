@@ -70,9 +70,10 @@ class StaticPlans(NamedTuple):
     num_live: torch.Tensor  # int64 [1]: live verify entries (for stats; no host read)
 
 
-def is_decode(inputs: PlanInputs) -> bool:
-    """One new token per row, laid out row after row (host-side shapes only)."""
-    return inputs.input_ids.shape[0] == inputs.req_pool_indices.shape[0]
+def is_decode(batch: Any) -> bool:
+    """One new token per row (host-side shapes only): a :class:`PlanInputs` or a forward
+    batch (``input_ids``, ``req_pool_indices``)."""
+    return bool(batch.input_ids.shape[0] == batch.req_pool_indices.shape[0])
 
 
 def build_static_decode_plans(
