@@ -12,7 +12,7 @@ import torch
 from engine_utils import make_prompts, tiny_engine
 
 from kvcanary import SamplingParams
-from kvcanary.canary import kernels
+from kvcanary.canary import fused_rows, kernels
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.constants import CanaryLaunchTag
 from kvcanary.canary.delayed import DelayedDeviceHostHandler, FutureTensors
@@ -84,10 +84,27 @@ def test_stats_line_off_with_interval_zero(caplog: pytest.LogCaptureFixture) -> 
     assert "[canary] step=" not in caplog.text
 
 
-def _drop_launches(monkeypatch: pytest.MonkeyPatch, tags: set[CanaryLaunchTag]) -> None:
+def _drop_launches(monkeypatch: pytest.MonkeyPatch, engine, tags: set[CanaryLaunchTag]) -> None:
     """From now on the launches of ``tags`` silently do not run (a lost launch): per-forward
-    launches (verify + write) and the sweep's verify alike."""
+    launches (verify + write; fused HEAD / TAIL calls lose them from their launch tuples)
+    and the sweep's verify alike."""
     real_verify, real_launch = kernels.verify, kernels.launch
+    real_build = fused_rows.FusedRowLaunches.build
+
+    def build(*args, **kwargs):
+        fused = real_build(*args, **kwargs)
+        if fused is not None:
+            fused.launches = tuple(t for t in fused.launches if t[1] not in tags)
+            keep = [i for i, t in enumerate(fused.tails) if t[1] not in tags]
+            fused.tails = tuple(fused.tails[i] for i in keep)
+            fused.tail_watches = [fused.tail_watches[i] for i in keep]
+            if not (fused.launches and fused.tails):
+                return None  # nothing left to fuse: the per-launch path (patched above)
+        return fused
+
+    monkeypatch.setattr(fused_rows.FusedRowLaunches, "build", staticmethod(build))
+    for sfm in engine.canary.single_forward_managers:
+        sfm.bind_store_checker()  # fused launches are rebuilt on the next forward
 
     def verify(records, plan, ring, tag, **kw):
         if tag not in tags:
@@ -119,7 +136,7 @@ def test_health_check_fires_when_an_expected_tag_stops(
     for _ in range(9):  # checks at steps 4 and 8 (read one step later) pass
         engine.step()
     assert engine.canary.health.num_checks == 2
-    _drop_launches(monkeypatch, stopped)  # from forward 10 on
+    _drop_launches(monkeypatch, engine, stopped)  # from forward 10 on
     for _ in range(7):  # the window (8, 12] still saw forward 9's launch: silent
         engine.step()
     with pytest.raises(KVCanaryHealthError) as e:
@@ -153,6 +170,6 @@ def test_health_check_is_silent_when_sweeps_legitimately_do_not_run(sweep_interv
 def test_health_check_off_with_interval_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     engine = tiny_engine(model="builtin:tiny-mha",
                          canary=CanaryConfig(mode="log", health_check_interval=0))
-    _drop_launches(monkeypatch, {CanaryLaunchTag.HEAD_K_FULL})
+    _drop_launches(monkeypatch, engine, {CanaryLaunchTag.HEAD_K_FULL})
     engine.generate(PROMPTS, LONG)  # nothing raised
     assert engine.canary.health is None

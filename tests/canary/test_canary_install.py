@@ -18,7 +18,7 @@ from engine_utils import tiny_engine
 
 import kvcanary.canary
 from kvcanary import SamplingParams
-from kvcanary.canary import kernels
+from kvcanary.canary import fused_rows, kernels
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.constants import CANARY_FIELD_REAL_KV_HASH, CanaryLaunchTag
 from kvcanary.canary.errors import KVCanaryViolation
@@ -83,9 +83,20 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[object]:
 
         return launch
 
+    def spy_fused(fn, stage_launches):  # fused HEAD / TAIL: every launch of its tuple
+        def run(self, *args, **kw):
+            for t in stage_launches(self):
+                log.extend([("verify", CanaryLaunchTag(t[1]).name), ("write", CanaryLaunchTag(t[1]).name)])
+            return fn(self, *args, **kw)
+
+        return run
+
     monkeypatch.setattr(kernels, "verify", spy("verify", kernels.verify))
     monkeypatch.setattr(kernels, "write", spy("write", kernels.write))
     monkeypatch.setattr(kernels, "launch", spy_launch(kernels.launch))
+    fused = fused_rows.FusedRowLaunches
+    monkeypatch.setattr(fused, "head", spy_fused(fused.head, lambda f: f.launches))
+    monkeypatch.setattr(fused, "tail", spy_fused(fused.tail, lambda f: f.tails))
     return log
 
 

@@ -35,6 +35,7 @@ from kvcanary.canary import kernels
 from kvcanary.canary.buffers import CanaryBufferGroup
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.constants import RING_COL_LAUNCH_TAG, KvHalf, LaunchStage, launch_tag
+from kvcanary.canary.fused_rows import FusedRowLaunches
 from kvcanary.canary.host import ExpectedInputs, ForwardBatchView, ReqToTokenTable, TokenMirror
 from kvcanary.canary.plan import CanaryPlans, PlanInputs, build_plans
 from kvcanary.canary.plan_inputs import (
@@ -111,6 +112,10 @@ class SingleForwardManager:
         # Graph-safe decode plans (:mod:`.static_plan`): per-position groups only (a
         # DeepSeek-V4 pool's compressed and ring groups plan per forward; its decode is eager).
         self._static = config.graph_safe and all(g.per_position for g in runtime.groups)
+        # Row plans of per-position groups: HEAD and TAIL as one compiled call each
+        # (:mod:`.fused_rows`); built on first use, None when they cannot be fused.
+        self._fused: FusedRowLaunches | None | bool = self._planners is not None
+        self._fused_open = False  # this forward's HEAD ran fused: so does its TAIL
 
     @property
     def graph_safe(self) -> bool:
@@ -126,6 +131,7 @@ class SingleForwardManager:
                     (tag, rec, src, None if checker is None else checker.watch_for(tag))
                     for tag, rec, src, _ in launches
                 ]
+        self._fused = self._planners is not None  # rebuilt with the store watches
 
     def pre_ops_outside_graph(
         self, maybe_inaccurate_forward_batch: ForwardBatchView | None = None
@@ -139,6 +145,10 @@ class SingleForwardManager:
         expected_inputs = None if rt.expected_inputs is None else rt.expected_inputs(fb)
         if self._static and is_decode(fb):
             return self._static_decode(fb, expected_inputs)
+        fused = self._fused_launches()
+        if fused is not None:
+            self._fused_head(fused, self._host_inputs(fb, expected_inputs))
+            return []
         host: HostInputs | None = None  # row planners' view of the batch, made once
         inputs: PlanInputs | None = None  # the others', made once
         all_plans = []
@@ -166,6 +176,30 @@ class SingleForwardManager:
             self._launch(group, LaunchStage.HEAD, plans)
             all_plans.append(plans)
         return all_plans
+
+    def _fused_launches(self) -> FusedRowLaunches | None:
+        if self._fused is True:
+            rt = self.rt
+            self._fused = FusedRowLaunches.build(
+                cast(list[RowPlanner], self._planners), rt.groups, rt.config.v_half, rt.ring,
+                rt.verify_counters, rt.write_counters, rt.store_checker,
+            ) or False  # fmt: skip
+        return self._fused if isinstance(self._fused, FusedRowLaunches) else None
+
+    def _fused_head(self, fused: FusedRowLaunches, host: HostInputs) -> None:
+        """HEAD of every group in one compiled call (:mod:`.fused_rows`), then the host's
+        notes of it: overflowed verifies, the divergence reporter's totals."""
+        rt = self.rt
+        self._fused_open = False
+        overflow = fused.head(host, rt.config.verify_tokens, rt.chain_position_assert)
+        self._fused_open = True
+        if overflow or rt.verify_totals is not None:
+            for i, group in enumerate(rt.groups):
+                total, enabled = fused.verify_entries(i)
+                if not enabled:
+                    self._overflows.append((group.kind.name, total, rt.verify_capacities[i]))
+                if rt.verify_totals is not None:
+                    rt.verify_totals.observe(group.kind, total if enabled else 0)
 
     def _static_decode(
         self, fb: ForwardBatchView, expected_inputs: tuple[torch.Tensor, torch.Tensor] | None
@@ -227,6 +261,11 @@ class SingleForwardManager:
     def post_ops_maybe_inside_graph(
         self, fb: ForwardBatchView, all_plans: list[CanaryPlans]
     ) -> None:
+        if self._fused_open:  # HEAD ran fused (and returned no plans): its TAIL too
+            self._fused_open = False
+            cast(FusedRowLaunches, self._fused).tail(self.rt.config.verify_tokens,
+                                                     self.rt.chain_position_assert)  # fmt: skip
+            return
         for group, plans in zip(self.rt.groups, all_plans, strict=True):
             self._launch(group, LaunchStage.TAIL, plans)
 

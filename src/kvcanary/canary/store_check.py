@@ -77,9 +77,12 @@ class StoreWatch:
         # The records as int64 numpy (CPU): made once, a per-call view costs microseconds.
         self.records_np = self.records.view(torch.int64).numpy() if device.type == "cpu" else None
 
-    def reserve(self, num_tokens: int) -> None:
-        if self.intended.shape[1] < num_tokens:
-            self._alloc(max(num_tokens, 2 * self.intended.shape[1]))
+    def reserve(self, num_tokens: int) -> bool:
+        """Grow the scratch to ``num_tokens``; True when it was reallocated."""
+        if self.intended.shape[1] >= num_tokens:
+            return False
+        self._alloc(max(num_tokens, 2 * self.intended.shape[1]))
+        return True
 
 
 @numba.njit(cache=True)
@@ -138,6 +141,7 @@ class StoreChecker:
         self.watches = watches
         self.epoch = 0
         self.num_tokens = 0  # of the current forward
+        self.generation = 0  # bumped when a watch's scratch is reallocated (fused_rows rebinds)
         self._ring: tuple[ViolationRing, np.ndarray, np.ndarray] | None = None  # numpy views
         # id(sub-pool) -> layer -> [(watch, source index, half)]
         self._targets: dict[int, dict[int, list[tuple[StoreWatch, int, KvHalf]]]] = {}
@@ -194,7 +198,8 @@ class StoreChecker:
         self.epoch += 1
         self.num_tokens = num_tokens
         for w in self.watches:
-            w.reserve(num_tokens)
+            if w.reserve(num_tokens):
+                self.generation += 1
 
     def targets(self, sub: Any) -> dict[int, list[tuple[StoreWatch, int, KvHalf]]] | None:
         """What :meth:`attach` watches on sub-pool ``sub``: layer -> [(watch, source index,

@@ -1,0 +1,123 @@
+"""Fused row launches (:mod:`kvcanary.canary.fused_rows`): HEAD and TAIL of a CPU forward as
+one compiled call each must leave exactly the per-launch path's state: the same ring rows in
+the same order, the same records, the same run counters, for faults written straight into
+the real engine's state (a KV byte, a req->token entry, an SWA mapping, a lost store)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from engine_utils import make_prompts, start_decoding, tiny_engine
+
+from kvcanary.canary import fused_rows
+from kvcanary.canary.config import CanaryConfig
+
+
+@pytest.fixture(autouse=True)
+def quiet_canary_log():
+    log = logging.getLogger("kvcanary.canary")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    yield
+    log.setLevel(level)
+
+
+def _run(fused: bool, model: str, canary: dict[str, Any],
+         monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:  # fmt: skip
+    """A decoding batch corrupted between forwards (and one store lost inside a forward);
+    everything the canary leaves behind."""
+    with monkeypatch.context() as m:
+        if not fused:
+            m.setattr(fused_rows.FusedRowLaunches, "build", staticmethod(lambda *a, **k: None))
+        engine = tiny_engine(model=model, swa_full_tokens_ratio=0.5, chunked_prefill_size=24,
+                             canary=CanaryConfig(mode="log", **canary))  # fmt: skip
+        prompts = make_prompts(5, 20, 40, seed=3)
+        start_decoding(engine, prompts, max_new_tokens=30)
+        runner = engine.runner
+        pool, r2t = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+        running = engine.running_requests()
+        sub = getattr(pool, "full_kv_pool", pool)
+        if not sub.k_buffer:  # every layer sliding: the SWA sub-pool holds the KV
+            sub = pool.swa_kv_pool
+        for step in range(20):
+            undo = None
+            if step == 2:  # a byte of request 0's newest committed token, in the first K layer
+                slot = int(r2t[running[0].req_pool_idx, running[0].kv_len - 2])
+                if sub is not getattr(pool, "full_kv_pool", pool):
+                    slot = int(pool.full_to_swa_index_mapping[slot])
+                sub.k_buffer[0].view(torch.uint8).view(sub.k_buffer[0].shape[0], -1)[slot, 0] ^= 0xFF
+            if step == 5:  # this forward's stores into layer 0 are undone: lost stores
+                buf = sub.k_buffer[0]
+                old = buf.clone()
+                layer = 0 if sub is pool else next(
+                    i for i in range(runner.model.config.num_hidden_layers) if pool._sub(i) == (sub, 0))
+
+                def lose(*_: Any, buf: torch.Tensor = buf, old: torch.Tensor = old) -> None:
+                    buf.copy_(old)
+
+                undo = runner.model.layers[layer].self_attn.register_forward_hook(lose).remove
+            if step == 8:  # request 1's position 3 -> request 2's slot of position 4
+                r2t[running[1].req_pool_idx, 3] = r2t[running[2].req_pool_idx, 4]
+            if step == 11 and hasattr(pool, "full_to_swa_index_mapping"):  # an in-window hole
+                row = running[3].req_pool_idx
+                pool.full_to_swa_index_mapping[int(r2t[row, running[3].kv_len - 2])] = 0
+            engine.step()
+            if undo is not None:
+                undo()
+        engine.canary.flush()
+        sfm = engine.canary.single_forward_managers[0]
+        assert isinstance(sfm._fused, fused_rows.FusedRowLaunches) == fused  # the path ran
+        rt = engine.canary.runtime
+        return {
+            "rows": engine.canary.violations, "overflow_steps": rt.num_verify_overflow_steps,
+            "ring": rt.ring.rows.clone(), "index": int(rt.ring.write_index),
+            "records": [b.clone() for g in engine.canary.groups for b in g.buffers()],
+            "counters": [c.clone() for c in (rt.verify_counters.kernel_runs,
+                                             rt.verify_counters.slots_processed,
+                                             rt.write_counters.kernel_runs,
+                                             rt.write_counters.slots_processed)],
+        }  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny-swa", "builtin:tiny-mha", "builtin:tiny-swa-all"])
+@pytest.mark.parametrize("canary", [
+    dict(real_data="partial", verify_tokens=True),
+    dict(real_data="all", v_half=True, verify_capacity=150),  # some verifies overflow
+], ids=["partial-tokens", "all-v-half-overflow"])  # fmt: skip
+def test_fused_launches_leave_exactly_the_per_launch_state(
+    model: str, canary: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    want = _run(False, model, canary, monkeypatch)
+    got = _run(True, model, canary, monkeypatch)
+    reasons = {reason for r in want["rows"] for reason in r.fail_reasons}
+    assert "write_kv_store" in reasons  # the faults were seen
+    if "verify_capacity" in canary:  # verifies skipped (too many entries), writes checked
+        assert want["overflow_steps"] > 0
+    else:
+        assert "verify_real_kv_hash" in reasons
+        if model != "builtin:tiny-mha":
+            assert "verify_not_resident" in reasons
+    assert got["overflow_steps"] == want["overflow_steps"]
+    assert got["rows"] == want["rows"] and got["index"] == want["index"]
+    assert torch.equal(got["ring"], want["ring"])
+    assert all(torch.equal(a, b) for a, b in zip(got["records"], want["records"], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got["counters"], want["counters"], strict=True))
+
+
+def test_plan_errors_leave_no_trace_and_name_the_problem() -> None:
+    """A plan that fails in HEAD's first phase raises the row planner's error before any
+    launch touched the ring or the counters."""
+    engine = tiny_engine(model="builtin:tiny-swa", canary=CanaryConfig(mode="log"))
+    start_decoding(engine, make_prompts(2, 10, 20, seed=1))
+    rt = engine.canary.runtime
+    before = (int(rt.ring.write_index), rt.verify_counters.kernel_runs.clone())
+    r2t = engine.runner.req_to_token_pool.req_to_token
+    row = engine.running_requests()[0].req_pool_idx
+    r2t[row, 0] = r2t.numel() * 1000  # a slot far outside the SWA mapping
+    with pytest.raises(IndexError, match="slot out of range of the LUT"):
+        engine.step()
+    assert int(rt.ring.write_index) == before[0]
+    assert torch.equal(rt.verify_counters.kernel_runs, before[1])
