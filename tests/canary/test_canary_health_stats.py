@@ -100,6 +100,7 @@ def _drop_launches(monkeypatch: pytest.MonkeyPatch, engine, tags: set[CanaryLaun
             fused.tail_watches = [fused.tail_watches[i] for i in keep]
             if not (fused.launches and fused.tails):
                 return None  # nothing left to fuse: the per-launch path (patched above)
+            fused.bind()
         return fused
 
     monkeypatch.setattr(fused_rows.FusedRowLaunches, "build", staticmethod(build))

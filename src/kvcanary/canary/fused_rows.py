@@ -32,6 +32,8 @@ from typing import Any
 
 import numba
 import numpy as np
+from numba.core import types
+from numba.extending import intrinsic
 
 from kvcanary.canary.constants import NO_TOKEN, FailReason, KvHalf, LaunchStage, launch_tag
 from kvcanary.canary.kernels_numba import _NO_COUNTERS, _launch_rows_kernel, _np, _record
@@ -50,75 +52,125 @@ _DONE, _OVERFLOW, _PLAN_FAILED, _SLOT_ERROR = 0, 1, 2, 1 << 20
 _NO_WATCH = (np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.int64),
              np.zeros(0, dtype=np.int64))  # fmt: skip
 
+# The argument block (int64): every array a compiled call needs but the batch's, as
+# (address, shape...) of an int64 C-contiguous array, so a call passes one array instead of
+# ~40 (the dispatcher types each argument it is given: ~8 us a call, cold, for the tuples).
+#   header   G, H, L (groups, HEAD launches, TAIL launches), ring [2D], ring index, verify
+#            runs, verify processed, write runs, write processed [1D each], out [2D]
+#   group    window, has LUT, offset, capacity, check holes, LUT [1D], requests [2D],
+#            entries [2D], write slots [1D], holes [2D]
+#   launch   group, tag, hole tag, sources, records [2D], words0..3 [2D], meta [2D],
+#            watch intended [2D], watch target [2D], watch stamp [1D]
+# HEAD launches first, then TAIL's. The owner keeps every array alive (and rebuilds the block
+# when one is reallocated).
+_HEADER = 19
+_GROUP_W = 18
+_LAUNCH_W = 30
+
+
+@intrinsic
+def _i64_ptr(typingctx, addr):
+    """An int64 address as ``int64*`` (for :func:`numba.carray`)."""
+    sig = types.CPointer(types.int64)(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int64)))
+
+    return sig, codegen
+
+
+@numba.njit(cache=True, inline="always")
+def _a1(blk, k):
+    return numba.carray(_i64_ptr(blk[k]), (blk[k + 1],))
+
+
+@numba.njit(cache=True, inline="always")
+def _a2(blk, k):
+    return numba.carray(_i64_ptr(blk[k]), (blk[k + 1], blk[k + 2]))
+
+
+@numba.njit(cache=True, inline="always")
+def _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inputs, has_table,
+            check_token, position_assert):  # fmt: skip
+    """Verify + write of the launch at ``blk[k]`` on its group's plans (error status)."""
+    out = _a2(blk, 16)
+    g = blk[k]
+    kg = _HEADER + g * _GROUP_W
+    total_verify = out[g, _TOTAL_VERIFY]
+    requests = _a2(blk, kg + 7)
+    return _launch_rows_kernel(
+        requests, bs, _a2(blk, kg + 10), total_verify if total_verify <= blk[kg + 3] else 0,
+        check_token and has_table, requests, bs, input_ids, positions, _a1(blk, kg + 13),
+        out[g, _MAX_WRITE] > 0, check_inputs, exp_ids, exp_positions, position_assert,
+        blk[k + 1], _a2(blk, k + 4), _a2(blk, k + 7), _a2(blk, k + 10), _a2(blk, k + 13),
+        _a2(blk, k + 16), _a2(blk, k + 19), blk[k + 3], _a2(blk, 3), _a1(blk, 6), _a1(blk, 8),
+        _a1(blk, 10), _a1(blk, 12), _a1(blk, 14),
+    )  # fmt: skip
+
 
 @numba.njit(cache=True)
 def _head_nb(
     r2t, rows, prefix, extend, out_cache_loc, input_ids, positions, exp_ids, exp_positions,
-    check_inputs, table, table_lens, has_table, windows, luts, has_luts, offsets, capacities,
-    check_holes, requests_t, entries_t, write_slots_t, holes_t, out, launches, check_token,
-    position_assert, ring, ring_index, v_runs, v_processed, w_runs, w_processed,
+    check_inputs, table, table_lens, has_table, check_token, position_assert, blk,
 ):  # fmt: skip
-    num_groups = len(requests_t)
+    num_groups, num_launches = blk[0], blk[1]
+    out, ring, ring_index = _a2(blk, 16), _a2(blk, 3), _a1(blk, 6)
     num_tokens = input_ids.shape[0]
     overflow = False
     for g in range(num_groups):  # 1. plans only: a failure or a retry leaves no trace
+        k = _HEADER + g * _GROUP_W
         res = _plan_rows(
             r2t, rows, prefix, extend, out_cache_loc, num_tokens, positions.shape[0],
-            exp_ids.shape[0], exp_positions.shape[0], windows[g], luts[g], has_luts[g], table,
-            table_lens, has_table, offsets[g], capacities[g], check_holes[g], requests_t[g],
-            entries_t[g], write_slots_t[g], holes_t[g],
+            exp_ids.shape[0], exp_positions.shape[0], blk[k], _a1(blk, k + 5), blk[k + 1] != 0,
+            table, table_lens, has_table, blk[k + 2], blk[k + 3], blk[k + 4] != 0,
+            _a2(blk, k + 7), _a2(blk, k + 10), _a1(blk, k + 13), _a2(blk, k + 15),
         )  # fmt: skip
-        for k in range(6):
-            out[g, k] = res[k]
+        for j in range(6):
+            out[g, j] = res[j]
         if res[0] != _OK:
             return _PLAN_FAILED + g
-        overflow |= res[1] > capacities[g]
+        overflow |= res[1] > blk[k + 3]
     bs = rows.shape[0]
-    for i, launch in enumerate(launches):  # 2. holes, then verify + write, in group order
-        g, tag, hole_tag = launch[0], launch[1], launch[2]
-        holes = holes_t[g]
+    launches = _HEADER + num_groups * _GROUP_W
+    for i in range(num_launches):  # 2. holes, then verify + write, in group order
+        k = launches + i * _LAUNCH_W
+        g, hole_tag = blk[k], blk[k + 2]
         if hole_tag >= 0:
+            holes = _a2(blk, _HEADER + g * _GROUP_W + 15)
             for h in range(out[g, _NUM_HOLES]):
                 _record(ring, ring_index, hole_tag, holes[0, h], holes[1, h], NO_TOKEN, NO_TOKEN,
                         0, holes[2, h], _NOT_RESIDENT)  # fmt: skip
-        total_verify = out[g, _TOTAL_VERIFY]
-        if _launch_rows_kernel(
-            requests_t[g], bs, entries_t[g], total_verify if total_verify <= capacities[g] else 0,
-            check_token and has_table, requests_t[g], bs, input_ids, positions, write_slots_t[g],
-            out[g, _MAX_WRITE] > 0, check_inputs, exp_ids, exp_positions, position_assert, tag,
-            launch[3], launch[4], launch[5], launch[6], launch[7], launch[8], launch[9], ring,
-            ring_index, v_runs, v_processed, w_runs, w_processed,
-        ):  # fmt: skip
+        if _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inputs,
+                   has_table, check_token, position_assert):  # fmt: skip
             return _SLOT_ERROR + i
     return _OVERFLOW if overflow else _DONE
 
 
 @numba.njit(cache=True)
 def _tail_nb(
-    bs, input_ids, positions, exp_ids, exp_positions, check_inputs, has_table, capacities,
-    requests_t, entries_t, write_slots_t, out, launches, check_token, position_assert, epoch,
-    ring, ring_index, v_runs, v_processed, w_runs, w_processed,
+    bs, input_ids, positions, exp_ids, exp_positions, check_inputs, has_table, check_token,
+    position_assert, epoch, blk,
 ):  # fmt: skip
-    for i, launch in enumerate(launches):
-        g, tag, rec = launch[0], launch[1], launch[3]
-        total_verify, max_write = out[g, _TOTAL_VERIFY], out[g, _MAX_WRITE]
-        if _launch_rows_kernel(
-            requests_t[g], bs, entries_t[g], total_verify if total_verify <= capacities[g] else 0,
-            check_token and has_table, requests_t[g], bs, input_ids, positions, write_slots_t[g],
-            max_write > 0, check_inputs, exp_ids, exp_positions, position_assert, tag, rec,
-            launch[4], launch[5], launch[6], launch[7], launch[8], launch[9], ring, ring_index,
-            v_runs, v_processed, w_runs, w_processed,
-        ):  # fmt: skip
+    num_groups, num_heads, num_launches = blk[0], blk[1], blk[2]
+    out, ring, ring_index = _a2(blk, 16), _a2(blk, 3), _a1(blk, 6)
+    launches = _HEADER + num_groups * _GROUP_W + num_heads * _LAUNCH_W
+    for i in range(num_launches):
+        k = launches + i * _LAUNCH_W
+        if _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inputs,
+                   has_table, check_token, position_assert):  # fmt: skip
             return _SLOT_ERROR + i
-        stamp = launch[12]
-        if max_write > 0 and stamp.shape[0]:  # the store check, once its watch is armed
+        g = blk[k]
+        stamp = _a1(blk, k + 28)
+        if out[g, _MAX_WRITE] > 0 and stamp.shape[0]:  # the store check, once armed
             armed, stored = False, True
             for j in range(stamp.shape[0]):
                 armed |= stamp[j] >= 0  # StoreWatch.armed: set with the first stamp
                 stored &= stamp[j] == epoch
             if armed:
-                _check_nb(requests_t[g], bs, write_slots_t[g], input_ids, positions, launch[10],
-                          launch[11], stored, rec, ring, ring_index, tag)  # fmt: skip
+                kg = _HEADER + g * _GROUP_W
+                _check_nb(_a2(blk, kg + 7), bs, _a1(blk, kg + 13), input_ids, positions,
+                          _a2(blk, k + 22), _a2(blk, k + 25), stored, _a2(blk, k + 4), ring,
+                          ring_index, blk[k + 1])  # fmt: skip
     return _DONE
 
 
@@ -147,8 +199,10 @@ class FusedRowLaunches:
         self.store_checker = store_checker
         self._watch_generation = 0 if store_checker is None else store_checker.generation
         self.out = np.zeros((n, 6), dtype=np.int64)
-        self._bind_scratch()
-        self._host: HostInputs | None = None
+        self.bind()
+        # TAIL's arguments, set by HEAD: (bs, the batch's token ids, positions, expected ids
+        # and positions, check inputs, has table, check token, position assert).
+        self._tail_call: tuple[Any, ...] | None = None
 
     @staticmethod
     def build(planners: Sequence[RowPlanner], groups: Sequence[Any], v_half: bool,
@@ -169,35 +223,57 @@ class FusedRowLaunches:
                 watch = None if store_checker is None else store_checker.watch_for(tag)
                 tails.append(_launch_tuple(gi, g, LaunchStage.TAIL, half, -1, watch))
                 watches.append(watch)
-        if not (_one_type(luts) and _one_type(launches + tails)):
+        if not all(_flat_ok(a) for a in luts) or not all(
+            _flat_ok(a) for t in launches + tails for a in t if isinstance(a, np.ndarray)
+        ):
             return None
         return FusedRowLaunches(planners, luts, tuple(launches), tuple(tails), watches, ring,
                                 verify_counters, write_counters, store_checker)  # fmt: skip
 
-    def _bind_scratch(self) -> None:
-        ps = self.planners
-        self.scratch = (tuple(p._requests for p in ps), tuple(p._entries for p in ps),
-                        tuple(p._write_slots for p in ps), tuple(p._holes for p in ps))  # fmt: skip
+    def bind(self) -> None:
+        """(Re)build the argument block (see ``_HEADER``) from the launches, the planners'
+        scratch and the store watches; call after any of them was replaced."""
+        ps, n = self.planners, len(self.planners)
+        ring, index = self.ring_args
+        words: list[int] = [n, len(self.launches), len(self.tails)]
+        keep: list[np.ndarray] = []
+
+        def arr(a: np.ndarray) -> None:
+            if not _flat_ok(a):
+                raise ValueError("kv-canary fused launches: an array is not int64 C-contiguous")
+            keep.append(a)
+            words.extend((a.ctypes.data, *a.shape))
+
+        for a in (ring, index, *self.count_args, self.out):
+            arr(a)
+        for i, p in enumerate(ps):
+            words.extend((int(self.windows[i]), int(self.has_luts[i]), int(self.offsets[i]),
+                          int(self.capacities[i]), int(self.check_holes[i])))  # fmt: skip
+            for a in (self.luts[i], p._requests, p._entries, p._write_slots, p._holes):
+                arr(a)
+        for t in (*self.launches, *self.tails):
+            words.extend((t[0], t[1], t[2], t[9]))
+            for a in (*t[3:9], *t[10:13]):
+                arr(a)
+        self._block = np.array(words, dtype=np.int64)
+        self._keep = keep  # the block holds their addresses
 
     def head(self, host: HostInputs, check_token: bool, position_assert: bool) -> bool:
         """Plan every group, record its holes, verify + write HEAD; True when a group's
-        verify overflowed its capacity (its verify skipped; see :meth:`overflows`)."""
+        verify overflowed its capacity (its verify skipped; see :meth:`verify_entries`)."""
         ids, positions = host.expected_input_ids, host.expected_positions
         check_inputs = ids is not None and positions is not None
         table, lens = host.expected_token_table, host.expected_token_lens
         has_table = table is not None and lens is not None
+        # What TAIL passes too (the same checks, on the same batch).
+        batch = (host.input_ids, host.positions, host.input_ids if ids is None else ids,
+                 host.positions if positions is None else positions, check_inputs)  # fmt: skip
         while True:
-            requests, entries, write_slots, holes = self.scratch
             code = _head_nb(
                 host.req_to_token, host.req_pool_indices, host.prefix_lens, host.extend_lens,
-                host.out_cache_loc, host.input_ids, host.positions,
-                ids if ids is not None else host.input_ids,
-                positions if positions is not None else host.positions, check_inputs,
-                table if has_table else _EMPTY_TABLE, lens if has_table else _EMPTY_LENS,
-                has_table, self.windows, self.luts, self.has_luts, self.offsets,
-                self.capacities, self.check_holes, requests, entries, write_slots, holes,
-                self.out, self.launches, check_token, position_assert, *self.ring_args,
-                *self.count_args,
+                host.out_cache_loc, *batch, table if has_table else _EMPTY_TABLE,
+                lens if has_table else _EMPTY_LENS, has_table, check_token, position_assert,
+                self._block,
             )  # fmt: skip
             if _PLAN_FAILED <= code < _SLOT_ERROR:
                 g = code - _PLAN_FAILED
@@ -206,11 +282,12 @@ class FusedRowLaunches:
                     RowPlanner._raise(status, host, total_extend)
                 self.planners[g]._grow(host.req_pool_indices.shape[0],
                                        host.out_cache_loc.shape[0], total_verify)  # fmt: skip
-                self._bind_scratch()
+                self.bind()
                 continue
             if code >= _SLOT_ERROR:
                 raise IndexError("kv-canary: plan slot out of range of the canary buffer")
-            self._host = host
+            self._tail_call = (host.req_pool_indices.shape[0], *batch, has_table, check_token,
+                               position_assert)  # fmt: skip
             return code == _OVERFLOW
 
     def verify_entries(self, g: int) -> tuple[int, bool]:
@@ -218,27 +295,19 @@ class FusedRowLaunches:
         total = int(self.out[g, _TOTAL_VERIFY])
         return total, total <= int(self.capacities[g])
 
-    def tail(self, check_token: bool, position_assert: bool) -> None:
-        """Verify + write TAIL on HEAD's plans, then each launch's store check."""
-        host = self._host
-        if host is None:
+    def tail(self) -> None:
+        """Verify + write TAIL on HEAD's plans (and its batch and checks), then each
+        launch's store check."""
+        call, self._tail_call = self._tail_call, None
+        if call is None:
             raise RuntimeError("kv-canary: fused TAIL without a HEAD in this forward")
-        self._host = None
         checker = self.store_checker
-        if checker is not None and checker.generation != self._watch_generation:
-            self._bind_watches()
-        ids, positions = host.expected_input_ids, host.expected_positions
-        check_inputs = ids is not None and positions is not None
-        has_table = host.expected_token_table is not None and host.expected_token_lens is not None
-        requests, entries, write_slots, _ = self.scratch
-        if _tail_nb(
-            host.req_pool_indices.shape[0], host.input_ids, host.positions,
-            ids if ids is not None else host.input_ids,
-            positions if positions is not None else host.positions, check_inputs, has_table,
-            self.capacities, requests, entries, write_slots, self.out, self.tails, check_token,
-            position_assert, 0 if checker is None else checker.epoch, *self.ring_args,
-            *self.count_args,
-        ):  # fmt: skip
+        epoch = 0
+        if checker is not None:
+            epoch = checker.epoch
+            if checker.generation != self._watch_generation:
+                self._bind_watches()
+        if _tail_nb(*(*call, epoch, self._block)):
             raise IndexError("kv-canary: plan slot out of range of the canary buffer")
 
     def _bind_watches(self) -> None:
@@ -247,6 +316,7 @@ class FusedRowLaunches:
                            for t, w in zip(self.tails, self.tail_watches, strict=True))  # fmt: skip
         if self.store_checker is not None:
             self._watch_generation = self.store_checker.generation
+        self.bind()
 
 
 _EMPTY_TABLE = np.zeros((1, 1), dtype=np.int64)
@@ -275,6 +345,6 @@ def _launch_tuple(gi: int, group: Any, stage: LaunchStage, half: KvHalf, hole_ta
             *_watch_args(watch))  # fmt: skip
 
 
-def _one_type(values: Sequence[Any]) -> bool:
-    """Whether numba types every value alike (a homogeneous tuple it can loop over)."""
-    return len({numba.typeof(v) for v in values}) <= 1
+def _flat_ok(a: np.ndarray) -> bool:
+    """An array the block can describe: int64, C-contiguous, at most 2-D."""
+    return a.dtype == np.int64 and a.flags.c_contiguous and a.ndim <= 2

@@ -49,10 +49,14 @@ class KernelRunHealthChecker:
 
     def step(self, step: int) -> None:
         """Call once per forward step, after the step counter moved; may raise."""
-        self.handler.step(lambda: self._compute(step), self._check)
+        if self._due(step) or self.handler.pending:  # else a no-op: skip its closures
+            self.handler.step(lambda: self._compute(step), self._check)
+
+    def _due(self, step: int) -> bool:
+        return not (self.interval <= 0 or step < self.interval or step % self.interval)
 
     def _compute(self, step: int) -> Staged | None:
-        if self.interval <= 0 or step < self.interval or step % self.interval:
+        if not self._due(step):
             return None
         return {
             "step": step,

@@ -263,8 +263,7 @@ class SingleForwardManager:
     ) -> None:
         if self._fused_open:  # HEAD ran fused (and returned no plans): its TAIL too
             self._fused_open = False
-            cast(FusedRowLaunches, self._fused).tail(self.rt.config.verify_tokens,
-                                                     self.rt.chain_position_assert)  # fmt: skip
+            cast(FusedRowLaunches, self._fused).tail()
             return
         for group, plans in zip(self.rt.groups, all_plans, strict=True):
             self._launch(group, LaunchStage.TAIL, plans)

@@ -44,10 +44,14 @@ class PeriodicStatsLogger:
 
     def step(self, step: int) -> None:
         """Call once per forward step, after the step counter moved."""
-        self.handler.step(lambda: self._compute(step), self._log)
+        if self._due(step) or self.handler.pending:  # else a no-op: skip its closures
+            self.handler.step(lambda: self._compute(step), self._log)
+
+    def _due(self, step: int) -> bool:
+        return not (self.interval <= 0 or step <= 0 or step % self.interval)
 
     def _compute(self, step: int) -> Staged | None:
-        if self.interval <= 0 or step <= 0 or step % self.interval:
+        if not self._due(step):
             return None
         rt = self.rt
         protected = rt.verify_counters.slots_processed.sum() + rt.write_counters.slots_processed.sum()
