@@ -51,6 +51,8 @@ from kvcanary.canary.ring import ViolationRing
 
 _KV_STORE = int(FailReason.WRITE_KV_STORE_MISMATCH)
 _UNALIGNED = -2  # target of a store that did not cover the forward's tokens one to one
+# Stores numba reads as they are (others, e.g. bfloat16, are viewed as int64 in torch first).
+_NUMPY_DTYPES = (torch.float32, torch.float64)
 
 
 class StoreWatch:
@@ -74,6 +76,10 @@ class StoreWatch:
         self._np = (
             (self.intended.numpy(), self.target.numpy()) if device.type == "cpu" else None
         )
+        # Per source (CPU): its rows of the scratch and its fold width, for observe's fast path.
+        self._rows = None if self._np is None else [
+            (self._np[0][j], self._np[1][j], s.read_bytes // 8) for j, s in enumerate(self.sources)
+        ]  # fmt: skip
         # The records as int64 numpy (CPU): made once, a per-call view costs microseconds.
         self.records_np = self.records.view(torch.int64).numpy() if device.type == "cpu" else None
 
@@ -93,6 +99,14 @@ def _observe_nb(words, num_words, loc, intended, target):
             h = splitmix64_nb(h ^ np.uint64(words[t, w]))
         intended[t] = np.int64(h)
         target[t] = loc[t]
+
+
+@numba.njit(cache=True)
+def _observe_rows_nb(kv, num_words, loc, intended, target):
+    """:func:`_observe_nb` of a C-contiguous ``[n, ...]`` store (any dtype whose row is a
+    whole number of int64 words), its rows seen as int64 words here."""
+    n = kv.shape[0]
+    _observe_nb(kv.reshape(n, kv.size // n).view(np.int64), num_words, loc, intended, target)
 
 
 @numba.njit(cache=True)
@@ -218,6 +232,12 @@ class StoreChecker:
             watch.target[j].fill_(_UNALIGNED)
             return
         if n == 0:
+            return
+        fast = watch._rows
+        if (fast is not None and kv.dtype == dtype and dtype in _NUMPY_DTYPES
+                and kv.is_contiguous() and kv.element_size() * kv.numel() // n % 8 == 0):  # fmt: skip
+            intended, target, num_words = fast[j]  # a decode step's path: few torch calls
+            _observe_rows_nb(kv.numpy(), num_words, loc.numpy(), intended, target)
             return
         rows = (kv if kv.dtype == dtype else kv.to(dtype)).reshape(n, -1)
         if not rows.is_contiguous():
