@@ -111,3 +111,40 @@ def test_preset_greedy_is_peaky_and_varied(preset: str) -> None:
     assert len({tuple(o) for o in outputs}) == len(outputs)
     assert min(len(set(o)) for o in outputs) > 8
     assert not set().union(*outputs) & set(tokenizer.eos_token_ids)
+
+
+def _rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' formula: ``x * cos + rotate_half(x) * sin``, ``rotate_half = cat(-x2, x1)``."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_qk_norm_and_rope_equal_separate_bit_for_bit(dtype: torch.dtype) -> None:
+    """Attention norms and rotates q and k side by side (one view of the projection, the
+    sign of rotate_half folded into sin): the bits must equal q_norm / k_norm and
+    transformers' rope applied to q and k apart, with norm weights edited after the first
+    forward (the cached per-head weight must follow)."""
+    from kvcanary.model.decoder import Attention
+    from kvcanary.model.presets import preset_config
+    from kvcanary.model.rope import RotaryEmbedding, apply_rope
+
+    config = preset_config("builtin:tiny-swa")
+    attn = Attention(config, config.attention_spec(0), "cpu", dtype).requires_grad_(False)
+    spec, gen = attn.spec, torch.Generator().manual_seed(0)
+    positions = torch.tensor([0, 5, 31, 700, 4095])
+    rotary = RotaryEmbedding(spec.head_dim, config.rope_theta, None, 4096, "cpu", dtype)
+    cos, sin_signed = rotary.cos_sin(positions)
+    sin = rotary.sin_cached[positions].unsqueeze(1)
+    for _ in range(2):
+        assert attn.q_norm is not None and attn.k_norm is not None
+        attn.q_norm.weight.copy_(torch.randn(spec.head_dim, generator=gen))
+        attn.k_norm.weight.copy_(torch.randn(spec.head_dim, generator=gen))
+        width = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+        qkv = torch.randn(len(positions), width, generator=gen).to(dtype)
+        nq = spec.num_heads * spec.head_dim
+        qk = qkv[:, : nq + spec.num_kv_heads * spec.head_dim].view(len(positions), -1, spec.head_dim)
+        fused = apply_rope(attn._qk_norm(qk), cos, sin_signed)
+        q = _rotate_half_rope(attn.q_norm(qk[:, : spec.num_heads]), cos, sin)
+        k = _rotate_half_rope(attn.k_norm(qk[:, spec.num_heads :]), cos, sin)
+        assert torch.equal(fused, torch.cat((q, k), dim=1))

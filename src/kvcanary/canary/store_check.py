@@ -235,9 +235,10 @@ class StoreChecker:
             return
         fast = watch._rows
         if (fast is not None and kv.dtype == dtype and dtype in _NUMPY_DTYPES
-                and kv.is_contiguous() and kv.element_size() * kv.numel() // n % 8 == 0):  # fmt: skip
+                and kv.element_size() * kv.numel() // n % 8 == 0):  # fmt: skip
             intended, target, num_words = fast[j]  # a decode step's path: few torch calls
-            _observe_rows_nb(kv.numpy(), num_words, loc.numpy(), intended, target)
+            # k and v arrive as views of the model's projections (rows strided): one copy
+            _observe_rows_nb(kv.contiguous().numpy(), num_words, loc.numpy(), intended, target)
             return
         rows = (kv if kv.dtype == dtype else kv.to(dtype)).reshape(n, -1)
         if not rows.is_contiguous():
