@@ -76,6 +76,7 @@ class QueryLayout(NamedTuple):
     ext: torch.Tensor  # int64 [bs] new tokens (CPU)
     q_pos: torch.Tensor  # int64 [bs, max_q] position of each padded query (CPU)
     valid: torch.Tensor  # bool [bs, max_q] real (not padding) queries
+    valid_cpu: torch.Tensor  # the same on the CPU (no device read to build host masks)
     flat_index: torch.Tensor  # int64 [bs, max_q] flat token index (clamped for padding)
     dense: bool  # every request has max_q new tokens: the flat order already is [bs, max_q]
 
@@ -88,10 +89,10 @@ class QueryLayout(NamedTuple):
         max_q = int(ext.max()) if fb.batch_size else 0
         starts = torch.cumsum(ext, 0) - ext
         qi = torch.arange(max_q)
-        valid = (qi[None, :] < ext[:, None]).to(device)
+        valid_cpu = qi[None, :] < ext[:, None]
         index = (starts[:, None] + qi[None, :]).clamp(max=max(fb.num_tokens - 1, 0)).to(device)
-        return QueryLayout(pre, seq, ext, pre[:, None] + qi[None, :], valid, index,
-                           bool((ext == max_q).all()))  # fmt: skip
+        return QueryLayout(pre, seq, ext, pre[:, None] + qi[None, :], valid_cpu.to(device),
+                           valid_cpu, index, bool((ext == max_q).all()))  # fmt: skip
 
 
 def key_view(
@@ -117,7 +118,7 @@ def key_view(
     vis = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
     if window is not None:
         vis &= k_pos[:, None, :] > q_pos[:, :, None] - window
-    vis[:, :, 0] |= ~layout.valid.cpu()
+    vis[:, :, 0] |= ~layout.valid_cpu
     return slots, vis.to(device)
 
 

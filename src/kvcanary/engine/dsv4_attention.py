@@ -103,17 +103,18 @@ class DSV4AttentionBackend:
         span = 2 * ratio if ratio == 4 else ratio
         num_tokens = fb.num_tokens
         new_swa = mapping[fb.out_cache_loc.to(torch.int64)]
+        new_swa_cpu, row_ids = new_swa.cpu(), rows.tolist()  # one device read each
         write_token: list[torch.Tensor] = []
         old_pos: list[tuple[int, int]] = []  # (req row, position) of earlier tokens windows read
         srcs: list[torch.Tensor] = []
         starts: list[int] = []
-        win_loc: list[int] = []
+        win_pos: list[tuple[int, int]] = []  # (req row, first position) of each window
         start = 0
         for b, (pre, seq) in enumerate(zip(fb.prefix_lens_cpu, fb.seq_lens_cpu, strict=True)):
-            row = int(rows[b])
+            row = row_ids[b]
             pos = torch.arange(pre, seq)
             # Two new tokens share a ring row iff same SWA page and `ring` apart: keep the later.
-            offset = new_swa[start : start + seq - pre].cpu() % page
+            offset = new_swa_cpu[start : start + seq - pre] % page
             keep = (pos + ring >= seq) | (offset + ring >= page)
             write_token.append(torch.nonzero(keep).reshape(-1) + start)
             for w in range(pre // ratio, seq // ratio):  # windows ending in (pre, seq]
@@ -126,7 +127,7 @@ class DSV4AttentionBackend:
                 old_pos += [(row, int(p)) for p in span_pos[old]]
                 srcs.append(src)
                 starts.append(w * ratio)
-                win_loc.append(int(table[row, w * ratio]))
+                win_pos.append((row, w * ratio))
             start += seq - pre
         num_old = len(old_pos)
         span_src = torch.stack(srcs) if srcs else torch.zeros((0, span), dtype=torch.int64)
@@ -139,12 +140,14 @@ class DSV4AttentionBackend:
             r_idx, p_idx = zip(*old_pos, strict=True)
             full = table[torch.tensor(r_idx), torch.tensor(p_idx)].to(torch.int64)
             old_swa = mapping[full.to(device)]
+        win_rows, win_cols = (torch.tensor([p[i] for p in win_pos], dtype=torch.int64) for i in (0, 1))
+        win_loc = table[win_rows, win_cols].to(device, torch.int64)  # one gather
         entry_full_loc, entry_visible = self._entries(ratio, layout, rows)
         tok = torch.cat(write_token).to(device)
         return _RatioTables(
             tok, new_swa[tok], old_swa, span_src.to(device),
             torch.tensor(starts, dtype=torch.int64, device=device),
-            torch.tensor(win_loc, dtype=torch.int64, device=device),
+            win_loc,
             entry_full_loc, entry_visible,
         )  # fmt: skip
 
@@ -161,7 +164,7 @@ class DSV4AttentionBackend:
         full = table[rows[:, None], cols.to(device)].to(torch.int64)
         full = torch.where(have.to(device), full, torch.zeros_like(full))
         visible = have[:, None, :] & (wt[None, None, :] < (layout.q_pos[:, :, None] + 1) // ratio)
-        return full, (visible & layout.valid.cpu()[:, :, None]).to(device)
+        return full, (visible & layout.valid_cpu[:, :, None]).to(device)
 
     # ----------------------------------------------------------- layout
     def _get_layout(self) -> QueryLayout:

@@ -133,8 +133,9 @@ class KVManager:
 
     def last_locs(self, reqs: Sequence[Req]) -> torch.Tensor:
         """Each request's last slot (-1 for none): where a paged allocation continues."""
-        rows = torch.tensor([r.req_pool_idx for r in reqs])
-        kv = torch.tensor([r.kv_len for r in reqs])
+        dev = self.req_to_token.device  # kv meets the gathered slots in torch.where
+        rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)
+        kv = torch.tensor([r.kv_len for r in reqs], device=dev)
         last = self.req_to_token[rows, (kv - 1).clamp(min=0)].to(torch.int64)
         return torch.where(kv > 0, last, torch.full_like(last, -1))
 
@@ -246,7 +247,10 @@ class KVManager:
         )
         if out is not None:
             rows = torch.tensor([r.req_pool_idx for r in reqs])
-            self.req_to_token[rows, torch.tensor([r.kv_len for r in reqs])] = out.to(torch.int32)
+            # An advanced-index write: CPU indices are fine, the values must be on the table's device.
+            self.req_to_token[rows, torch.tensor([r.kv_len for r in reqs])] = out.to(
+                self.req_to_token.device, torch.int32
+            )
         return out
 
     def _alloc_or_evict(
@@ -402,11 +406,13 @@ class KVManager:
         of the ``running`` requests whose KV includes them (or maps to them), free every
         page nothing references any more and invalidate the prefix cache's copies. Returns
         the dropped requests (the caller aborts them); the others keep everything."""
-        full_slots = full_slots.reshape(-1).to(torch.int64)
+        # On the table's device: they meet its slots (isin) and the SWA mapping (isin, cat).
+        dev = self.req_to_token.device
+        full_slots = full_slots.reshape(-1).to(dev, torch.int64)
         swa = (
-            swa_slots.reshape(-1).to(torch.int64)
+            swa_slots.reshape(-1).to(dev, torch.int64)
             if swa_slots is not None and self.spec.windowed
-            else torch.zeros(0, dtype=torch.int64)
+            else torch.zeros(0, dtype=torch.int64, device=dev)
         )
         full_slots, swa = full_slots[full_slots > 0], swa[swa > 0]
         hit = [req for req in running if self._references(req, full_slots, swa)]

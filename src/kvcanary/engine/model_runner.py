@@ -88,10 +88,20 @@ def build_kv_memory(
     return swa_pool, allocator
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` with an accelerator's index filled in (``cuda`` -> ``cuda:0``, the current
+    one): tensors made on ``cuda`` live on ``cuda:0``, and ``torch.device`` compares the
+    index, so pools and canary buffers checked against an index-less device never matched."""
+    dev = torch.device(device)
+    if dev.index is None and dev.type not in ("cpu", "meta"):
+        return torch.empty(0, device=dev).device
+    return dev
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         self.dtype = _DTYPES[config.dtype]
         self.model, self.tokenizer, self.model_config = load_model(
             config.model, device=self.device, dtype=self.dtype, seed=config.seed

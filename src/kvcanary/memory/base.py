@@ -41,6 +41,19 @@ Lens: TypeAlias = Sequence[int] | torch.Tensor
 
 
 # ---------------------------------------------------------------------- pools
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` name one device, an index-less one (``cuda``) standing for
+    the current device of its type (where tensors made on it land)."""
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        current = torch.empty(0, device=a.type).device.index
+        return (a.index if a.index is not None else current) == (
+            b.index if b.index is not None else current
+        )
+    return a.index == b.index
+
+
 @runtime_checkable
 class KVPool(Protocol):
     """Per-layer KV storage of one token pool (:class:`~kvcanary.memory.mha_pool.MHAKVPool`,

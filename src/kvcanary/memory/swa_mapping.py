@@ -32,8 +32,9 @@ class SwaIndexMapping:
         self.version = 0
 
     def write(self, full_slots: torch.Tensor, swa_slots: torch.Tensor | int) -> None:
+        # An advanced-index write: the values must be on the mapping's device (indices may not).
         self.tensor[full_slots] = (
-            swa_slots if isinstance(swa_slots, int) else swa_slots.to(torch.int64)
+            swa_slots if isinstance(swa_slots, int) else swa_slots.to(self.tensor.device, torch.int64)
         )
         self.version += 1
 
