@@ -3,7 +3,10 @@ and the canary's own entry counters over a real run."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
 
 from kvcanary.bench.engines import record_forward_shapes
 from kvcanary.bench.traffic import StepShape, canary_bytes, canary_groups, kv_read_bytes
@@ -88,3 +91,33 @@ def test_model_matches_the_canarys_own_counters(model: str, real_data: str) -> N
                        for tag, g in sourced.items())  # fmt: skip
     assert sum(canary_bytes(s, groups) for s in shapes) == records + fingerprints
     assert bool(sourced) == (real_data != "none")
+
+
+def test_replayed_cuda_graph_decodes_are_recorded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode replayed from a captured graph never calls ``runner.forward``; its shape is
+    still recorded, once, without the padding rows (a stand-in graph re-runs the recorded
+    work on the CPU). Without it, ``bench overhead`` on CUDA counted 0 tokens for every
+    captured variant."""
+    from kvcanary.engine.graph_runner import GraphRunner
+
+    def capture(self: GraphRunner, fb: Any) -> tuple[Any, torch.Tensor]:
+        out = torch.empty(fb.batch_size, self.runner.vocab_size)
+
+        class Graph:
+            def replay(self_graph) -> None:
+                out.copy_(self._run_model(fb))
+
+        return Graph(), out
+
+    monkeypatch.setattr(GraphRunner, "_uses_cuda_graphs", lambda self: True)
+    monkeypatch.setattr(GraphRunner, "_capture", capture)
+    engine = Engine(EngineConfig(model="builtin:tiny-swa", canary=CanaryConfig(mode="none"),
+                                 graph_batch_sizes=(4,), max_total_tokens=2048))  # fmt: skip
+    shapes = record_forward_shapes(engine)
+    prompts = make_prompts(WorkloadSpec(3, 40, 6, 0, 0), 256)
+    engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    stats = engine.scheduler.stats
+    assert stats.graph_replays > 0 and len(engine.scheduler.graph_runner.graphs) > 0
+    assert len(shapes) == stats.num_forwards
+    decodes = [s for s in shapes if all(e == 1 for e in s.extend_lens)]
+    assert sum(len(s.extend_lens) for s in decodes) == stats.num_decode_tokens  # no padding rows

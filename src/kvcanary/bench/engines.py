@@ -82,14 +82,34 @@ def shared_decoder() -> Iterator[None]:
 def record_forward_shapes(engine: Engine) -> list[StepShape]:
     """The shapes of ``engine``'s forwards from now on, appended as they run (graph padding
     rows left out). Costs every forward the same few microseconds, so engines that all
-    record stay comparable."""
+    record stay comparable. A decode the graph runner replays is recorded there: a replayed
+    CUDA graph never calls ``runner.forward`` (an eager replay does, padded: not twice)."""
     shapes: list[StepShape] = []
     forward = engine.runner.forward
+    replaying = False
 
-    def recording_forward(fb: Any, static: Any = None) -> Any:
+    def record(fb: Any) -> None:
         n = fb.batch_size - fb.num_padding
         shapes.append(StepShape(tuple(fb.prefix_lens_cpu[:n]), tuple(fb.extend_seq_lens_cpu[:n])))
-        return forward(fb, static)
+
+    def recording_forward(fb: Any, *args: Any, **kwargs: Any) -> Any:
+        if not replaying:
+            record(fb)
+        return forward(fb, *args, **kwargs)
 
     engine.runner.forward = recording_forward  # type: ignore[method-assign]
+    graphs = engine.scheduler.graph_runner
+    if graphs is not None:
+        replay = graphs.replay
+
+        def recording_replay(fb: Any) -> Any:
+            nonlocal replaying
+            record(fb)
+            replaying = True
+            try:
+                return replay(fb)
+            finally:
+                replaying = False
+
+        graphs.replay = recording_replay  # type: ignore[method-assign]
     return shapes
