@@ -111,7 +111,7 @@ def _cmd_bench_overhead(a: argparse.Namespace) -> int:
     spec = OverheadSpec(
         models=tuple(_csv(a.model)), batches=parse_batches(a.batches), input_len=a.input_len,
         output_len=a.output_len, shared_prefix_len=a.shared_prefix_len, prefill_len=a.prefill_len,
-        repeats=a.repeats, variants=tuple(_csv(a.variants)),
+        repeats=a.repeats, variants=tuple(_csv(a.variants)), time_canary=a.time_canary,
     )  # fmt: skip
     _set_threads(a.threads)
     pools = ("max_total_tokens", "swa_full_tokens_ratio")
@@ -375,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--threads", type=int, default=None,
                           help="torch CPU threads (default: torch's choice); 1 is steadier on "
                                "a machine shared with other work")  # fmt: skip
+    overhead.add_argument("--time-canary", action="store_true",
+                          help="also time the canary's own host calls in every step (columns "
+                               "canary us/fwd and canary %%: median host time per forward, and "
+                               "over the paired none step); the timers add ~1 us a call to the "
+                               "canary variants")  # fmt: skip
     overhead.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
     overhead.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     overhead.set_defaults(func=_cmd_bench_overhead)

@@ -65,6 +65,23 @@ def test_bench_overhead_reports_each_model_batch_phase_and_variant(
     assert "canary/KV %" in printed and "tiny-mha" in printed
 
 
+
+def test_bench_overhead_time_canary_times_the_canarys_own_calls(tmp_path: Path) -> None:
+    """--time-canary: every canary row gains the host time of the canary's calls (per
+    forward, and over the paired none step); none has no canary to time. Without the
+    flag the columns are absent (their timers would cost the canary variants)."""
+    out = tmp_path / "overhead.json"
+    args = ["bench", "overhead", "--model", "builtin:tiny-swa", "--batches", "2",
+            "--input-len", "40", "--output-len", "4", "--prefill-len", "0", "--repeats", "1",
+            "--variants", "none,log,log+partial", "--no-progress", "--json", str(out)]  # fmt: skip
+    assert main([*args, "--time-canary"]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert (rows["none"]["canary_host_us_per_forward"], rows["none"]["canary_host_pct"]) == (0.0, 0.0)
+    for v in ("log", "log+partial"):
+        assert rows[v]["canary_host_us_per_forward"] > 0 and 0 < rows[v]["canary_host_pct"] < 100
+    assert main(args) == 0
+    assert all("canary_host_pct" not in r for r in json.loads(out.read_text())["rows"])
+
 def test_bench_engine_matches_transformers_and_notes_a_missing_vllm(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

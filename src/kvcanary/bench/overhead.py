@@ -79,6 +79,9 @@ class OverheadSpec:
     prefill_len: int = 1024
     repeats: int = 3
     variants: tuple[str, ...] = DEFAULT_VARIANTS
+    # Time the canary's host calls in each step (rows gain canary_host_us_per_forward and
+    # canary_host_pct); the timers add ~1 us a call to the canary variants' steps.
+    time_canary: bool = False
 
     def __post_init__(self) -> None:
         """Bad values raise ``ValueError`` naming the flag, the value and what is allowed."""
@@ -119,6 +122,7 @@ class _Step(NamedTuple):
     phase: str
     seconds: float
     shapes: list[StepShape]  # the step's forwards
+    canary_seconds: float  # in the canary's host calls (--time-canary; else 0)
 
 
 class _Run(NamedTuple):
@@ -211,15 +215,17 @@ def _bench_model(config: EngineConfig, spec: OverheadSpec, cases: list[Case], ba
         engines = {v: Engine(replace(config, canary=replace(config.canary, **VARIANTS[v])))
                    for v in spec.variants}  # fmt: skip
     shapes = {v: record_forward_shapes(e) for v, e in engines.items()}
+    clocks = {v: time_canary_calls(e) if spec.time_canary else [0.0] for v, e in engines.items()}
     bar.set_postfix_str(f"{model}: warm-up")
     warm = [random_prompt(spec.input_len, config.seed - k) for k in (1, 2)]
-    _lockstep(engines, shapes, warm, min(spec.output_len, 4), lambda: None)  # compile, fill caches
+    _lockstep(engines, shapes, clocks, warm, min(spec.output_len, 4), lambda: None)  # compile, fill caches
     runs: list[list[dict[str, _Run]]] = [[] for _ in cases]  # [case][repeat][variant]
     for repeat in range(spec.repeats):
         for i, case in enumerate(cases):
             bar.set_postfix_str(f"{model}: {case.phase} batch {case.batch}")
             prompts = case_prompts(spec, case, config.seed + 1 + repeat * len(cases) + i)
-            runs[i].append(_lockstep(engines, shapes, prompts, case.output_len, lambda: bar.update(1)))
+            runs[i].append(_lockstep(engines, shapes, clocks, prompts, case.output_len,
+                                     lambda: bar.update(1)))  # fmt: skip
     mc = engines[spec.variants[0]].runner.model_config
     dtype_bytes = _DTYPE_BYTES[config.dtype]
     kv_of = None if mc.dsv4 else partial(kv_read_bytes, model=mc, dtype_bytes=dtype_bytes)
@@ -230,12 +236,42 @@ def _bench_model(config: EngineConfig, spec: OverheadSpec, cases: list[Case], ba
             if kv_of is not None:  # the bytes model covers MHA and SWA pools
                 groups = canary_groups(mc, replace(config.canary, **VARIANTS[v]), dtype_bytes)
                 canary_of = partial(canary_bytes, groups=groups)
-            rows.append(_row(model, case, v, case_runs, canary_of, kv_of))
+            rows.append(_row(model, case, v, case_runs, canary_of, kv_of, spec.time_canary))
     return rows
 
 
+def time_canary_calls(engine: Engine) -> list[float]:
+    """Wrap ``engine``'s canary host calls (begin_forward, head, tail, end_forward: what
+    before_forward / after_forward and a graph replay's host parts call; the store check's
+    per-layer observe inside attention) with timers; returns the accumulator ``[seconds]``.
+    On the CPU that is all of the canary's work; on an accelerator its host work and
+    launches (not the device time, nor HEAD / TAIL replayed inside a captured graph)."""
+    clock = [0.0]
+    canary = engine.canary
+    if canary is None:
+        return clock
+
+    def timed(obj: Any, name: str) -> None:
+        call = getattr(obj, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                clock[0] += time.perf_counter() - t0
+
+        setattr(obj, name, wrapper)
+
+    for name in ("begin_forward", "head", "tail", "end_forward"):
+        timed(canary, name)
+    if canary.runtime.store_checker is not None:
+        timed(canary.runtime.store_checker, "observe")
+    return clock
+
+
 def _lockstep(engines: dict[str, Engine], shapes: dict[str, list[StepShape]],
-              prompts: list[list[int]], output_len: int,
+              clocks: dict[str, list[float]], prompts: list[list[int]], output_len: int,
               on_step: Callable[[], None]) -> dict[str, _Run]:  # fmt: skip
     """Every variant's engine over ``prompts``, step by step (module doc)."""
     params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
@@ -249,12 +285,12 @@ def _lockstep(engines: dict[str, Engine], shapes: dict[str, list[StepShape]],
         order = names[step % len(names) :] + names[: step % len(names)]
         for v in order:
             engine = engines[v]
-            decodes, first_shape = engine.stats.num_decode_forwards, len(shapes[v])
+            decodes, first_shape, canary_t0 = engine.stats.num_decode_forwards, len(shapes[v]), clocks[v][0]
             t0 = time.perf_counter()
             finished = engine.step()
             dt = time.perf_counter() - t0
             phase = DECODE if engine.stats.num_decode_forwards > decodes else PREFILL
-            steps[v].append(_Step(phase, dt, shapes[v][first_shape:]))
+            steps[v].append(_Step(phase, dt, shapes[v][first_shape:], clocks[v][0] - canary_t0))
             outputs[v].update({rids[v].index(o.rid): o.output_ids for o in finished})
             on_step()
         step += 1
@@ -267,14 +303,17 @@ def _violations(engine: Engine) -> int:
 
 def _row(model: str, case: Case, variant: str, runs: list[dict[str, _Run]],
          canary_bytes_of: Callable[[StepShape], int] | None,
-         kv_bytes_of: Callable[[StepShape], int] | None) -> dict[str, Any]:  # fmt: skip
+         kv_bytes_of: Callable[[StepShape], int] | None,
+         timed: bool = False) -> dict[str, Any]:  # fmt: skip
     """One (model, batch, phase, variant) row over the repeats of a case (bytes: None
-    without a bytes model)."""
-    ratios, tps, forwards = [], [], []
+    without a bytes model; canary host time: with ``timed``)."""
+    ratios, tps, forwards, host, host_ratios = [], [], [], [], []
     for run in runs:
         mine = [s for s in run[variant].steps if s.phase == case.phase]
         ref = [s for s in run[BASELINE].steps if s.phase == case.phase]
         ratios += [m.seconds / r.seconds - 1.0 for m, r in zip(mine, ref, strict=True) if r.seconds > 0]
+        host += [s.canary_seconds / max(len(s.shapes), 1) for s in mine]
+        host_ratios += [m.canary_seconds / r.seconds for m, r in zip(mine, ref, strict=True) if r.seconds > 0]
         shapes = [shape for s in mine for shape in s.shapes]
         seconds = sum(s.seconds for s in mine)
         tps.append(sum(sum(s.extend_lens) for s in shapes) / seconds if seconds else 0.0)
@@ -284,7 +323,7 @@ def _row(model: str, case: Case, variant: str, runs: list[dict[str, _Run]],
     if canary_bytes_of is not None and kv_bytes_of is not None:
         canary = sum(map(canary_bytes_of, forwards)) / n
         kv = sum(map(kv_bytes_of, forwards)) / n
-    return {
+    row: dict[str, Any] = {
         "model": model,
         "batch": case.batch,
         "phase": case.phase,
@@ -299,6 +338,11 @@ def _row(model: str, case: Case, variant: str, runs: list[dict[str, _Run]],
         "violations": sum(run[variant].violations for run in runs),
         "identical_outputs": all(run[variant].outputs == run[BASELINE].outputs for run in runs),
     }
+    if timed:  # median over the case's steps: host time per forward, and over the paired
+        # none step's time (the overhead the canary's own calls account for)
+        row["canary_host_us_per_forward"] = 1e6 * statistics.median(host) if host else 0.0
+        row["canary_host_pct"] = 100.0 * statistics.median(host_ratios) if host_ratios else 0.0
+    return row
 
 
 def table_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -306,7 +350,8 @@ def table_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
     model's pool, e.g. DeepSeek-V4's compressed groups)."""
     short = {"tokens_per_s": "tok/s", "overhead_pct": "overhead %",
              "canary_bytes_per_forward": "canary B/fwd", "kv_read_bytes_per_forward": "KV read B/fwd",
-             "canary_vs_kv_read_pct": "canary/KV %", "identical_outputs": "same"}  # fmt: skip
+             "canary_vs_kv_read_pct": "canary/KV %", "identical_outputs": "same",
+             "canary_host_us_per_forward": "canary us/fwd", "canary_host_pct": "canary %"}  # fmt: skip
     out = []
     for row in summary["rows"]:
         r = {short.get(k, k): "n/a" if v is None else v for k, v in row.items()
