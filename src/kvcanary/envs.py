@@ -71,6 +71,13 @@ KVCANARY_KV_CANARY_KERNEL_BACKEND: EnvVar[str] = EnvVar(
     "canary kernels: auto = numba on CPU, Triton on CUDA when installed, torch elsewhere",
 )  # fmt: skip
 
+KVCANARY_KV_CANARY_COMPILE_STATIC_PLANS: EnvVar[str] = EnvVar(
+    "KVCANARY_KV_CANARY_COMPILE_STATIC_PLANS", "auto", _choice("auto", "on", "off"),
+    "one of auto, on, off",
+    "graph-safe decode plans (--kv-canary-graph-safe) built through torch.compile: auto = on "
+    "CUDA with triton installed (a few fused kernels in each captured graph instead of ~90)",
+)  # fmt: skip
+
 KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL: EnvVar[int] = EnvVar(
     "KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL", 0, _int_at_least(0), "an integer >= 0",
     "default of --kv-canary-swa-divergence-interval: log kv_canary_swa_divergence= every N "

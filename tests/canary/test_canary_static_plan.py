@@ -171,3 +171,78 @@ def test_the_fault_campaign_detects_every_class_with_graph_safe_plans() -> None:
     assert summary["graph_safe"] and summary["ok"], summary["missed"]
     assert summary["fault_classes"] == summary["detected_classes"] == 32
     assert summary["false_positives"] == 0
+
+
+def _random_decode_inputs(gen: torch.Generator, bs: int, rows: int = 10, ctx: int = 96,
+                          tokens: bool = True) -> PlanInputs:  # fmt: skip
+    """A random decode batch: distinct req->token rows (some padding), prefixes up to the
+    table's width, slots in [1, 400)."""
+    r2t = torch.randint(1, 400, (rows, ctx), generator=gen, dtype=torch.int32)
+    req = torch.randperm(rows - 1, generator=gen)[:bs] + 1
+    req[torch.rand(bs, generator=gen) < 0.2] = 0  # padding rows
+    prefix = torch.randint(0, ctx - 1, (bs,), generator=gen)
+    table = torch.randint(0, 259, (rows, ctx), generator=gen) if tokens else None
+    lens = torch.randint(0, ctx, (bs,), generator=gen) if tokens else None
+    return PlanInputs(
+        req_to_token=r2t, req_pool_indices=req, prefix_lens=prefix,
+        extend_lens=torch.ones(bs, dtype=torch.int64), input_ids=torch.randint(0, 259, (bs,), generator=gen),
+        positions=prefix.clone(), out_cache_loc=torch.randint(1, 400, (bs,), generator=gen),
+        expected_token_table=table, expected_token_lens=lens,
+    )  # fmt: skip
+
+
+def test_compiled_planner_traces_whole_and_equals_eager() -> None:
+    """``compiled=True`` builds the same plans through torch.compile (on CUDA inductor fuses
+    them into a few Triton kernels a captured graph replays). Here the trace runs with the
+    aot_eager backend: one graph (``fullgraph``: a graph break would raise), functionalized,
+    no code generated; every tensor equal to the eager planner's, FULL and SWA (with a LUT
+    that has holes), with and without expected tokens, batches with padding rows."""
+    from kvcanary.canary import static_plan
+
+    gen = torch.Generator().manual_seed(5)
+    lut = torch.arange(400)
+    lut[torch.randperm(400, generator=gen)[:60]] = 0
+    torch._dynamo.reset()  # the recompile limit counts every earlier trace of the code
+    traced = static_plan.compiled_static_tensors("aot_eager", fullgraph=True)
+    checked = 0
+    for bs in (1, 3, 8):
+        for tokens in (False, True):
+            inputs = _random_decode_inputs(gen, bs, tokens=tokens)
+            for window, table in ((None, None), (16, lut)):
+                args = (inputs.req_to_token, inputs.req_pool_indices, inputs.prefix_lens,
+                        inputs.out_cache_loc, table, inputs.expected_token_table,
+                        inputs.expected_token_lens)  # fmt: skip
+                kw = dict(width=64, window=window, offset=0, check_residency=True, hole_tag=7)
+                got, want = traced(*args, **kw), static_plan.static_tensors(*args, **kw)
+                assert len(got) == len(want) == 9
+                assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+                checked += int(want[5].sum()) + int(want[8].sum())
+    assert checked > 0  # holes and live entries were there to compare
+    torch._dynamo.reset()
+
+
+def test_engine_with_compiled_plans_reports_what_eager_plans_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KVCANARY_KV_CANARY_COMPILE_STATIC_PLANS=on: the engine's graph-safe canary plans
+    through the compiled planner (aot_eager here: no GPU) and reports the same rows and
+    leaves the same records for faults written into the engine's state."""
+    from kvcanary.canary import single_forward, static_plan
+
+    want_rows, want_records = _faulty_run(True, "builtin:tiny-swa")
+    calls = []
+    real = static_plan.compiled_static_tensors
+
+    def traced(backend: str = "inductor", fullgraph: bool = False) -> Any:
+        calls.append(backend)
+        return real("aot_eager", fullgraph)
+
+    monkeypatch.setenv("KVCANARY_KV_CANARY_COMPILE_STATIC_PLANS", "on")
+    monkeypatch.setattr(static_plan, "compiled_static_tensors", traced)
+    assert single_forward.compile_static_plans(torch.device("cpu"))
+    got_rows, got_records = _faulty_run(True, "builtin:tiny-swa")
+    assert calls  # the compiled planner ran
+    assert got_rows == want_rows
+    assert all(torch.equal(a, b) for a, b in zip(got_records, want_records, strict=True))
+    monkeypatch.setenv("KVCANARY_KV_CANARY_COMPILE_STATIC_PLANS", "auto")
+    assert not single_forward.compile_static_plans(torch.device("cpu"))

@@ -31,10 +31,11 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from kvcanary import envs
 from kvcanary.canary import kernels
 from kvcanary.canary.buffers import CanaryBufferGroup
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import RING_COL_LAUNCH_TAG, KvHalf, LaunchStage, launch_tag
+from kvcanary.canary.constants import KvHalf, LaunchStage, launch_tag
 from kvcanary.canary.fused_rows import FusedRowLaunches
 from kvcanary.canary.host import ExpectedInputs, ForwardBatchView, ReqToTokenTable, TokenMirror
 from kvcanary.canary.plan import CanaryPlans, PlanInputs, build_plans
@@ -78,6 +79,15 @@ class CanaryRuntime:
     store_checker: StoreChecker | None = None
 
 
+def compile_static_plans(device: torch.device) -> bool:
+    """Whether graph-safe plans go through ``torch.compile``
+    (``KVCANARY_KV_CANARY_COMPILE_STATIC_PLANS``; auto: on CUDA with triton installed)."""
+    choice = envs.KVCANARY_KV_CANARY_COMPILE_STATIC_PLANS.get()
+    if choice == "auto":
+        return device.type == "cuda" and kernels.triton_installed()
+    return choice == "on"
+
+
 class SingleForwardManager:
     def __init__(self, index: int, runtime: CanaryRuntime):
         self.index = index
@@ -112,6 +122,7 @@ class SingleForwardManager:
         # Graph-safe decode plans (:mod:`.static_plan`): per-position groups only (a
         # DeepSeek-V4 pool's compressed and ring groups plan per forward; its decode is eager).
         self._static = config.graph_safe and all(g.per_position for g in runtime.groups)
+        self._compile_static = self._static and compile_static_plans(pool.req_to_token.device)
         # Row plans of per-position groups: HEAD and TAIL as one compiled call each
         # (:mod:`.fused_rows`); built on first use, None when they cannot be fused.
         self._fused: FusedRowLaunches | None | bool = self._planners is not None
@@ -215,10 +226,11 @@ class SingleForwardManager:
             static = build_static_decode_plans(
                 inputs, width, window=group.window, lut=group.swa_index_lut,
                 kv_token_id_vs_position_offset=group.kv_token_id_vs_position_offset,
+                hole_tag=int(launch_tag(group.kind, LaunchStage.HEAD, KvHalf.K)),
+                compiled=self._compile_static,
             )  # fmt: skip
             if rt.verify_totals is not None:
                 rt.verify_totals.observe(group.kind, static.num_live)
-            static.hole_rows[:, RING_COL_LAUNCH_TAG] = int(launch_tag(group.kind, LaunchStage.HEAD, KvHalf.K))
             rt.ring.append_t(static.hole_rows, static.hole_mask)
             self._launch(group, LaunchStage.HEAD, static.plans)
             all_plans.append(static.plans)

@@ -38,6 +38,7 @@ from kvcanary.canary.constants import (
     RING_COL_EXPECTED_AUX,
     RING_COL_EXPECTED_TOKEN,
     RING_COL_FAIL_REASON,
+    RING_COL_LAUNCH_TAG,
     RING_COL_POSITION,
     RING_COL_SLOT_IDX,
     RING_COL_STORED_TOKEN,
@@ -84,10 +85,14 @@ def build_static_decode_plans(
     lut: torch.Tensor | None = None,
     kv_token_id_vs_position_offset: int = 0,
     check_residency: bool = True,
+    hole_tag: int = 0,
+    compiled: bool = False,
 ) -> StaticPlans:
     """Plans of one per-position group (FULL: ``window`` None; SWA: its window and the
     full->SWA ``lut``) for a decode step whose rows see at most ``width`` keys (module doc).
-    ``inputs.prefix_lens`` must be each row's position (``seq_len - 1``)."""
+    ``inputs.prefix_lens`` must be each row's position (``seq_len - 1``). ``hole_tag``: the
+    hole rows' launch tag column. ``compiled``: the tensor work through ``torch.compile``
+    (:func:`compiled_static_tensors`; same tensors, a few fused kernels instead of ~90)."""
     if not is_decode(inputs):
         raise ValueError(
             f"static decode plans need one new token per row: {inputs.input_ids.shape[0]} "
@@ -95,10 +100,42 @@ def build_static_decode_plans(
         )
     if width < 1 or (window is not None and window < 1):
         raise ValueError(f"static decode plan width={width}, window={window}; allowed: >= 1")
-    r2t = inputs.req_to_token
+    core = compiled_static_tensors() if compiled else static_tensors
+    (slots, prev, pos, expected, hole_rows, hole_mask, seed, write_slots, num_live) = core(
+        inputs.req_to_token, inputs.req_pool_indices, inputs.prefix_lens, inputs.out_cache_loc,
+        lut, inputs.expected_token_table, inputs.expected_token_lens, width=width,
+        window=window, offset=kv_token_id_vs_position_offset, check_residency=check_residency,
+        hole_tag=hole_tag,
+    )  # fmt: skip
+    bs = inputs.req_pool_indices.shape[0]
+    verify = VerifyPlan(slots, prev, pos, expected, True, int(slots.shape[0]))
+    write = WritePlan(
+        seed_slots=seed,
+        token_starts=torch.arange(bs, device=slots.device),
+        num_tokens=torch.ones(bs, dtype=torch.int64, device=slots.device),
+        token_ids=inputs.input_ids.long(),
+        positions=inputs.positions.long(),
+        slots=write_slots,
+        max_num_tokens=1 if bs else 0,
+        total_num_tokens=bs,
+        expected_token_ids=long_or_none(inputs.expected_input_ids),
+        expected_positions=long_or_none(inputs.expected_positions),
+    )
+    return StaticPlans(CanaryPlans(verify, write, None), hole_rows, hole_mask, num_live)
+
+
+def static_tensors(
+    r2t: torch.Tensor, rows_in: torch.Tensor, prefix_in: torch.Tensor,
+    out_cache_loc: torch.Tensor, lut: torch.Tensor | None, table: torch.Tensor | None,
+    table_lens: torch.Tensor | None, *, width: int, window: int | None, offset: int,
+    check_residency: bool, hole_tag: int,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The tensor work of :func:`build_static_decode_plans`: verify slots, prev slots,
+    positions, expected tokens (flat ``[B * G]``), hole rows and mask, the write's seed and
+    slots, the live-entry count. Device ops only, shapes from ``(B, width)`` only."""
     device = r2t.device
-    rows = inputs.req_pool_indices.long()
-    prefix = inputs.prefix_lens.long()
+    rows = rows_in.long()
+    prefix = prefix_in.long()
     real = rows != REQ_POOL_IDX_PADDING
     bs = rows.shape[0]
     grid = width if window is None else min(window, width)
@@ -112,13 +149,10 @@ def build_static_decode_plans(
     slots = torch.where(live, translate_slots(full, lut), 0)
     prev = torch.where(live, translate_slots(prev_full, lut), 0)
     expected = torch.full_like(pos, NO_TOKEN)
-    table, table_lens = inputs.expected_token_table, inputs.expected_token_lens
     if table is not None and table_lens is not None:
-        idx = pos + kv_token_id_vs_position_offset
+        idx = pos + offset
         ok = live & (idx >= 0) & (idx < table_lens.long()[:, None]) & (idx < table.shape[1])
         expected = torch.where(ok, table[row2, torch.where(ok, idx, 0)].long(), NO_TOKEN)
-    verify = VerifyPlan(slots.reshape(-1), prev.reshape(-1), torch.where(live, pos, 0).reshape(-1),
-                        expected.reshape(-1), True, bs * grid)  # fmt: skip
 
     hole_rows = torch.zeros(bs * grid, VIOLATION_ROW_FIELDS, dtype=torch.int64, device=device)
     hole_mask = torch.zeros(bs * grid, dtype=torch.bool, device=device)
@@ -126,6 +160,7 @@ def build_static_decode_plans(
         needed_from = (torch.zeros_like(prefix) if window is None
                        else (prefix - window + 1).clamp(min=0))  # fmt: skip
         hole_mask = (live & (slots == 0) & (pos >= needed_from[:, None])).reshape(-1)
+        hole_rows[:, RING_COL_LAUNCH_TAG] = hole_tag
         hole_rows[:, RING_COL_SLOT_IDX] = full.reshape(-1)  # the full slot (0 in FULL groups)
         hole_rows[:, RING_COL_POSITION] = pos.reshape(-1)
         hole_rows[:, RING_COL_STORED_TOKEN] = NO_TOKEN
@@ -135,18 +170,25 @@ def build_static_decode_plans(
 
     has_seed = real & (prefix > 0)
     seed = torch.where(has_seed, r2t[rows, (prefix - 1).clamp(min=0)].long(), NO_SLOT)
-    write_slots = torch.where(real, translate_slots(inputs.out_cache_loc.long(), lut), NO_SLOT)
-    write = WritePlan(
-        seed_slots=translate_slots(seed, lut),
-        token_starts=torch.arange(bs, device=device),
-        num_tokens=torch.ones(bs, dtype=torch.int64, device=device),
-        token_ids=inputs.input_ids.long(),
-        positions=inputs.positions.long(),
-        slots=write_slots,
-        max_num_tokens=1 if bs else 0,
-        total_num_tokens=bs,
-        expected_token_ids=long_or_none(inputs.expected_input_ids),
-        expected_positions=long_or_none(inputs.expected_positions),
-    )
-    num_live = live.sum().reshape(1)
-    return StaticPlans(CanaryPlans(verify, write, None), hole_rows, hole_mask, num_live)
+    write_slots = torch.where(real, translate_slots(out_cache_loc.long(), lut), NO_SLOT)
+    return (slots.reshape(-1), prev.reshape(-1), torch.where(live, pos, 0).reshape(-1),
+            expected.reshape(-1), hole_rows, hole_mask, translate_slots(seed, lut), write_slots,
+            live.sum().reshape(1))  # fmt: skip
+
+
+_compiled: dict[tuple[str, bool], Any] = {}
+
+
+def compiled_static_tensors(backend: str = "inductor", fullgraph: bool = False) -> Any:
+    """:func:`static_tensors` through ``torch.compile``, made once per (backend, fullgraph).
+    On CUDA inductor fuses its ~90 small ops into a few Triton kernels, which a captured
+    decode graph then replays. Shapes are symbolic (``dynamic``): the graph buckets
+    ``(B, width)`` share a compile (batch 1, FULL vs SWA groups and token tables compile
+    apart), done in the graph runner's warm-up runs before each capture. Not ``fullgraph``
+    by default: past dynamo's recompile limit (8 per code object, every engine of the
+    process counted) a call falls back to the eager ops instead of raising (the tests trace
+    it with ``fullgraph=True``: it is one graph)."""
+    key = (backend, fullgraph)
+    if key not in _compiled:
+        _compiled[key] = torch.compile(static_tensors, backend=backend, fullgraph=fullgraph, dynamic=True)
+    return _compiled[key]
