@@ -28,6 +28,7 @@ from kvcanary.engine.dsv4_attention import DSV4AttentionBackend
 from kvcanary.engine.forward_batch import ForwardBatch
 from kvcanary.engine.hooks import ForwardHooks
 from kvcanary.memory.allocator import PagedAllocator, make_allocator
+from kvcanary.memory.base import resolve_device
 from kvcanary.memory.dsv4_pool import DSV4KVPool
 from kvcanary.memory.mha_pool import MHAKVPool
 from kvcanary.memory.req_to_token import ReqToTokenPool
@@ -86,16 +87,6 @@ def build_kv_memory(
     )
     allocator = SWAAllocator(full_tokens, swa_tokens, ps, device, kvcache=swa_pool)
     return swa_pool, allocator
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``device`` with an accelerator's index filled in (``cuda`` -> ``cuda:0``, the current
-    one): tensors made on ``cuda`` live on ``cuda:0``, and ``torch.device`` compares the
-    index, so pools and canary buffers checked against an index-less device never matched."""
-    dev = torch.device(device)
-    if dev.index is None and dev.type not in ("cpu", "meta"):
-        return torch.empty(0, device=dev).device
-    return dev
 
 
 class ModelRunner:

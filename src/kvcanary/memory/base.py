@@ -41,17 +41,14 @@ Lens: TypeAlias = Sequence[int] | torch.Tensor
 
 
 # ---------------------------------------------------------------------- pools
-def same_device(a: torch.device, b: torch.device) -> bool:
-    """Whether ``a`` and ``b`` name one device, an index-less one (``cuda``) standing for
-    the current device of its type (where tensors made on it land)."""
-    if a.type != b.type:
-        return False
-    if a.index is None or b.index is None:
-        current = torch.empty(0, device=a.type).device.index
-        return (a.index if a.index is not None else current) == (
-            b.index if b.index is not None else current
-        )
-    return a.index == b.index
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` with an accelerator's index filled in (``cuda`` -> ``cuda:0``, the current
+    one): tensors made on ``cuda`` live on ``cuda:0``, and ``torch.device`` compares the
+    index, so buffers checked against an index-less device never matched."""
+    dev = torch.device(device)
+    if dev.index is None and dev.type not in ("cpu", "meta"):
+        return torch.empty(0, device=dev).device
+    return dev
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcanary.memory.base import BufInfos, KVPairPool, same_device
+from kvcanary.memory.base import BufInfos, KVPairPool, resolve_device
 
 
 class BaseKVPool:
@@ -69,7 +69,7 @@ class MHAKVPool(BaseKVPool):
         self.head_dim = head_dim
         self.v_head_dim = v_head_dim or head_dim
         self.layer_num = layer_num
-        self.device = torch.device(device)
+        self.device = resolve_device(device)  # what register_slot_buffer compares with
         rows = size + page_size
         self.k_buffer = [
             torch.zeros((rows, head_num, head_dim), dtype=dtype, device=self.device)
@@ -88,7 +88,7 @@ class MHAKVPool(BaseKVPool):
         The pool does not read or write it. A copy loads only into a pool with the same
         sidecars registered, so register before the first copy is taken.
         """
-        if buf.shape[0] != self.num_slots or not same_device(buf.device, self.device):
+        if buf.shape[0] != self.num_slots or buf.device != self.device:
             raise ValueError(
                 f"slot buffer shape={tuple(buf.shape)} device={buf.device}: needs "
                 f"{self.num_slots} rows on {self.device}"
