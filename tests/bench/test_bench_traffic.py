@@ -3,10 +3,7 @@ and the canary's own entry counters over a real run."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-import torch
 
 from kvcanary.bench.engines import record_forward_shapes
 from kvcanary.bench.traffic import StepShape, canary_bytes, canary_groups, kv_read_bytes
@@ -98,19 +95,9 @@ def test_replayed_cuda_graph_decodes_are_recorded_once(monkeypatch: pytest.Monke
     still recorded, once, without the padding rows (a stand-in graph re-runs the recorded
     work on the CPU). Without it, ``bench overhead`` on CUDA counted 0 tokens for every
     captured variant."""
-    from kvcanary.engine.graph_runner import GraphRunner
+    from engine_utils import stand_in_cuda_graphs
 
-    def capture(self: GraphRunner, fb: Any) -> tuple[Any, torch.Tensor]:
-        out = torch.empty(fb.batch_size, self.runner.vocab_size)
-
-        class Graph:
-            def replay(self_graph) -> None:
-                out.copy_(self._run_model(fb))
-
-        return Graph(), out
-
-    monkeypatch.setattr(GraphRunner, "_uses_cuda_graphs", lambda self: True)
-    monkeypatch.setattr(GraphRunner, "_capture", capture)
+    stand_in_cuda_graphs(monkeypatch)
     engine = Engine(EngineConfig(model="builtin:tiny-swa", canary=CanaryConfig(mode="none"),
                                  graph_batch_sizes=(4,), max_total_tokens=2048))  # fmt: skip
     shapes = record_forward_shapes(engine)

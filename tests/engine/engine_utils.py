@@ -5,7 +5,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
+import torch
+
 from kvcanary import Engine, EngineConfig, SamplingParams
+from kvcanary.engine.graph_runner import GraphRunner
 
 
 def make_prompts(num: int, min_len: int, max_len: int, shared: int = 0, seed: int = 0) -> list[list[int]]:
@@ -73,3 +77,32 @@ def assert_all_memory_free(engine: Engine) -> None:
     pool = engine.runner.req_to_token_pool
     assert pool.available_size() == pool.size
     engine.check_integrity()
+
+
+class ReplayedGraph:
+    """A stand-in for ``torch.cuda.CUDAGraph`` (no GPU in CI): replay runs the recorded
+    work again, with the capturing step's host metadata, into the same output."""
+
+    def __init__(self, run: Any, out: torch.Tensor):
+        self.run, self.out, self.replays = run, out, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.out.copy_(self.run())
+
+
+def stand_in_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> list[ReplayedGraph]:
+    """Make the GraphRunner take its CUDA-graph path on the CPU: each capture runs the two
+    warm-ups for real, as ``GraphRunner._capture`` does, then records the capturing step's
+    work in a :class:`ReplayedGraph` (appended to the returned list)."""
+    graphs: list[ReplayedGraph] = []
+
+    def capture(self: GraphRunner, fb: Any) -> tuple[ReplayedGraph, torch.Tensor]:
+        for _ in range(2):  # the warm-up runs before a capture execute for real
+            warm = self._run_model(fb)
+        graphs.append(ReplayedGraph(lambda: self._run_model(fb), torch.empty_like(warm)))
+        return graphs[-1], graphs[-1].out
+
+    monkeypatch.setattr(GraphRunner, "_uses_cuda_graphs", lambda self: True)
+    monkeypatch.setattr(GraphRunner, "_capture", capture)
+    return graphs

@@ -9,11 +9,10 @@ from typing import Any
 import pytest
 import torch
 from device_mix import DeviceMixChecker
-from engine_utils import make_prompts
+from engine_utils import make_prompts, stand_in_cuda_graphs
 
 from kvcanary import Engine, EngineConfig, SamplingParams
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.engine.graph_runner import GraphRunner
 
 BASE: dict[str, Any] = dict(device="cpu:0", page_size=4, max_total_tokens=4096, max_context_len=1024)
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
@@ -108,19 +107,7 @@ def test_graph_replay_path_with_the_canary(monkeypatch: pytest.MonkeyPatch) -> N
     """``_replay_cuda_graph`` (capture stood in for: the warm-up runs, then each replay
     runs the model again) with the canary's torch kernels."""
 
-    def capture(self: GraphRunner, fb: Any) -> tuple[Any, torch.Tensor]:
-        for _ in range(2):
-            self._run_model(fb)
-        out = self._run_model(fb)
-
-        class Graph:
-            def replay(self_inner) -> None:
-                out.copy_(self._run_model(fb))
-
-        return Graph(), out
-
-    monkeypatch.setattr(GraphRunner, "_uses_cuda_graphs", lambda self: True)
-    monkeypatch.setattr(GraphRunner, "_capture", capture)
+    stand_in_cuda_graphs(monkeypatch)
     canary = CanaryConfig(mode="log", backend="torch", real_data="partial", graph_safe=True,
                           health_check_interval=0)  # fmt: skip
     engine = _run(BASE | dict(model="builtin:tiny-swa", graph_batch_sizes=(1, 2, 4), canary=canary), PROMPTS)

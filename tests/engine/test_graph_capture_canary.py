@@ -11,40 +11,19 @@ from typing import Any
 
 import pytest
 import torch
-from engine_utils import make_prompts, tiny_engine
+from engine_utils import ReplayedGraph, make_prompts, stand_in_cuda_graphs, tiny_engine
 
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.config import SamplingParams
 from kvcanary.engine.graph_runner import KEY_WIDTH_BUCKET, GraphRunner
 
 
-class ReplayedGraph:
-    """A recorded decode: replay runs the recorded work again into the same output."""
-
-    def __init__(self, run: Any, out: torch.Tensor):
-        self.run, self.out, self.replays = run, out, 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.out.copy_(self.run())
-
-
 @pytest.fixture
 def captured(monkeypatch: pytest.MonkeyPatch) -> list[ReplayedGraph]:
-    graphs: list[ReplayedGraph] = []
-
-    def capture(self: GraphRunner, fb: Any) -> tuple[ReplayedGraph, torch.Tensor]:
-        for _ in range(2):  # the warm-up runs before a capture execute for real
-            self._run_model(fb)
-        out = torch.empty(fb.batch_size, self.runner.vocab_size)
-        graphs.append(ReplayedGraph(lambda: self._run_model(fb), out))  # the capturing fb
-        return graphs[-1], out
-
-    monkeypatch.setattr(GraphRunner, "_uses_cuda_graphs", lambda self: True)
+    graphs = stand_in_cuda_graphs(monkeypatch)
     # CUDA's key-width buckets (exact widths on the CPU): one graph serves many steps
     monkeypatch.setattr(GraphRunner, "key_width_for", lambda self, lens: min(
         -(-max(lens) // KEY_WIDTH_BUCKET) * KEY_WIDTH_BUCKET, self.max_keys))  # fmt: skip
-    monkeypatch.setattr(GraphRunner, "_capture", capture)
     log = logging.getLogger("kvcanary.canary")
     level = log.level
     log.setLevel(logging.ERROR)
