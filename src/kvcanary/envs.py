@@ -84,11 +84,21 @@ KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL: EnvVar[int] = EnvVar(
     "forward steps (0 = off; SGLang: SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL)",
 )  # fmt: skip
 
+KVCANARY_CPU_GEMM: EnvVar[str] = EnvVar(
+    "KVCANARY_CPU_GEMM", "auto", _choice("auto", "onednn", "torch"),
+    "one of auto, onednn, torch",
+    "the model's linear layers on the CPU: auto = oneDNN with weights packed once for weights "
+    ">= 1 MiB at the batch sizes where that is faster (it keeps a second copy of those "
+    "weights), onednn = packed for every weight and batch, torch = F.linear",
+)  # fmt: skip
+
 ALL_ENV_VARS: tuple[EnvVar, ...] = (
     KVCANARY_KV_CANARY_RING_CAPACITY,
     KVCANARY_KV_CANARY_VERIFY_CAPACITY_FACTOR,
     KVCANARY_KV_CANARY_KERNEL_BACKEND,
+    KVCANARY_KV_CANARY_COMPILE_STATIC_PLANS,
     KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL,
+    KVCANARY_CPU_GEMM,
 )
 
 

@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from kvcanary.model.base import AttentionLayerSpec
 from kvcanary.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from kvcanary.model.gemm import PackedLinear
 from kvcanary.model.layers import GatedMLP, RMSNorm, fuse_linears
 from kvcanary.model.rope import RotaryEmbedding, apply_rope
 
@@ -48,13 +49,14 @@ class Attention(nn.Module):
             norm_args = (head_dim, config.rms_norm_eps, config.norm_weight_offset, device, dtype)
             self.q_norm, self.k_norm = RMSNorm(*norm_args), RMSNorm(*norm_args)
         self._qk_weight: tuple[tuple[Any, ...], torch.Tensor] | None = None  # _qk_norm_weight
+        self._qkv, self._o = PackedLinear(), PackedLinear()
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: Any
     ) -> torch.Tensor:
         """``cos`` / ``sin``: :meth:`RotaryEmbedding.cos_sin`'s (``sin`` sign-folded)."""
         spec, num_tokens = self.spec, hidden.shape[0]
-        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
+        qkv = self._qkv(hidden, self.qkv_weight, self.qkv_bias)
         num_q, num_k = self.qkv_split[0], self.qkv_split[1]
         # q and k side by side (a view of the projection: the first num_q + num_k columns),
         # normed and rotated together: per element the same ops as q and k apart, so the
@@ -66,7 +68,7 @@ class Attention(nn.Module):
         qk = apply_rope(qk, cos, sin)
         q, k = qk.split((spec.num_heads, spec.num_kv_heads), dim=1)
         out = forward_batch.attn_backend.forward(q, k, v, spec, forward_batch)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self._o(out.reshape(num_tokens, -1), self.o_proj.weight, self.o_proj.bias)
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """q_norm on the q heads and k_norm on the k heads of ``qk [tokens, q + k heads, dim]``.
@@ -184,6 +186,7 @@ class HybridDecoder(nn.Module):
             self.local_rotary = RotaryEmbedding(
                 config.head_dim, config.local_rope_theta, None, rope_len, device, dtype
             )
+        self._lm_head = PackedLinear()
         self.requires_grad_(False)
 
     def forward(
@@ -208,7 +211,7 @@ class HybridDecoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> float32 logits ``[n, vocab_size]`` (softcapped if configured)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = self._lm_head(hidden, weight).float()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kvcanary.model.gemm import PackedLinear
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
@@ -73,10 +75,11 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias, device, dtype)
         self.gate_up_weight, self.gate_up_bias = fuse_linears(self.gate_proj, self.up_proj)
         self.act_fn = ACTIVATIONS[hidden_act]
+        self._gate_up, self._down = PackedLinear(), PackedLinear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(self.act_fn(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        gate, up = self._gate_up(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return self._down(self.act_fn(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
