@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvcanary.engine import attention_cpu
 from kvcanary.engine.forward_batch import ForwardBatch
 from kvcanary.memory.mha_pool import MHAKVPool
 from kvcanary.memory.req_to_token import ReqToTokenPool
@@ -31,6 +32,7 @@ class _KeyView:
     slots: torch.Tensor  # int64 [bs, max_keys] slot table (0 where padded)
     mask: torch.Tensor  # bool [bs, max_q, max_keys]
     write_loc: torch.Tensor  # int64 [num_tokens] where this forward's K/V go
+    num_keys: torch.Tensor  # int64 [bs] keys of each request: slots[b, :num_keys[b]]
     _grouped: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def grouped_mask(self, group: int) -> torch.Tensor:
@@ -52,6 +54,7 @@ class StaticKeyBuffers:
         self.slots = torch.zeros(max_bs * max_keys, dtype=torch.int64, device=device)
         self.mask = torch.zeros(max_bs * max_keys, dtype=torch.bool, device=device)
         self.write_loc = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.num_keys = torch.zeros(max_bs, dtype=torch.int64, device=device)
 
     def fill(self, view: _KeyView, width: int) -> _KeyView:
         """Copy a decode view (``[n, k]`` tables, ``k <= width``) in, padded to ``width``
@@ -64,7 +67,8 @@ class StaticKeyBuffers:
         mask.fill_(False)
         mask[:, :, :k].copy_(view.mask)
         self.write_loc[:n].copy_(view.write_loc)
-        return _KeyView(slots, mask, self.write_loc[:n])
+        self.num_keys[:n].copy_(view.num_keys)
+        return _KeyView(slots, mask, self.write_loc[:n], self.num_keys[:n])
 
 
 class QueryLayout(NamedTuple):
@@ -102,10 +106,11 @@ def key_view(
     key_start: torch.Tensor,
     window: int | None,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full slots of each request's keys ``[key_start, seq_len)`` ``[bs, max_k]`` (0 where
-    padded) and which keys each query sees ``[bs, max_q, max_k]`` (causal, and within
-    ``window`` when given). Padded query rows see key 0 only, so a softmax stays finite."""
+    padded), which keys each query sees ``[bs, max_q, max_k]`` (causal, and within
+    ``window`` when given; padded query rows see key 0 only, so a softmax stays finite) and
+    how many keys each request has ``[bs]``."""
     seq, q_pos = layout.seq, layout.q_pos
     num_keys = seq - key_start
     max_k = int(num_keys.max()) if seq.numel() else 0
@@ -119,7 +124,7 @@ def key_view(
     if window is not None:
         vis &= k_pos[:, None, :] > q_pos[:, :, None] - window
     vis[:, :, 0] |= ~layout.valid_cpu
-    return slots, vis.to(device)
+    return slots, vis.to(device), num_keys.to(device)
 
 
 class PagedAttentionBackend:
@@ -148,14 +153,16 @@ class PagedAttentionBackend:
         rows = fb.req_pool_indices.to(torch.int64)
         table = self.req_to_token_pool.req_to_token
         bs = fb.batch_size
-        full_slots, full_mask = key_view(
+        full_slots, full_mask, full_keys = key_view(
             table, rows, layout, torch.zeros(bs, dtype=torch.int64), None, device
         )
-        self._full = _KeyView(full_slots, full_mask, fb.out_cache_loc)
+        self._full = _KeyView(full_slots, full_mask, fb.out_cache_loc, full_keys)
         self._sliding = None
         if self.sliding_window is not None:
             w = self.sliding_window
-            slots, mask = key_view(table, rows, layout, (layout.pre - w + 1).clamp(min=0), w, device)
+            slots, mask, num_keys = key_view(
+                table, rows, layout, (layout.pre - w + 1).clamp(min=0), w, device
+            )
             write_loc = fb.out_cache_loc
             if self.swa_pool is not None:
                 # One gather for this forward's write locations and the whole read table.
@@ -163,7 +170,7 @@ class PagedAttentionBackend:
                 swa = self.swa_pool.translate_loc_from_full_to_swa(both).clamp(min=0)
                 write_loc = swa[: fb.num_tokens]
                 slots = swa[fb.num_tokens :].reshape(slots.shape)
-            self._sliding = _KeyView(slots, mask, write_loc)
+            self._sliding = _KeyView(slots, mask, write_loc, num_keys)
 
     def make_static(
         self, full: StaticKeyBuffers, sliding: StaticKeyBuffers | None, full_width: int
@@ -193,6 +200,11 @@ class PagedAttentionBackend:
             raise RuntimeError("attention backend: init_forward_metadata was not called")
         k_buf, v_buf = self._write(layer, view.write_loc, k, v)
         bs, max_q = self._q_index.shape
+        if max_q == 1 and self._dense_q and attention_cpu.applies(q, k_buf, v_buf):
+            # Decode on the CPU: read K/V where they lie, no gathered copy (attention_cpu).
+            return attention_cpu.decode_attention(
+                q, k_buf, v_buf, view.slots, view.num_keys, layer.scaling
+            ).to(q.dtype)
         # index_select on the flat table: several times cheaper than advanced indexing on CPU.
         flat = view.slots.view(-1)
         keys = k_buf.index_select(0, flat).view(*view.slots.shape, *k_buf.shape[1:]).transpose(1, 2)

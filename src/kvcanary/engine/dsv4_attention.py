@@ -85,7 +85,7 @@ class DSV4AttentionBackend:
         table = self.req_to_token_pool.req_to_token
         mapping = self.pool.full_to_swa_index_mapping
         w = self.sliding_window
-        slots, visible = key_view(table, rows, layout, (layout.pre - w + 1).clamp(min=0), w, device)
+        slots, visible, _ = key_view(table, rows, layout, (layout.pre - w + 1).clamp(min=0), w, device)
         self._sliding = (mapping[slots].clamp(min=0), visible)
         self._layout, self._write_loc = layout, fb.out_cache_loc.to(torch.int64)
         self._ratios = {
