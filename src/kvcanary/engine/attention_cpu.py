@@ -125,7 +125,7 @@ def decode_attention(
     threads = torch.get_num_threads()
     if threads > 1 and bs * k_buf.shape[1] * slots.shape[1] * dim >= PARALLEL_MIN_WORK:
         with _parallel_lock:
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
             _parallel(*args)
     else:
         _serial(*args)
