@@ -102,3 +102,15 @@ def test_engine_decode_equals_torch_path(
         ref_lp = torch.tensor([t.logprob for t in r.logprobs or []])
         assert got_lp.numel() == 20
         torch.testing.assert_close(got_lp, ref_lp, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [-1, 10])
+def test_slot_outside_the_buffer_raises_before_reading(bad: int) -> None:
+    q, kv = torch.zeros(2, 4, 8), torch.zeros(10, 2, 8)
+    slots = torch.tensor([[1, 2, 3], [4, bad, 0]])
+    with pytest.raises(
+        IndexError, match=rf"request row 1 reads slots \[4, {bad}\]; allowed \[0, 10\)"
+    ):
+        attention_cpu.decode_attention(q, kv, kv, slots, torch.tensor([3, 2]), 1.0)
+    # A key past the request's count is never read, so it is not checked.
+    attention_cpu.decode_attention(q, kv, kv, slots, torch.tensor([3, 1]), 1.0)

@@ -106,3 +106,15 @@ def test_engine_greedy_tokens_equal_with_packed_weights(gemm_mode) -> None:
         ]
         assert all(packed) == (mode == "onednn")
     assert outputs["onednn"] == outputs["torch"]
+
+
+def test_inference_tensor_weights_are_not_packed(gemm_mode) -> None:
+    """An inference tensor keeps no version counter, so a packed copy could go stale
+    unnoticed: such weights go to F.linear."""
+    gemm_mode("onednn")
+    with torch.inference_mode():
+        weight = torch.randn(8, 4)
+    x = torch.randn(3, 4)
+    linear = PackedLinear()
+    assert torch.equal(linear(x, weight), F.linear(x, weight))
+    assert linear._packed is None

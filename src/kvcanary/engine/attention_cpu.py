@@ -15,7 +15,8 @@ Decode only (one query per request, every key of the request's row visible: the 
 key table already starts at the window for sliding layers), float32 K/V and queries. The
 softmax runs in float32 with the maximum subtracted, like SDPA's; results differ from it by
 float rounding only (~1e-6). A request's result depends on its own row only. Rows with no
-key (graph padding) read slot 0, as the torch path's masks make them do.
+key (graph padding) read slot 0, as the torch path's masks make them do. A slot outside the
+buffer raises ``IndexError`` before anything is read (as ``index_select`` does).
 
 Work of at least :data:`PARALLEL_MIN_WORK` multiply-adds runs on ``torch.get_num_threads()``
 numba threads (a parallel launch costs ~10 us; smaller work runs on one). Calls into the
@@ -42,6 +43,11 @@ def _decode_attention(q, k_buf, v_buf, slots, num_keys, scale, out):  # type: ig
     bs, num_heads, dim = q.shape
     kv_heads = k_buf.shape[1]
     group = num_heads // kv_heads
+    num_slots = k_buf.shape[0]
+    for b in range(bs):  # every slot read is in the buffer (the caller raises otherwise)
+        for j in range(max(num_keys[b], 1)):
+            if slots[b, j] < 0 or slots[b, j] >= num_slots:
+                return b
     for task in prange(bs * kv_heads):
         b = task // kv_heads
         h = task - b * kv_heads
@@ -73,6 +79,7 @@ def _decode_attention(q, k_buf, v_buf, slots, num_keys, scale, out):  # type: ig
             inv = np.float32(1.0) / total
             for e in range(dim):
                 out[b, qh, e] = acc_out[e] * inv
+    return -1
 
 
 def _compile(parallel: bool):  # type: ignore[no-untyped-def]
@@ -126,7 +133,13 @@ def decode_attention(
     if threads > 1 and bs * k_buf.shape[1] * slots.shape[1] * dim >= PARALLEL_MIN_WORK:
         with _parallel_lock:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
-            _parallel(*args)
+            bad_row = _parallel(*args)
     else:
-        _serial(*args)
+        bad_row = _serial(*args)
+    if bad_row >= 0:  # as index_select would refuse it (nothing was read)
+        n = max(int(num_keys[bad_row]), 1)
+        raise IndexError(
+            f"decode attention: request row {bad_row} reads slots {slots[bad_row, :n].tolist()}; "
+            f"allowed [0, {k_buf.shape[0]})"
+        )
     return out

@@ -78,8 +78,8 @@ class PackedLinear:
         mode = cpu_gemm_mode()
         if mode == "torch" or weight.device.type != "cpu" or weight.dim() != 2:
             return
-        if weight.dtype not in PACKED_ROWS or weight.requires_grad:
-            return
+        if weight.dtype not in PACKED_ROWS or weight.requires_grad or weight.is_inference():
+            return  # (inference tensors keep no version counter to notice in-place writes)
         if mode == "onednn":
             self._rows = (1, 1 << 62)
         elif weight.numel() * weight.element_size() >= MIN_PACKED_BYTES:
