@@ -32,7 +32,7 @@ class _KeyView:
     slots: torch.Tensor  # int64 [bs, max_keys] slot table (0 where padded)
     mask: torch.Tensor  # bool [bs, max_q, max_keys]
     write_loc: torch.Tensor  # int64 [num_tokens] where this forward's K/V go
-    num_keys: torch.Tensor  # int64 [bs] keys of each request: slots[b, :num_keys[b]]
+    num_keys: torch.Tensor  # int64 [bs] keys of each request: slots[b, :num_keys[b]] (host)
     _grouped: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def grouped_mask(self, group: int) -> torch.Tensor:
@@ -54,7 +54,7 @@ class StaticKeyBuffers:
         self.slots = torch.zeros(max_bs * max_keys, dtype=torch.int64, device=device)
         self.mask = torch.zeros(max_bs * max_keys, dtype=torch.bool, device=device)
         self.write_loc = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.num_keys = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.num_keys = torch.zeros(max_bs, dtype=torch.int64)  # host: the CPU kernel's
 
     def fill(self, view: _KeyView, width: int) -> _KeyView:
         """Copy a decode view (``[n, k]`` tables, ``k <= width``) in, padded to ``width``
@@ -110,7 +110,7 @@ def key_view(
     """Full slots of each request's keys ``[key_start, seq_len)`` ``[bs, max_k]`` (0 where
     padded), which keys each query sees ``[bs, max_q, max_k]`` (causal, and within
     ``window`` when given; padded query rows see key 0 only, so a softmax stays finite) and
-    how many keys each request has ``[bs]``."""
+    how many keys each request has ``[bs]`` (on the host: only the CPU decode kernel reads it)."""
     seq, q_pos = layout.seq, layout.q_pos
     num_keys = seq - key_start
     max_k = int(num_keys.max()) if seq.numel() else 0
@@ -124,7 +124,7 @@ def key_view(
     if window is not None:
         vis &= k_pos[:, None, :] > q_pos[:, :, None] - window
     vis[:, :, 0] |= ~layout.valid_cpu
-    return slots, vis.to(device), num_keys.to(device)
+    return slots, vis.to(device), num_keys
 
 
 class PagedAttentionBackend:
