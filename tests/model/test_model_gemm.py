@@ -118,3 +118,19 @@ def test_inference_tensor_weights_are_not_packed(gemm_mode) -> None:
     linear = PackedLinear()
     assert torch.equal(linear(x, weight), F.linear(x, weight))
     assert linear._packed is None
+
+
+def test_weights_are_not_packed_when_the_copy_would_exhaust_memory(gemm_mode, monkeypatch) -> None:
+    gemm_mode("onednn")
+    weight, x = torch.randn(64, 32), torch.randn(4, 32)
+    total = 64 << 30
+    monkeypatch.setattr(gemm, "memory_info", lambda: (gemm.MIN_FREE_BYTES + 64 * 32 * 4 - 1, total))
+    monkeypatch.setattr(gemm, "MIN_FREE_FRACTION", 0.0)
+    linear = PackedLinear()
+    assert torch.equal(linear(x, weight), F.linear(x, weight))
+    assert linear._packed is None and linear._rows is None  # decided once: never retried
+    monkeypatch.setattr(gemm, "memory_info", lambda: (gemm.MIN_FREE_BYTES + 64 * 32 * 4, total))
+    linear = PackedLinear()
+    torch.testing.assert_close(linear(x, weight), F.linear(x, weight))
+    assert linear._packed is not None
+    assert gemm.memory_info() is not None  # this machine has /proc/meminfo

@@ -13,7 +13,10 @@ only weights of at least :data:`MIN_PACKED_BYTES` and only for row counts in the
 winning range; everything else, and every non-CPU tensor, goes to ``F.linear``.
 
 The packed copy doubles the weight memory of the layers that use it (vLLM drops the
-original; we keep it: checkpoint export, parity tests and other devices read it). Results
+original; we keep it: row counts outside the packed range, checkpoint export and parity
+tests read it). A weight is packed only while the machine keeps :data:`MIN_FREE_FRACTION`
+of its memory (and at least :data:`MIN_FREE_BYTES`) available after the copy
+(``/proc/meminfo``'s MemAvailable): a model that fits without copies still fits. Results
 differ from ``F.linear`` by float rounding only (~1e-4 relative in float32: the same products,
 summed in another order). ``KVCANARY_CPU_GEMM``: ``auto`` (the policy above), ``onednn``
 (pack every CPU weight for every row count: tests use it on tiny models) or ``torch`` (always
@@ -33,6 +36,30 @@ from kvcanary import envs
 MIN_PACKED_BYTES = 1 << 20
 # Row counts where the packed GEMM measured faster than F.linear (see the module doc).
 PACKED_ROWS = {torch.float32: (8, 384), torch.bfloat16: (1, 1024)}
+# Memory a packed copy must leave available (module doc).
+MIN_FREE_FRACTION = 0.1
+MIN_FREE_BYTES = 2 << 30
+
+
+def memory_info() -> tuple[int, int] | None:
+    """(MemAvailable, MemTotal) in bytes from ``/proc/meminfo``; None where unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024, int(
+            fields["MemTotal"].split()[0]
+        ) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def can_afford(nbytes: int) -> bool:
+    """Whether a ``nbytes`` copy leaves enough memory available (module doc)."""
+    info = memory_info()
+    if info is None:
+        return True
+    available, total = info
+    return available - nbytes >= max(MIN_FREE_BYTES, int(MIN_FREE_FRACTION * total))
 
 
 @cache
@@ -69,6 +96,10 @@ class PackedLinear:
             return F.linear(x, weight, bias)
         key = (weight.data_ptr(), weight._version)
         if key != self._key:
+            self._packed = None  # the stale copy goes first
+            if not can_afford(weight.numel() * weight.element_size()):
+                self._rows = None  # not packed: F.linear from now on
+                return F.linear(x, weight, bias)
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             self._key = key
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
