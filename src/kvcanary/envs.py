@@ -89,7 +89,8 @@ KVCANARY_CPU_GEMM: EnvVar[str] = EnvVar(
     "one of auto, onednn, torch",
     "the model's linear layers on the CPU: auto = oneDNN with weights packed once for weights "
     ">= 1 MiB at the batch sizes where that is faster (it keeps a second copy of those "
-    "weights), onednn = packed for every weight and batch, torch = F.linear",
+    "weights, only while a tenth of memory stays available), onednn = packed for every weight and "
+    "batch, torch = F.linear",
 )  # fmt: skip
 
 ALL_ENV_VARS: tuple[EnvVar, ...] = (
