@@ -46,9 +46,8 @@ def memory_info() -> tuple[int, int] | None:
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024, int(
-            fields["MemTotal"].split()[0]
-        ) * 1024
+        available_kib, total_kib = fields["MemAvailable"].split()[0], fields["MemTotal"].split()[0]
+        return int(available_kib) * 1024, int(total_kib) * 1024
     except (OSError, KeyError, ValueError):
         return None
 
