@@ -108,9 +108,10 @@ def test_engine_decode_equals_torch_path(
 def test_slot_outside_the_buffer_raises_before_reading(bad: int) -> None:
     q, kv = torch.zeros(2, 4, 8), torch.zeros(10, 2, 8)
     slots = torch.tensor([[1, 2, 3], [4, bad, 0]])
-    with pytest.raises(
-        IndexError, match=rf"request row 1 reads slots \[4, {bad}\]; allowed \[0, 10\)"
-    ):
+    want = rf"request row 1 reads 2 keys, slots \[4, {bad}\]; allowed slots in \[0, 10\), at most 3 keys"
+    with pytest.raises(IndexError, match=want):
         attention_cpu.decode_attention(q, kv, kv, slots, torch.tensor([3, 2]), 1.0)
+    with pytest.raises(IndexError, match=r"request row 0 reads 4 keys"):  # past the table's width
+        attention_cpu.decode_attention(q, kv, kv, slots[:, :3], torch.tensor([4, 1]), 1.0)
     # A key past the request's count is never read, so it is not checked.
     attention_cpu.decode_attention(q, kv, kv, slots, torch.tensor([3, 1]), 1.0)

@@ -7,16 +7,17 @@ visible KV twice more than attention needs. Here one compiled loop per (request,
 reads each key and value row where it lies in the pool, once, through the request's slot
 row: scores for the ``group`` query heads that share the KV head, softmax, weighted sum.
 Measured (microbenchmark, this repo's 2-core machine, random slots, us per layer; torch =
-gather + SDPA): Qwen3-0.6B shapes (16 q / 8 kv heads, dim 128) batch 16 x 64 keys 3428 vs
-~360, batch 64 x 80 keys 17405 vs ~1780; tiny-swa shapes (4 / 2 heads, dim 32) batch 16 x
-160 keys 101 vs ~77.
+gather + SDPA, whose time varies run to run): Qwen3-0.6B shapes (16 q / 8 kv heads, dim
+128) batch 16 x 64 keys 690 vs 365, batch 64 x 80 keys 2957..15061 vs 1281; tiny-swa shapes
+(4 / 2 heads, dim 32) batch 16 x 160 keys 110 vs 60, batch 1 x 100 keys 38 vs 11.
 
 Decode only (one query per request, every key of the request's row visible: the caller's
 key table already starts at the window for sliding layers), float32 K/V and queries. The
 softmax runs in float32 with the maximum subtracted, like SDPA's; results differ from it by
 float rounding only (~1e-6). A request's result depends on its own row only. Rows with no
 key (graph padding) read slot 0, as the torch path's masks make them do. A slot outside the
-buffer raises ``IndexError`` before anything is read (as ``index_select`` does).
+buffer, or a key count past the slot table's width, raises ``IndexError`` before anything is
+read (as ``index_select`` does).
 
 Work of at least :data:`PARALLEL_MIN_WORK` multiply-adds runs on ``torch.get_num_threads()``
 numba threads (a parallel launch costs ~10 us; smaller work runs on one). Calls into the
@@ -45,6 +46,8 @@ def _decode_attention(q, k_buf, v_buf, slots, num_keys, scale, out):  # type: ig
     group = num_heads // kv_heads
     num_slots = k_buf.shape[0]
     for b in range(bs):  # every slot read is in the buffer (the caller raises otherwise)
+        if num_keys[b] > slots.shape[1]:
+            return b
         for j in range(max(num_keys[b], 1)):
             if slots[b, j] < 0 or slots[b, j] >= num_slots:
                 return b
@@ -139,7 +142,8 @@ def decode_attention(
     if bad_row >= 0:  # as index_select would refuse it (nothing was read)
         n = max(int(num_keys[bad_row]), 1)
         raise IndexError(
-            f"decode attention: request row {bad_row} reads slots {slots[bad_row, :n].tolist()}; "
-            f"allowed [0, {k_buf.shape[0]})"
+            f"decode attention: request row {bad_row} reads {n} keys, slots "
+            f"{slots[bad_row, :n].tolist()}; allowed slots in [0, {k_buf.shape[0]}), at most "
+            f"{slots.shape[1]} keys (the slot table's width)"
         )
     return out
