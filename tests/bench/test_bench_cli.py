@@ -134,3 +134,26 @@ def test_bad_flags_are_one_line_naming_the_flag(
     monkeypatch.setattr("kvcanary.bench.engine_vs_hf.Engine", no_engine)
     assert main(["bench", *argv, "--no-progress"]) == 2
     assert expected in _one_error_line(capsys)
+
+
+def test_bench_engine_warms_every_system_at_every_batch_size() -> None:
+    """Untimed warm-up: each system once per batch size on prompts cut to 8 tokens (first
+    calls at a shape pack weights), then the timed rounds on the full prompts."""
+    from kvcanary.bench import engine_vs_hf
+
+    spec = engine_vs_hf.EngineBenchSpec(batches=(1, 3), repeats=2, input_len=20)
+    prompts = {1: [list(range(20))], 3: [list(range(15 + i)) for i in range(3)]}
+    calls: list[tuple[str, int, int]] = []
+
+    def system(name: str):  # type: ignore[no-untyped-def]
+        def generate(ps: list[list[int]]) -> tuple[float, list[list[int]]]:
+            calls.append((name, len(ps), max(len(p) for p in ps)))
+            return 1.0, [[0] for _ in ps]
+
+        return generate
+
+    results = engine_vs_hf._rounds(spec, prompts, {"a": system("a"), "b": system("b")}, progress=False)
+    warm = [("a", 1, 8), ("b", 1, 8), ("a", 3, 8), ("b", 3, 8)]
+    timed = [("a", 1, 20), ("b", 1, 20), ("a", 3, 17), ("b", 3, 17)] * 2
+    assert calls == warm + timed
+    assert all(len(results[b, s][0]) == 2 for b in (1, 3) for s in "ab")

@@ -8,8 +8,9 @@ own venv as :mod:`.vllm_peer` (started once; without its interpreter vLLM is ski
 the summary says so in ``vllm``).
 
 For each batch size b (``--batches``): b prompts of ``[input_len/2, input_len]`` tokens,
-``--output-len`` new tokens each (no early stop). One untimed warm-up round, then
-``--repeats`` rounds, each running every system once per batch size, alternating (ours,
+``--output-len`` new tokens each (no early stop). An untimed warm-up round (every system
+at every batch size, prompts cut to 8 tokens: first calls at a shape allocate, compile and
+pack weights), then ``--repeats`` rounds, each running every system once per batch size, alternating (ours,
 transformers, vLLM, ours, ...), so drifting machine load hits all alike. Timed: the generate
 call only. Tokens/s = b x output_len / seconds, median over rounds; ``mismatches`` = prompts
 whose tokens differ from transformers' in any round.
@@ -42,6 +43,7 @@ from kvcanary.utils import show
 from kvcanary.workload import WorkloadSpec, make_prompts
 
 OURS, HF, VLLM = "kvcanary", "transformers", "vllm"
+WARMUP_PROMPT_LEN = 8
 # <checkout>/.venv-vllm/bin/python for an editable install (`make test-vllm` builds it).
 DEFAULT_VLLM_PYTHON = str(Path(kvcanary.__file__).resolve().parents[2] / ".venv-vllm/bin/python")
 
@@ -156,8 +158,12 @@ def _timed(generate: Callable[[list[list[int]]], list[list[int]]]) -> Generate:
 def _rounds(spec: EngineBenchSpec, prompts: dict[int, list[list[int]]], systems: dict[str, Generate],
             progress: bool) -> dict[tuple[int, str], tuple[list[float], list[list[list[int]]]]]:  # fmt: skip
     """(batch, system) -> (seconds of each round, outputs of each round)."""
-    for generate in systems.values():  # warm-up: first calls allocate and compile
-        generate(prompts[min(spec.batches)])
+    # Warm-up, untimed: each system at each batch size once, prompts cut to WARMUP_PROMPT_LEN
+    # tokens (first calls at a shape allocate, compile, and pack weights for oneDNN: ours
+    # packs a big weight the first time a forward's row count is in the packed range).
+    for b in spec.batches:
+        for generate in systems.values():
+            generate([p[:WARMUP_PROMPT_LEN] for p in prompts[b]])
     results: dict[tuple[int, str], tuple[list[float], list[list[list[int]]]]] = {
         (b, s): ([], []) for b in spec.batches for s in systems
     }
