@@ -35,7 +35,9 @@ def _reference(q, k_buf, v_buf, slots, num_keys, scale):  # type: ignore[no-unty
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 16), (4, 2, 32), (16, 4, 64)])
 @pytest.mark.parametrize("bs,max_keys", [(1, 7), (5, 40), (24, 300)])
-def test_kernel_matches_gathered_attention(heads, kv_heads, dim, bs, max_keys) -> None:
+def test_kernel_matches_gathered_attention(
+    monkeypatch: pytest.MonkeyPatch, heads, kv_heads, dim, bs, max_keys
+) -> None:
     gen = torch.Generator().manual_seed(bs * 1000 + max_keys + heads + dim)
     num_slots = 4 * bs * max_keys + 1
     k_buf = torch.randn(num_slots, kv_heads, dim, generator=gen)
@@ -51,11 +53,8 @@ def test_kernel_matches_gathered_attention(heads, kv_heads, dim, bs, max_keys) -
     scale = 1 / math.sqrt(dim)
     want = _reference(q, k_buf, v_buf, slots, num_keys, scale)
     for parallel_min in (1 << 62, 1):  # the one-thread kernel, then the prange kernel
-        attention_cpu.PARALLEL_MIN_WORK = parallel_min
-        try:
-            got = attention_cpu.decode_attention(q, k_buf, v_buf, slots, num_keys, scale)
-        finally:
-            attention_cpu.PARALLEL_MIN_WORK = 1 << 15
+        monkeypatch.setattr(attention_cpu, "PARALLEL_MIN_WORK", parallel_min)
+        got = attention_cpu.decode_attention(q, k_buf, v_buf, slots, num_keys, scale)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -10,8 +10,8 @@ the summary says so in ``vllm``).
 For each batch size b (``--batches``): b prompts of ``[input_len/2, input_len]`` tokens,
 ``--output-len`` new tokens each (no early stop). An untimed warm-up round (every system
 at every batch size, prompts cut to 8 tokens: first calls at a shape allocate, compile and
-pack weights), then ``--repeats`` rounds, each running every system once per batch size, alternating (ours,
-transformers, vLLM, ours, ...), so drifting machine load hits all alike. Timed: the generate
+pack weights), then ``--repeats`` rounds, each running every system once per batch size,
+alternating (ours, transformers, vLLM, ours, ...), so drifting machine load hits all alike. Timed: the generate
 call only. Tokens/s = b x output_len / seconds, median over rounds; ``mismatches`` = prompts
 whose tokens differ from transformers' in any round.
 """

@@ -204,7 +204,7 @@ class PagedAttentionBackend:
             # Decode on the CPU: read K/V where they lie, no gathered copy (attention_cpu).
             return attention_cpu.decode_attention(
                 q, k_buf, v_buf, view.slots, view.num_keys, layer.scaling
-            ).to(q.dtype)
+            )
         # index_select on the flat table: several times cheaper than advanced indexing on CPU.
         flat = view.slots.view(-1)
         keys = k_buf.index_select(0, flat).view(*view.slots.shape, *k_buf.shape[1:]).transpose(1, 2)
