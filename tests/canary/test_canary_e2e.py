@@ -91,9 +91,15 @@ def _flip_k_byte(engine: Engine, group: str, full_slot: int) -> None:
 DISTINCT = make_prompts(3, 44, 60, seed=5)  # no shared prefix: every slot has one owner
 
 
+# Eager decode, and the graph runner's (its batch reaches the canary as the runner's own
+# numpy views of its static buffers: ForwardBatch.host_arrays).
+GRAPHS = pytest.mark.parametrize("graphs", [(), (1, 4)], ids=["eager", "graph-runner"])
+
+
+@GRAPHS
 @pytest.mark.parametrize("model", MODELS)
-def test_req_to_token_remap_is_a_head_chain_violation(model: str) -> None:
-    engine = tiny_engine(model=model, canary=CanaryConfig(mode="log"), graph_batch_sizes=())
+def test_req_to_token_remap_is_a_head_chain_violation(model: str, graphs: tuple[int, ...]) -> None:
+    engine = tiny_engine(model=model, canary=CanaryConfig(mode="log"), graph_batch_sizes=graphs)
     start_decoding(engine, DISTINCT)
     r2t = engine.runner.req_to_token_pool.req_to_token
     a, b = engine.running_requests()[:2]
@@ -108,6 +114,13 @@ def test_req_to_token_remap_is_a_head_chain_violation(model: str) -> None:
     assert {r.launch_tag for r in rows} == {"HEAD_K_FULL", "TAIL_K_FULL"}
     # The stolen slot's chain does not follow a's prefix, and a's next slot does not follow it.
     assert {r.slot_idx for r in rows} == {stolen, slot_of(engine, 0, p + 1)}
+    _check_graphs(engine, graphs)
+
+
+def _check_graphs(engine: Engine, graphs: tuple[int, ...]) -> None:
+    """The decode steps went the way the test case says (graph runner or eager)."""
+    runner = engine.scheduler.graph_runner
+    assert (runner.num_replays > 0) if graphs else runner is None
 
 
 @pytest.mark.parametrize(("model", "group"), [("builtin:tiny-mha", "FULL"),
@@ -189,9 +202,10 @@ def test_raise_mode_raises_after_logging_every_row(caplog: pytest.LogCaptureFixt
     assert len(lines) == 2 and str(e.value) == "\n".join(lines)
 
 
-def test_verify_tokens_catches_a_wrong_token() -> None:
+@GRAPHS
+def test_verify_tokens_catches_a_wrong_token(graphs: tuple[int, ...]) -> None:
     engine = tiny_engine(model="builtin:tiny-mha", canary=CanaryConfig(mode="log", verify_tokens=True),
-                         graph_batch_sizes=())  # fmt: skip
+                         graph_batch_sizes=graphs)  # fmt: skip
     start_decoding(engine, DISTINCT)
     engine.step()
     assert engine.canary.violations == []
@@ -199,3 +213,4 @@ def test_verify_tokens_catches_a_wrong_token() -> None:
     engine.runner.req_to_token_pool.token_ids[row, 4] += 1  # the expectation, not the cache
     engine.step()
     assert {r.fail_reasons for r in engine.canary.violations} == {("verify_token",)}
+    _check_graphs(engine, graphs)

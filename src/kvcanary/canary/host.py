@@ -106,7 +106,9 @@ class ForwardBatchView(Protocol):
         positions         [num_tokens]  prefix_lens[r] + j for the j-th token of row r
         out_cache_loc     [num_tokens]  full-pool slot each new token's K/V lands in
 
-    A static-shape replay pads with row 0 / slot 0 and needs nothing else.
+    A static-shape replay pads with row 0 / slot 0 and needs nothing else. Optional
+    ``host_arrays``: numpy views of the six fields (this order) when they live in persistent
+    CPU buffers (docs/CANARY_PROTOCOL.md).
     """
 
     @property

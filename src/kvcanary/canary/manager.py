@@ -20,7 +20,9 @@ have one per draft step), the pump and the reporter, and takes the host's three 
 
 Observability (each opt-in by its interval; all read the device on the delayed schedule of
 :mod:`.delayed`): :mod:`.sweep` (radix sweep), :mod:`.stats_logger`, :mod:`.health`,
-:mod:`.swa_divergence`. Fault injection (:mod:`.perturb`) attaches as ``perturber`` and is
+:mod:`.swa_divergence`. After a forward they are called only from the step at which one
+of them is due (and the step after, when a staged read drains): a forward with nothing due
+skips them, and skips the pump while the (CPU) ring's index has not moved. Fault injection (:mod:`.perturb`) attaches as ``perturber`` and is
 called at the three host-side points (pre-forward, post-forward, end of step).
 
 Until :meth:`mark_init_finished` (after warm-up / graph capture) the write kernels' chain
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -125,6 +128,11 @@ class CanaryManager:
         self._open: tuple[int, list[CanaryPlans]] | None = None
         self.perturber: Any = None  # kvcanary.canary.perturb.Perturber, when injecting faults
         self._init_observability(config, groups, req_to_token_pool)
+        # end_forward's fast path: the ring index to compare with the pump's count (CPU,
+        # no delay: a new row is visible right away), and the next step at which a periodic
+        # observer (sweep, health, stats, SWA divergence) has anything to do.
+        self._pump_index = self.runtime.ring.host_index if self.pump.delay_steps == 0 else None
+        self._next_periodic = 0
 
     def _init_observability(
         self, config: CanaryConfig, groups: list[CanaryBufferGroup],
@@ -255,15 +263,36 @@ class CanaryManager:
         sfm.post_ops_outside_graph()
         if self.perturber is not None:
             self.perturber.post_forward(batch)
-        self.sweep.maybe_run(self.step)
+        periodic = self.step + 1 >= self._next_periodic
+        if periodic:
+            self.sweep.maybe_run(self.step)
         self.step += 1
-        self._report(self.pump.step())
+        index = self._pump_index
+        if index is None or index[0] > self.pump.total_seen:
+            self._report(self.pump.step())
+        if periodic:
+            self._periodic_observers(batch)
+
+    def _periodic_observers(self, batch: ForwardBatchView) -> None:
+        """Health check, stats line, SWA divergence sample (each a no-op off its interval),
+        then the next step at which one of them, or the sweep, is due (or drains a read)."""
+        step = self.step
         if self.health is not None:
-            self.health.step(self.step)
+            self.health.step(step)
         if self.stats_logger is not None:
-            self.stats_logger.step(self.step)
+            self.stats_logger.step(step)
         if self.swa_divergence is not None:
-            self.swa_divergence.step(self.step, batch)
+            self.swa_divergence.step(step, batch)
+        observers = (self.health, self.stats_logger, self.swa_divergence)
+        if any(o is not None and o.handler.pending for o in observers):
+            self._next_periodic = step + 1
+            return
+        # In counted steps t (self.step after the increment): the others are due at
+        # t % interval == 0, the sweep at (t - 1) % interval == 0.
+        due = [step + i - step % i for i in (o.interval for o in observers if o is not None) if i > 0]
+        if (i := self.sweep.interval) > 0:
+            due.append(step + 1 + (-step) % i)
+        self._next_periodic = min(due, default=sys.maxsize)
 
     @contextlib.contextmanager
     def forward_scope(self, batch: ForwardBatchView, forward_index: int = 0) -> Iterator[None]:

@@ -70,15 +70,16 @@ def host_inputs_from_batch(
     ``token_table``: (the pool's token table as numpy, its per-row valid lengths) when
     tokens are verified."""
     table = lens = ids = positions = None
+    arrays = getattr(fb, "host_arrays", None)  # the host's own views (ForwardBatchView)
+    if arrays is None:
+        arrays = (fb.req_pool_indices.numpy(), fb.prefix_lens.numpy(),
+                  fb.extend_seq_lens.numpy(), fb.input_ids.numpy(), fb.positions.numpy(),
+                  fb.out_cache_loc.numpy())  # fmt: skip
     if token_table is not None:
-        table, lens = token_table[0], token_table[1][fb.req_pool_indices.long()].numpy()
+        table, lens = token_table[0], token_table[1].numpy()[arrays[0]]
     if expected_inputs is not None:
         ids, positions = expected_inputs[0].numpy(), expected_inputs[1].numpy()
-    return HostInputs(
-        req_to_token, fb.req_pool_indices.numpy(), fb.prefix_lens.numpy(),
-        fb.extend_seq_lens.numpy(), fb.input_ids.numpy(), fb.positions.numpy(),
-        fb.out_cache_loc.numpy(), table, lens, ids, positions,
-    )  # fmt: skip
+    return HostInputs(req_to_token, *arrays, table, lens, ids, positions)
 
 
 def compress_plan_inputs(inputs: PlanInputs, ratio: int) -> PlanInputs:

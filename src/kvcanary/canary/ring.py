@@ -76,6 +76,11 @@ class ViolationRing:
         rows[:, RING_COL_FAIL_REASON] = int(FailReason.VERIFY_NOT_RESIDENT)
         self.append_t(rows, torch.ones(n, dtype=torch.bool, device=self.device))
 
+    @property
+    def host_index(self) -> np.ndarray | None:
+        """A numpy view of ``write_index`` (CPU rings; None elsewhere)."""
+        return self._host_index
+
     def num_recorded(self) -> int:
         """Violations ever recorded, including dropped ones (a host sync on accelerators)."""
         if self._host_index is not None:

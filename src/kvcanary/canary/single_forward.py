@@ -119,6 +119,7 @@ class SingleForwardManager:
                 for g, capacity in zip(runtime.groups, runtime.verify_capacities, strict=True)
             ]  # fmt: skip
         self._req_to_token: tuple[torch.Tensor, np.ndarray] | None = None
+        self._host_cache: tuple[tuple[np.ndarray, ...], HostInputs] | None = None
         # Graph-safe decode plans (:mod:`.static_plan`): per-position groups only (a
         # DeepSeek-V4 pool's compressed and ring groups plan per forward; its decode is eager).
         self._static = config.graph_safe and all(g.per_position for g in runtime.groups)
@@ -259,16 +260,25 @@ class SingleForwardManager:
     def _host_inputs(
         self, fb: ForwardBatchView, expected_inputs: tuple[torch.Tensor, torch.Tensor] | None
     ) -> HostInputs:
-        """The batch as numpy views (the pool's tables: views made once)."""
+        """The batch as numpy views (the pool's tables: views made once; a host's
+        persistent ``fb.host_arrays``: their HostInputs made once)."""
         pool = self.rt.req_to_token_pool
         r2t = pool.req_to_token
         if self._req_to_token is None or self._req_to_token[0] is not r2t:
             self._req_to_token = (r2t, r2t.numpy())  # a view: the table mutates in place
+            self._host_cache = None
+        arrays = getattr(fb, "host_arrays", None)
+        cached = self._host_cache
+        if arrays is not None and cached is not None and cached[0] is arrays:
+            return cached[1]
         token_table = None
         if self.rt.config.verify_tokens:  # install_canary checked the mirror is there
             mirror = cast(TokenMirror, pool)
             token_table = (mirror.token_ids.numpy(), mirror.token_lens)
-        return host_inputs_from_batch(fb, self._req_to_token[1], token_table, expected_inputs)
+        host = host_inputs_from_batch(fb, self._req_to_token[1], token_table, expected_inputs)
+        if arrays is not None and token_table is None and expected_inputs is None:
+            self._host_cache = (arrays, host)  # nothing in it changes per forward
+        return host
 
     def post_ops_maybe_inside_graph(
         self, fb: ForwardBatchView, all_plans: list[CanaryPlans]

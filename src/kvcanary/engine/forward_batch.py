@@ -17,6 +17,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -42,6 +43,10 @@ class ForwardBatch:
     # Request ids for oracle sampling / canary diagnostics (0 for padding rows).
     rids: list[int] = field(default_factory=list)
     num_padding: int = 0  # trailing padded rows (graph runner)
+    # numpy views sharing memory with (req_pool_indices, prefix_lens, extend_seq_lens,
+    # input_ids, positions, out_cache_loc) when those live in persistent CPU buffers (graph
+    # runner): the canary reads the batch through them instead of making views per forward.
+    host_arrays: tuple[np.ndarray, ...] | None = None
     req_to_token_pool: Any = None
     token_to_kv_pool: Any = None
     attn_backend: Any = None

@@ -43,6 +43,7 @@ import bisect
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcanary.engine.attention import PagedAttentionBackend, StaticKeyBuffers
@@ -70,6 +71,8 @@ class GraphRunner:
         self.input_ids, self.positions, self.req_pool_indices = z(), z(), z()
         self.seq_lens, self.out_cache_loc, self.prefix_lens = z(), z(), z()
         self.ones = torch.ones(self.max_bs, dtype=torch.int64, device=dev)
+        # CPU: numpy views of the static buffers per padded batch size (ForwardBatch.host_arrays).
+        self._host_arrays: dict[int, tuple[np.ndarray, ...] | None] = {}
         self.max_keys = ceil_page(runner.max_context_len, KEY_WIDTH_BUCKET)
         self.full_keys = StaticKeyBuffers(self.max_bs, self.max_keys, dev)
         window = runner.attn_backend.sliding_window
@@ -141,7 +144,17 @@ class GraphRunner:
             extend_seq_lens_cpu=[1] * padded_bs,
             rids=fb.rids + [0] * pad,
             num_padding=pad,
+            host_arrays=self._host_views(padded_bs),
         )
+
+    def _host_views(self, bs: int) -> tuple[np.ndarray, ...] | None:
+        """The first ``bs`` rows of the static buffers as numpy views (None off the CPU)."""
+        if bs not in self._host_arrays:
+            bufs = (self.req_pool_indices, self.prefix_lens, self.ones, self.input_ids,
+                    self.positions, self.out_cache_loc)  # fmt: skip
+            on_cpu = bufs[0].device.type == "cpu"
+            self._host_arrays[bs] = tuple(b[:bs].numpy() for b in bufs) if on_cpu else None
+        return self._host_arrays[bs]
 
     # ------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
