@@ -70,6 +70,10 @@ def _run(fused: bool, model: str, canary: dict[str, Any],
         engine.canary.flush()
         sfm = engine.canary.single_forward_managers[0]
         assert isinstance(sfm._fused, fused_rows.FusedRowLaunches) == fused  # the path ran
+        # The graph runner's decode batches reach fused HEAD / TAIL as a batch block, unless
+        # tokens are verified (the token table then goes along as arrays).
+        block = sfm._host_cache is not None and sfm._host_cache[2] is not None
+        assert not fused or block == (not canary.get("verify_tokens", False))
         rt = engine.canary.runtime
         return {
             "rows": engine.canary.violations, "overflow_steps": rt.num_verify_overflow_steps,
@@ -85,8 +89,9 @@ def _run(fused: bool, model: str, canary: dict[str, Any],
 @pytest.mark.parametrize("model", ["builtin:tiny-swa", "builtin:tiny-mha", "builtin:tiny-swa-all"])
 @pytest.mark.parametrize("canary", [
     dict(real_data="partial", verify_tokens=True),
+    dict(real_data="partial"),  # decode through the batch block
     dict(real_data="all", v_half=True, verify_capacity=150),  # some verifies overflow
-], ids=["partial-tokens", "all-v-half-overflow"])  # fmt: skip
+], ids=["partial-tokens", "partial", "all-v-half-overflow"])  # fmt: skip
 def test_fused_launches_leave_exactly_the_per_launch_state(
     model: str, canary: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,7 +17,10 @@ cache-cold cost right after (or before) the model's forward; together they measu
           per launch: verify + write on the plans HEAD made, then the store check of its
           watch (:func:`.store_check._check_nb`, when the watch is armed)
 
-Exactly the per-launch path's records, ring rows (same order), counters and errors
+A batch in a host's persistent arrays (the graph runner's decode buffers) goes in as one
+"batch block" of addresses made once (``_head_batch_nb`` / ``_tail_batch_nb``, same
+bodies): each argument the dispatcher types costs time, most of all right after the model's
+forward. Exactly the per-launch path's records, ring rows (same order), counters and errors
 (``tests/canary/test_canary_fused_rows.py`` runs both on the same state and compares).
 It applies when every group plans as rows and the per-launch argument tuples share one
 numba type (a launch whose real-KV views differ in dtype or layout cannot be a member of
@@ -63,6 +66,11 @@ _NO_WATCH = (np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.int64),
 #            watch intended [2D], watch target [2D], watch stamp [1D]
 # HEAD launches first, then TAIL's. The owner keeps every array alive (and rebuilds the block
 # when one is reallocated).
+#
+# A batch block (int64 [14]) describes a forward batch the same way: (address, length) of
+# its req_pool_indices, prefix_lens, extend_lens, out_cache_loc, input_ids, positions, each
+# int64 C-contiguous; made once for a host's persistent batch arrays (ForwardBatch.host_arrays),
+# so a decode step passes 3 arrays instead of 12 (:meth:`FusedRowLaunches.batch_block`).
 _HEADER = 19
 _GROUP_W = 18
 _LAUNCH_W = 30
@@ -108,8 +116,8 @@ def _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inpu
     )  # fmt: skip
 
 
-@numba.njit(cache=True)
-def _head_nb(
+@numba.njit(cache=True, inline="always")
+def _head_body(
     r2t, rows, prefix, extend, out_cache_loc, input_ids, positions, exp_ids, exp_positions,
     check_inputs, table, table_lens, has_table, check_token, position_assert, blk,
 ):  # fmt: skip
@@ -147,7 +155,30 @@ def _head_nb(
 
 
 @numba.njit(cache=True)
-def _tail_nb(
+def _head_nb(
+    r2t, rows, prefix, extend, out_cache_loc, input_ids, positions, exp_ids, exp_positions,
+    check_inputs, table, table_lens, has_table, check_token, position_assert, blk,
+):  # fmt: skip
+    return _head_body(
+        r2t, rows, prefix, extend, out_cache_loc, input_ids, positions, exp_ids, exp_positions,
+        check_inputs, table, table_lens, has_table, check_token, position_assert, blk,
+    )  # fmt: skip
+
+
+@numba.njit(cache=True)
+def _head_batch_nb(r2t, batch, check_token, position_assert, blk):
+    """:func:`_head_nb` of a batch described by a batch block (``_BATCH_W``; no write-input
+    assertion, no token table)."""
+    ids, positions = _a1(batch, 8), _a1(batch, 10)
+    return _head_body(
+        r2t, _a1(batch, 0), _a1(batch, 2), _a1(batch, 4), _a1(batch, 6), ids, positions, ids,
+        positions, False, np.zeros((1, 1), dtype=np.int64), np.zeros(1, dtype=np.int64), False,
+        check_token, position_assert, blk,
+    )  # fmt: skip
+
+
+@numba.njit(cache=True, inline="always")
+def _tail_body(
     bs, input_ids, positions, exp_ids, exp_positions, check_inputs, has_table, check_token,
     position_assert, epoch, blk,
 ):  # fmt: skip
@@ -172,6 +203,23 @@ def _tail_nb(
                           _a2(blk, k + 22), _a2(blk, k + 25), stored, _a2(blk, k + 4), ring,
                           ring_index, blk[k + 1])  # fmt: skip
     return _DONE
+
+
+@numba.njit(cache=True)
+def _tail_nb(
+    bs, input_ids, positions, exp_ids, exp_positions, check_inputs, has_table, check_token,
+    position_assert, epoch, blk,
+):  # fmt: skip
+    return _tail_body(bs, input_ids, positions, exp_ids, exp_positions, check_inputs, has_table,
+                      check_token, position_assert, epoch, blk)  # fmt: skip
+
+
+@numba.njit(cache=True)
+def _tail_batch_nb(batch, check_token, position_assert, epoch, blk):
+    """:func:`_tail_nb` of a batch described by a batch block (as :func:`_head_batch_nb`)."""
+    ids, positions = _a1(batch, 8), _a1(batch, 10)
+    return _tail_body(batch[1], ids, positions, ids, positions, False, False, check_token,
+                      position_assert, epoch, blk)  # fmt: skip
 
 
 class FusedRowLaunches:
@@ -201,7 +249,8 @@ class FusedRowLaunches:
         self.out = np.zeros((n, 6), dtype=np.int64)
         self.bind()
         # TAIL's arguments, set by HEAD: (bs, the batch's token ids, positions, expected ids
-        # and positions, check inputs, has table, check token, position assert).
+        # and positions, check inputs, has table, check token, position assert), or (batch
+        # block, check token, position assert).
         self._tail_call: tuple[Any, ...] | None = None
 
     @staticmethod
@@ -258,37 +307,65 @@ class FusedRowLaunches:
         self._block = np.array(words, dtype=np.int64)
         self._keep = keep  # the block holds their addresses
 
-    def head(self, host: HostInputs, check_token: bool, position_assert: bool) -> bool:
+    @staticmethod
+    def batch_block(host: HostInputs) -> np.ndarray | None:
+        """The batch block of ``host`` (see ``_HEADER``; it holds addresses: keep ``host``
+        alive with it), or None when ``host`` carries a write-input assertion or a token
+        table, or an array is not int64 C-contiguous 1-D."""
+        if host.expected_input_ids is not None or host.expected_token_table is not None:
+            return None
+        arrays = (host.req_pool_indices, host.prefix_lens, host.extend_lens, host.out_cache_loc,
+                  host.input_ids, host.positions)  # fmt: skip
+        if not all(_flat_ok(a) and a.ndim == 1 for a in arrays):
+            return None
+        return np.array([w for a in arrays for w in (a.ctypes.data, a.shape[0])], dtype=np.int64)
+
+    def head(self, host: HostInputs, check_token: bool, position_assert: bool,
+             batch: np.ndarray | None = None) -> bool:  # fmt: skip
         """Plan every group, record its holes, verify + write HEAD; True when a group's
-        verify overflowed its capacity (its verify skipped; see :meth:`verify_entries`)."""
+        verify overflowed its capacity (its verify skipped; see :meth:`verify_entries`).
+        ``batch``: ``host``'s :meth:`batch_block`, when it has one (fewer arguments to pass)."""
+        if batch is not None:
+            while True:
+                code = _head_batch_nb(host.req_to_token, batch, check_token, position_assert,
+                                      self._block)  # fmt: skip
+                if not self._retry(code, host):
+                    self._tail_call = (batch, check_token, position_assert)
+                    return code == _OVERFLOW
         ids, positions = host.expected_input_ids, host.expected_positions
         check_inputs = ids is not None and positions is not None
         table, lens = host.expected_token_table, host.expected_token_lens
         has_table = table is not None and lens is not None
         # What TAIL passes too (the same checks, on the same batch).
-        batch = (host.input_ids, host.positions, host.input_ids if ids is None else ids,
-                 host.positions if positions is None else positions, check_inputs)  # fmt: skip
+        tokens = (host.input_ids, host.positions, host.input_ids if ids is None else ids,
+                  host.positions if positions is None else positions, check_inputs)  # fmt: skip
         while True:
             code = _head_nb(
                 host.req_to_token, host.req_pool_indices, host.prefix_lens, host.extend_lens,
-                host.out_cache_loc, *batch, table if has_table else _EMPTY_TABLE,
+                host.out_cache_loc, *tokens, table if has_table else _EMPTY_TABLE,
                 lens if has_table else _EMPTY_LENS, has_table, check_token, position_assert,
                 self._block,
             )  # fmt: skip
-            if _PLAN_FAILED <= code < _SLOT_ERROR:
-                g = code - _PLAN_FAILED
-                status, total_verify, total_extend = (int(x) for x in self.out[g, :3])
-                if status != _NEED_SCRATCH:
-                    RowPlanner._raise(status, host, total_extend)
-                self.planners[g]._grow(host.req_pool_indices.shape[0],
-                                       host.out_cache_loc.shape[0], total_verify)  # fmt: skip
-                self.bind()
-                continue
-            if code >= _SLOT_ERROR:
-                raise IndexError("kv-canary: plan slot out of range of the canary buffer")
-            self._tail_call = (host.req_pool_indices.shape[0], *batch, has_table, check_token,
-                               position_assert)  # fmt: skip
-            return code == _OVERFLOW
+            if not self._retry(code, host):
+                self._tail_call = (host.req_pool_indices.shape[0], *tokens, has_table,
+                                   check_token, position_assert)  # fmt: skip
+                return code == _OVERFLOW
+
+    def _retry(self, code: int, host: HostInputs) -> bool:
+        """After a HEAD call: True when a group's plan needed more scratch (grown: call
+        again); raises the planner's error or a slot error; False when HEAD ran."""
+        if _PLAN_FAILED <= code < _SLOT_ERROR:
+            g = code - _PLAN_FAILED
+            status, total_verify, total_extend = (int(x) for x in self.out[g, :3])
+            if status != _NEED_SCRATCH:
+                RowPlanner._raise(status, host, total_extend)
+            self.planners[g]._grow(host.req_pool_indices.shape[0], host.out_cache_loc.shape[0],
+                                   total_verify)  # fmt: skip
+            self.bind()
+            return True
+        if code >= _SLOT_ERROR:
+            raise IndexError("kv-canary: plan slot out of range of the canary buffer")
+        return False
 
     def verify_entries(self, g: int) -> tuple[int, bool]:
         """Group ``g``'s verify entries this forward and whether they fit its capacity."""
@@ -307,7 +384,9 @@ class FusedRowLaunches:
             epoch = checker.epoch
             if checker.generation != self._watch_generation:
                 self._bind_watches()
-        if _tail_nb(*(*call, epoch, self._block)):
+        status = _tail_batch_nb(*call, epoch, self._block) if len(call) == 3 else _tail_nb(
+            *call, epoch, self._block)  # fmt: skip
+        if status:
             raise IndexError("kv-canary: plan slot out of range of the canary buffer")
 
     def _bind_watches(self) -> None:

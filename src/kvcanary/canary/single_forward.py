@@ -119,7 +119,9 @@ class SingleForwardManager:
                 for g, capacity in zip(runtime.groups, runtime.verify_capacities, strict=True)
             ]  # fmt: skip
         self._req_to_token: tuple[torch.Tensor, np.ndarray] | None = None
-        self._host_cache: tuple[tuple[np.ndarray, ...], HostInputs] | None = None
+        # A host's persistent batch arrays -> (their HostInputs, its batch block or None).
+        self._host_cache: tuple[tuple[np.ndarray, ...], HostInputs, np.ndarray | None] | None
+        self._host_cache = None
         # Graph-safe decode plans (:mod:`.static_plan`): per-position groups only (a
         # DeepSeek-V4 pool's compressed and ring groups plan per forward; its decode is eager).
         self._static = config.graph_safe and all(g.per_position for g in runtime.groups)
@@ -159,7 +161,10 @@ class SingleForwardManager:
             return self._static_decode(fb, expected_inputs)
         fused = self._fused_launches()
         if fused is not None:
-            self._fused_head(fused, self._host_inputs(fb, expected_inputs))
+            host = self._host_inputs(fb, expected_inputs)
+            cached = self._host_cache
+            batch = cached[2] if cached is not None and cached[1] is host else None
+            self._fused_head(fused, host, batch)
             return []
         host: HostInputs | None = None  # row planners' view of the batch, made once
         inputs: PlanInputs | None = None  # the others', made once
@@ -198,12 +203,14 @@ class SingleForwardManager:
             ) or False  # fmt: skip
         return self._fused if isinstance(self._fused, FusedRowLaunches) else None
 
-    def _fused_head(self, fused: FusedRowLaunches, host: HostInputs) -> None:
-        """HEAD of every group in one compiled call (:mod:`.fused_rows`), then the host's
-        notes of it: overflowed verifies, the divergence reporter's totals."""
+    def _fused_head(self, fused: FusedRowLaunches, host: HostInputs,
+                    batch: np.ndarray | None) -> None:  # fmt: skip
+        """HEAD of every group in one compiled call (:mod:`.fused_rows`; ``batch``: the
+        batch block of ``host``, if any), then the host's notes of it: overflowed verifies,
+        the divergence reporter's totals."""
         rt = self.rt
         self._fused_open = False
-        overflow = fused.head(host, rt.config.verify_tokens, rt.chain_position_assert)
+        overflow = fused.head(host, rt.config.verify_tokens, rt.chain_position_assert, batch)
         self._fused_open = True
         if overflow or rt.verify_totals is not None:
             for i, group in enumerate(rt.groups):
@@ -277,7 +284,8 @@ class SingleForwardManager:
             token_table = (mirror.token_ids.numpy(), mirror.token_lens)
         host = host_inputs_from_batch(fb, self._req_to_token[1], token_table, expected_inputs)
         if arrays is not None and token_table is None and expected_inputs is None:
-            self._host_cache = (arrays, host)  # nothing in it changes per forward
+            # Nothing in it changes per forward; nor in its batch block (fused launches).
+            self._host_cache = (arrays, host, FusedRowLaunches.batch_block(host))
         return host
 
     def post_ops_maybe_inside_graph(
