@@ -126,3 +126,69 @@ def test_clean_runs_with_every_real_data_mode_are_silent(model: str) -> None:
         assert checker is not None and len(checker.watches) == (2 if v_half else 1) * (
             2 if engine.runner.is_swa else 1
         )
+
+
+def _watch(read_bytes: int, row_bytes: int) -> Any:
+    """A CPU store watch with one real-KV source of ``row_bytes`` per token."""
+    from kvcanary.canary.real_kv import RealKvSource
+    from kvcanary.canary.store_check import StoreChecker, StoreWatch
+
+    buf = torch.zeros(64, row_bytes, dtype=torch.uint8)
+    watch = StoreWatch(7, torch.zeros(64, 4, dtype=torch.int64), (RealKvSource(buf, 1, row_bytes, read_bytes),))
+    checker = StoreChecker([watch])
+    return checker, watch
+
+
+@pytest.mark.parametrize("read_bytes", [16, 256])
+@pytest.mark.parametrize("layout", ["qkv-view", "contiguous-3d", "contiguous-2d", "one-row",
+                                    "strided-inner", "float64", "int32-slots", "empty"])  # fmt: skip
+def test_observe_folds_each_token_rows_as_a_contiguous_copy_would(
+    layout: str, read_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode stores arrive as views of the QKV projection and are read in place; every other
+    layout takes the copying path. Either way: the fold of each token's first read bytes and
+    its slot, and the watch stamped with this forward's epoch."""
+    from kvcanary.canary.hashing import fold_real_kv_words_t
+
+    heads, dim, n = 2, 32, 5  # 256-byte float32 rows
+    gen = torch.Generator().manual_seed(len(layout) + read_bytes)
+    dtype = torch.float64 if layout == "float64" else torch.float32
+    if layout == "float64":
+        dim = 16
+    qkv = torch.randn(n, 3 * heads * dim, generator=gen, dtype=dtype)
+    kv = {
+        "qkv-view": qkv[:, heads * dim : 2 * heads * dim].view(n, heads, dim),
+        "contiguous-3d": qkv[:, : heads * dim].reshape(n, heads, dim).clone(),
+        "contiguous-2d": qkv[:, : heads * dim].clone(),
+        "one-row": qkv[:1, heads * dim : 2 * heads * dim].view(1, heads, dim),
+        "strided-inner": qkv[:, : 2 * heads * dim : 2].view(n, heads, dim),  # every other element
+        "float64": qkv[:, heads * dim : 2 * heads * dim].view(n, heads, dim),
+        "int32-slots": qkv[:, heads * dim : 2 * heads * dim].view(n, heads, dim),
+        "empty": qkv[:0, heads * dim : 2 * heads * dim].view(0, heads, dim),
+    }[layout]
+    rows = kv.shape[0]
+    loc = torch.arange(3, 3 + rows, dtype=torch.int32 if layout == "int32-slots" else torch.int64)
+    checker, watch = _watch(read_bytes, heads * dim * kv.element_size())
+    if layout not in ("strided-inner", "int32-slots"):  # read in place: no copying path
+        from kvcanary.canary import store_check
+
+        def copying(*_: Any) -> None:
+            raise AssertionError(f"{layout}: took the copying path")
+
+        monkeypatch.setattr(store_check, "_observe_rows_nb", copying)
+    checker.begin_forward(rows)
+    checker.observe(watch, 0, loc, kv, dtype)
+    assert watch.armed and watch.stamp[0] == checker.epoch
+    if rows:
+        words = kv.contiguous().reshape(rows, -1).view(torch.int64)[:, : read_bytes // 8]
+        assert torch.equal(watch.intended[0, :rows], fold_real_kv_words_t(words))
+        assert torch.equal(watch.target[0, :rows], loc.to(torch.int64))
+
+
+def test_observe_of_a_store_that_misses_the_forward_tokens_is_unaligned() -> None:
+    checker, watch = _watch(16, 256)
+    checker.begin_forward(4)
+    qkv = torch.randn(3, 192)
+    checker.observe(watch, 0, torch.arange(3), qkv[:, 64:128].view(3, 2, 32), torch.float32)
+    assert watch.stamp[0] == checker.epoch
+    assert (watch.target[0] == -2).all()  # nothing to align with the 4 tokens

@@ -35,11 +35,9 @@ from typing import Any
 
 import numba
 import numpy as np
-from numba.core import types
-from numba.extending import intrinsic
 
 from kvcanary.canary.constants import NO_TOKEN, FailReason, KvHalf, LaunchStage, launch_tag
-from kvcanary.canary.kernels_numba import _NO_COUNTERS, _launch_rows_kernel, _np, _record
+from kvcanary.canary.kernels_numba import _NO_COUNTERS, _launch_rows_kernel, _np, _record, i64_ptr
 from kvcanary.canary.real_kv import numba_source_args
 from kvcanary.canary.records import as_int64_records
 from kvcanary.canary.ring import RunCounters, ViolationRing
@@ -76,25 +74,14 @@ _GROUP_W = 18
 _LAUNCH_W = 30
 
 
-@intrinsic
-def _i64_ptr(typingctx, addr):
-    """An int64 address as ``int64*`` (for :func:`numba.carray`)."""
-    sig = types.CPointer(types.int64)(types.int64)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int64)))
-
-    return sig, codegen
-
-
 @numba.njit(cache=True, inline="always")
 def _a1(blk, k):
-    return numba.carray(_i64_ptr(blk[k]), (blk[k + 1],))
+    return numba.carray(i64_ptr(blk[k]), (blk[k + 1],))
 
 
 @numba.njit(cache=True, inline="always")
 def _a2(blk, k):
-    return numba.carray(_i64_ptr(blk[k]), (blk[k + 1], blk[k + 2]))
+    return numba.carray(i64_ptr(blk[k]), (blk[k + 1], blk[k + 2]))
 
 
 @numba.njit(cache=True, inline="always")

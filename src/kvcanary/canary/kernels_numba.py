@@ -20,6 +20,8 @@ from typing import Any
 import numba
 import numpy as np
 import torch
+from numba.core import types
+from numba.extending import intrinsic
 
 from kvcanary.canary.constants import NUM_LAUNCH_TAGS, FailReason
 from kvcanary.canary.hashing import ANCHOR_HASH_I64, chain_hash_nb
@@ -35,6 +37,17 @@ _TOKEN = int(FailReason.VERIFY_TOKEN_MISMATCH)
 _WRITE_TOKEN = int(FailReason.WRITE_TOKEN_MISMATCH)
 _WRITE_POSITION = int(FailReason.WRITE_POSITION_MISMATCH)
 _ANCHOR = np.int64(ANCHOR_HASH_I64)
+
+
+@intrinsic
+def i64_ptr(typingctx, addr):
+    """An int64 address as ``int64*`` (for :func:`numba.carray`)."""
+    sig = types.CPointer(types.int64)(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int64)))
+
+    return sig, codegen
 
 
 @numba.njit(cache=True)

@@ -44,7 +44,7 @@ from kvcanary.canary.constants import (
     launch_tag,
 )
 from kvcanary.canary.hashing import fold_real_kv_words_t, splitmix64_nb, splitmix64_t
-from kvcanary.canary.kernels_numba import _record
+from kvcanary.canary.kernels_numba import _record, i64_ptr
 from kvcanary.canary.plan_types import HostWritePlan, WritePlan
 from kvcanary.canary.real_kv import RealKvSource
 from kvcanary.canary.ring import ViolationRing
@@ -102,6 +102,37 @@ def _observe_nb(words, num_words, loc, intended, target):
 
 
 @numba.njit(cache=True)
+def _observe_in_place_nb(kv_addr, strides, last_dim, row_elems, elem_size, loc_addr, loc_stride,
+                         n, num_words, intended, target, stamp, j, epoch):  # fmt: skip
+    """:func:`_observe_nb` of a store read where it is (``n`` rows at ``kv_addr`` with element
+    ``strides``, 2-D or 3-D, ``row_elems`` elements of ``elem_size`` bytes per row; slots
+    int64 at ``loc_addr``), stamping ``stamp[j] = epoch``. False, with nothing read or
+    stamped, unless each row is contiguous whole int64 words at an 8-byte aligned address,
+    rows do not overlap and the slots are contiguous."""
+    ok = loc_stride == 1 or n == 1
+    if len(strides) == 3:
+        ok &= strides[2] == 1 and strides[1] == last_dim
+    else:
+        ok &= len(strides) == 2 and strides[1] == 1
+    row_bytes, step = row_elems * elem_size, strides[0] * elem_size
+    ok &= row_bytes % 8 == 0 and kv_addr % 8 == 0 and loc_addr % 8 == 0 and num_words * 8 <= row_bytes
+    ok &= n == 1 or (step % 8 == 0 and step >= row_bytes)
+    if not ok:
+        return False
+    stamp[j] = epoch
+    step_words = step // 8 if n > 1 else 0
+    words = numba.carray(i64_ptr(kv_addr), ((n - 1) * step_words + row_bytes // 8,))
+    loc = numba.carray(i64_ptr(loc_addr), (n,))
+    for t in range(n):
+        h = np.uint64(0)
+        for w in range(t * step_words, t * step_words + num_words):
+            h = splitmix64_nb(h ^ np.uint64(words[w]))
+        intended[t] = np.int64(h)
+        target[t] = loc[t]
+    return True
+
+
+@numba.njit(cache=True)
 def _observe_rows_nb(kv, num_words, loc, intended, target):
     """:func:`_observe_nb` of a C-contiguous ``[n, ...]`` store (any dtype whose row is a
     whole number of int64 words), its rows seen as int64 words here."""
@@ -156,6 +187,7 @@ class StoreChecker:
         self.epoch = 0
         self.num_tokens = 0  # of the current forward
         self.generation = 0  # bumped when a watch's scratch is reallocated (fused_rows rebinds)
+        self._capacity = -1  # tokens every watch's scratch holds (-1: not checked yet)
         self._ring: tuple[ViolationRing, np.ndarray, np.ndarray] | None = None  # numpy views
         # id(sub-pool) -> layer -> [(watch, source index, half)]
         self._targets: dict[int, dict[int, list[tuple[StoreWatch, int, KvHalf]]]] = {}
@@ -211,9 +243,12 @@ class StoreChecker:
     def begin_forward(self, num_tokens: int) -> None:
         self.epoch += 1
         self.num_tokens = num_tokens
+        if num_tokens <= self._capacity:  # every watch's scratch holds the forward
+            return
         for w in self.watches:
             if w.reserve(num_tokens):
                 self.generation += 1
+        self._capacity = min((w.intended.shape[1] for w in self.watches), default=num_tokens)
 
     def targets(self, sub: Any) -> dict[int, list[tuple[StoreWatch, int, KvHalf]]] | None:
         """What :meth:`attach` watches on sub-pool ``sub``: layer -> [(watch, source index,
@@ -225,19 +260,27 @@ class StoreChecker:
                 dtype: torch.dtype) -> None:  # fmt: skip
         """One store of ``kv`` (one row per token, stored as ``dtype``) at slots ``loc`` into
         the buffer of ``watch``'s source ``j``."""
-        watch.stamp[j] = self.epoch
         watch.armed = True
-        n = int(loc.shape[0])
+        n = loc.shape[0]
+        fast = watch._rows
+        if (fast is not None and n == self.num_tokens and kv.dtype == dtype
+                and dtype in _NUMPY_DTYPES and loc.dtype == torch.int64):  # fmt: skip
+            # A decode step's path: k and v arrive as views of the model's projections (rows
+            # strided), read in place; no torch call but the pointers.
+            intended, target, num_words = fast[j]
+            if _observe_in_place_nb(kv.data_ptr(), kv.stride(), kv.shape[-1], kv.numel() // max(n, 1),
+                                    kv.element_size(), loc.data_ptr(), loc.stride(0), n,
+                                    num_words, intended, target, watch.stamp, j, self.epoch):  # fmt: skip
+                return
+        watch.stamp[j] = self.epoch
         if n != self.num_tokens:
             watch.target[j].fill_(_UNALIGNED)
             return
         if n == 0:
             return
-        fast = watch._rows
         if (fast is not None and kv.dtype == dtype and dtype in _NUMPY_DTYPES
                 and kv.element_size() * kv.numel() // n % 8 == 0):  # fmt: skip
-            intended, target, num_words = fast[j]  # a decode step's path: few torch calls
-            # k and v arrive as views of the model's projections (rows strided): one copy
+            intended, target, num_words = fast[j]
             _observe_rows_nb(kv.contiguous().numpy(), num_words, loc.numpy(), intended, target)
             return
         rows = (kv if kv.dtype == dtype else kv.to(dtype)).reshape(n, -1)
