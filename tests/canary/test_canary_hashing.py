@@ -114,3 +114,30 @@ def test_signed_roundtrip_and_logical_shift() -> None:
     # sign bit set: torch must not sign-extend the right shifts
     x = 0xFFFF_0000_FFFF_0000
     assert to_u64(splitmix64_t(torch.tensor([to_i64(x)])).item()) == splitmix64(x)
+
+
+@pytest.mark.parametrize(("page_size", "token_bytes", "read_bytes"), [
+    (1, 512, 16), (1, 512, 512), (16, 128, 16), (4, 256, 256),  # gathered per pass
+    (1, 4096, 4096), (2, 2048, 1024), (1, 8192, 8192), (8, 1040, 1040),  # through the tile
+])  # fmt: skip
+def test_real_kv_fingerprints_numba_equal_torch(page_size: int, token_bytes: int, read_bytes: int) -> None:
+    """Field 3 from the numba kernels == the torch flavour, for every window the fold reads
+    per pass and every one it copies to a tile first (longer than 512 bytes), with two
+    sources (the second a partial window), slots in any order and negative slots (0)."""
+    from kvcanary.canary.real_kv import (
+        RealKvSource,
+        numba_source_args,
+        real_kv_hashes_nb,
+        real_kv_hashes_t,
+    )
+
+    gen = torch.Generator().manual_seed(token_bytes + read_bytes + page_size)
+    rows = 1024 // page_size
+    buf = torch.randint(0, 256, (rows, page_size * token_bytes + 16), generator=gen, dtype=torch.uint8)
+    sources = [RealKvSource(buf, page_size, token_bytes, read_bytes),
+               RealKvSource(buf, page_size, token_bytes, 16)]  # fmt: skip
+    for n in (0, 3, 63, 64, 65, 700):
+        slots = torch.randint(-1, rows * page_size, (n,), generator=gen)
+        want = torch.where(slots >= 0, real_kv_hashes_t(sources, slots.clamp(min=0)), 0)
+        got = torch.from_numpy(real_kv_hashes_nb(slots.numpy(), *numba_source_args(sources)))
+        assert torch.equal(got, want), n
