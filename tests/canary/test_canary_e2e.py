@@ -214,3 +214,25 @@ def test_verify_tokens_catches_a_wrong_token(graphs: tuple[int, ...]) -> None:
     engine.step()
     assert {r.fail_reasons for r in engine.canary.violations} == {("verify_token",)}
     _check_graphs(engine, graphs)
+
+
+@GRAPHS
+def test_write_input_assertion_armed_mid_run_checks_the_next_forward(graphs: tuple[int, ...]) -> None:
+    """``set_expected_inputs`` after forwards already ran (the graph runner's batches were
+    seen through its persistent views by then): the next forward checks its inputs."""
+    engine = tiny_engine(model="builtin:tiny-mha", canary=CanaryConfig(mode="log"),
+                         graph_batch_sizes=graphs)  # fmt: skip
+    start_decoding(engine, DISTINCT)
+    engine.step()
+    assert engine.canary.violations == []
+
+    def expected(fb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = fb.input_ids.clone()
+        ids[0] += 1  # the first row's token is not what it should be
+        return ids, fb.positions.clone()
+
+    engine.canary.set_expected_inputs(expected)
+    engine.step()
+    rows = engine.canary.violations
+    assert rows and {r.fail_reasons for r in rows} == {("write_token",)}
+    _check_graphs(engine, graphs)
