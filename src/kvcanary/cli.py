@@ -151,8 +151,8 @@ def _cmd_bench_engine(a: argparse.Namespace) -> int:
 
     spec = EngineBenchSpec(
         model=a.model, batches=parse_batches(a.batches), input_len=a.input_len,
-        output_len=a.output_len, repeats=a.repeats, page_size=a.page_size, seed=a.seed,
-        vllm_python=a.vllm_python,
+        output_len=a.output_len, repeats=a.repeats, page_size=a.page_size,
+        prefill_tokens=a.prefill_tokens, seed=a.seed, vllm_python=a.vllm_python,
     )  # fmt: skip
     _set_threads(a.threads)
     summary = bench_engine(spec, threads=a.threads, progress=not a.no_progress)
@@ -403,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="max prompt length; prompts vary in [input_len/2, input_len] (default: %(default)s)")
     engine.add_argument("--output-len", type=int, default=_B.output_len,
                         help="new tokens per prompt (default: %(default)s)")
+    engine.add_argument("--prefill-tokens", type=int, default=_B.prefill_tokens,
+                        help="tokens per prefill forward in ours (chunked prefill) and in vLLM "
+                             "(max_num_batched_tokens); transformers prefills a batch at once "
+                             "(default: %(default)s, vLLM's CPU default)")  # fmt: skip
     engine.add_argument("--seed", type=int, default=_B.seed,
                         help="seeds the weights and the prompts (default: %(default)s)")
     engine.add_argument("--repeats", type=int, default=_B.repeats,

@@ -88,8 +88,9 @@ def test_bench_engine_matches_transformers_and_notes_a_missing_vllm(
     out, missing = tmp_path / "engine.json", tmp_path / "no-venv" / "python"
     assert main(["bench", "engine", "--batches", "1,2", "--input-len", "24", "--output-len", "5",
                  "--repeats", "1", "--vllm-python", str(missing), "--threads", "1",
-                 "--no-progress", "--json", str(out)]) == 0  # fmt: skip
+                 "--prefill-tokens", "8", "--no-progress", "--json", str(out)]) == 0  # fmt: skip
     data = json.loads(out.read_text())
+    assert data["prefill_tokens"] == 8  # (12..24-token prompts: ours prefills them in chunks)
     assert [(r["batch"], r["system"], r["mismatches"]) for r in data["rows"]] == [
         (1, "kvcanary", "0/1"), (1, "transformers", "0/1"),
         (2, "kvcanary", "0/2"), (2, "transformers", "0/2"),
@@ -123,6 +124,8 @@ def test_a_vllm_worker_that_cannot_start_is_an_error_with_its_reason(tmp_path: P
     (["engine", "--repeats", "0"], "--repeats=0 is invalid: allowed an integer >= 1"),
     (["engine", "--output-len", "0"], "--output-len=0 is invalid: allowed an integer >= 1"),
     (["engine", "--input-len", "5000"], "--input-len=5000 is invalid"),
+    (["engine", "--batches", "16,64", "--prefill-tokens", "32"],
+     "--prefill-tokens=32 is invalid: allowed an integer >= the largest batch size"),
 ])  # fmt: skip
 def test_bad_flags_are_one_line_naming_the_flag(
     argv: list[str], expected: str, capsys: pytest.CaptureFixture[str], monkeypatch: Any

@@ -8,7 +8,9 @@ own venv as :mod:`.vllm_peer` (started once; without its interpreter vLLM is ski
 the summary says so in ``vllm``).
 
 For each batch size b (``--batches``): b prompts of ``[input_len/2, input_len]`` tokens,
-``--output-len`` new tokens each (no early stop). An untimed warm-up round (every system
+``--output-len`` new tokens each (no early stop). Prefill goes in forwards of at most
+``--prefill-tokens`` tokens in ours and in vLLM (default 4096, vLLM's CPU default for its
+``LLM`` class; transformers prefills each batch in one forward). An untimed warm-up round (every system
 at every batch size, prompts cut to 8 tokens: first calls at a shape allocate, compile and
 pack weights), then ``--repeats`` rounds, each running every system once per batch size,
 alternating (ours, transformers, vLLM, ours, ...), so drifting machine load hits all alike. Timed: the generate
@@ -61,6 +63,10 @@ class EngineBenchSpec:
     output_len: int = 64
     repeats: int = 3
     page_size: int = 4
+    # Tokens per prefill forward, ours (chunked_prefill_size) and vLLM's
+    # (max_num_batched_tokens): vLLM's CPU default for its LLM class; transformers prefills a
+    # batch in one forward.
+    prefill_tokens: int = 4096
     seed: int = 0
     vllm_python: str = DEFAULT_VLLM_PYTHON
 
@@ -75,6 +81,9 @@ class EngineBenchSpec:
             (self.output_len >= 1, "--output-len", self.output_len, "an integer >= 1"),
             (self.repeats >= 1, "--repeats", self.repeats, "an integer >= 1"),
             (self.page_size >= 1, "--page-size", self.page_size, "an integer >= 1"),
+            (not ok_batches or self.prefill_tokens >= max(self.batches), "--prefill-tokens",
+             self.prefill_tokens, "an integer >= the largest batch size (vLLM schedules a "
+             "decode token per request in one forward)"),
         ):  # fmt: skip
             if not ok:
                 raise ValueError(f"{flag}={show(value)} is invalid: allowed {allowed}")
@@ -106,7 +115,7 @@ def bench_engine(spec: EngineBenchSpec, threads: int | None = None, progress: bo
         raise ValueError(f"--model={show(spec.model)} is invalid: allowed a Qwen3-architecture model "
                          f"(builtin presets are; this one is {mc.architecture})")  # fmt: skip
     config = EngineConfig(model=spec.model, page_size=spec.page_size, enable_prefix_cache=False,
-                          seed=spec.seed)  # fmt: skip
+                          chunked_prefill_size=spec.prefill_tokens, seed=spec.seed)  # fmt: skip
     check_workload(config, WorkloadSpec(1, spec.input_len, spec.output_len, 0))
     engine = Engine(fit_pools(config, mc.sliding_window,
                               [([spec.input_len] * b, spec.output_len) for b in spec.batches]))  # fmt: skip
@@ -142,7 +151,8 @@ def _start_vllm(spec: EngineBenchSpec, hf: Any, tmp: Path, threads: int | None,
     hf.save_pretrained(tmp / "checkpoint")
     peer = VllmPeer(spec.vllm_python, str(tmp / "checkpoint"),
                     max_model_len=spec.input_len + spec.output_len + 8,
-                    max_num_seqs=max(spec.batches), threads=threads)  # fmt: skip
+                    max_num_seqs=max(spec.batches), max_num_batched_tokens=spec.prefill_tokens,
+                    threads=threads)  # fmt: skip
     return peer, f"vLLM {peer.version} (CPU, torch threads {peer.threads}), {spec.vllm_python}"
 
 
@@ -206,6 +216,7 @@ def _summarize(spec: EngineBenchSpec,
         "batches": list(spec.batches),
         "input_len_max": spec.input_len,
         "output_len": spec.output_len,
+        "prefill_tokens": spec.prefill_tokens,
         "repeats": spec.repeats,
         "torch_threads": torch.get_num_threads(),
         "vllm": vllm_note,

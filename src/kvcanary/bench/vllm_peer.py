@@ -44,8 +44,10 @@ class VllmPeer:
     """A running worker (started once: its start-up stays out of every timed region)."""
 
     def __init__(self, python: str, model_dir: str, *, max_model_len: int, max_num_seqs: int,
-                 threads: int | None = None, start_timeout_s: float = 600.0) -> None:  # fmt: skip
-        """``threads``: the worker's torch threads (``OMP_NUM_THREADS``; None: its own
+                 max_num_batched_tokens: int | None = None, threads: int | None = None,
+                 start_timeout_s: float = 600.0) -> None:  # fmt: skip
+        """``max_num_batched_tokens``: tokens per forward (prefill chunks; None: vLLM's
+        default). ``threads``: the worker's torch threads (``OMP_NUM_THREADS``; None: its own
         choice). The worker runs engine and model in one process, where vLLM binds no
         cores; ``self.threads`` is what it ended up with."""
         env = dict(os.environ)
@@ -53,9 +55,11 @@ class VllmPeer:
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 -- closed by close()
+        budget = [] if max_num_batched_tokens is None else [
+            "--max-num-batched-tokens", str(max_num_batched_tokens)]  # fmt: skip
         self._proc = subprocess.Popen(
             [python, "-m", "kvcanary.bench.vllm_peer", "--model", model_dir,
-             "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)],
+             "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), *budget],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=env, text=True,
         )  # fmt: skip
         ready = self._read(start_timeout_s)
@@ -153,7 +157,7 @@ def _serve(args: argparse.Namespace, out: IO[str]) -> None:
     llm = LLM(
         model=args.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=False, disable_log_stats=True,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False, disable_log_stats=True,
         # transformers ignores max_window_layers once layer_types is given; vLLM's Qwen2/3
         # asserts it equals the layer count for mixed layer types.
         hf_overrides={"max_window_layers": config["num_hidden_layers"]},
@@ -185,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="HF checkpoint directory (no tokenizer needed)")
     ap.add_argument("--max-model-len", type=int, required=True)
     ap.add_argument("--max-num-seqs", type=int, required=True)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     args = ap.parse_args(argv)
     out = os.fdopen(os.dup(1), "w")  # the protocol; fd 1 becomes stderr for everything else
     os.dup2(2, 1)
