@@ -144,7 +144,33 @@ def test_fused_qk_norm_and_rope_equal_separate_bit_for_bit(dtype: torch.dtype) -
         qkv = torch.randn(len(positions), width, generator=gen).to(dtype)
         nq = spec.num_heads * spec.head_dim
         qk = qkv[:, : nq + spec.num_kv_heads * spec.head_dim].view(len(positions), -1, spec.head_dim)
-        fused = apply_rope(attn._qk_norm(qk), cos, sin_signed)
+        normed, weight = attn._qk_norm(qk)
+        fused = apply_rope(normed, cos, sin_signed, weight)
         q = _rotate_half_rope(attn.q_norm(qk[:, : spec.num_heads]), cos, sin)
         k = _rotate_half_rope(attn.k_norm(qk[:, spec.num_heads :]), cos, sin)
         assert torch.equal(fused, torch.cat((q, k), dim=1))
+        if weight is not None:  # float32 CPU: the compiled pass; the torch ops give the same bits
+            x, half = normed * weight, spec.head_dim // 2
+            ops = x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin_signed
+            assert torch.equal(fused, ops)
+
+
+@pytest.mark.parametrize(("tokens", "heads", "dim", "strided", "weighted"), [
+    (1, 3, 8, False, False), (17, 24, 128, True, True), (300, 6, 32, True, False), (5, 2, 64, False, True),
+])  # fmt: skip
+def test_cpu_rope_pass_equals_the_torch_ops_bit_for_bit(tokens: int, heads: int, dim: int,
+                                                         strided: bool, weighted: bool) -> None:  # fmt: skip
+    """The compiled CPU rotation (:mod:`kvcanary.model.rope_cpu`) against the torch ops it
+    replaces, on views of a wider projection (rows strided) and on contiguous tensors."""
+    from kvcanary.model import rope_cpu
+
+    gen = torch.Generator().manual_seed(tokens * heads)
+    wide = torch.randn(tokens, heads + 5, dim, generator=gen)
+    x = wide[:, :heads] if strided else wide[:, :heads].contiguous()
+    cos, sin = torch.randn(tokens, 1, dim, generator=gen), torch.randn(tokens, 1, dim, generator=gen)
+    weight = torch.randn(heads, dim, generator=gen) if weighted else None
+    assert rope_cpu.applies(x, cos) and not rope_cpu.applies(x.double(), cos)
+    got = rope_cpu.rope(x, cos, sin, weight)
+    y, half = (x * weight if weight is not None else x), dim // 2
+    want = y * cos + torch.cat((y[..., half:], y[..., :half]), dim=-1) * sin
+    assert got.is_contiguous() and torch.equal(got, want)

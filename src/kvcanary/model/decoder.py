@@ -63,22 +63,25 @@ class Attention(nn.Module):
         # same bits, in about half the small ops (CPU decode is bound by their count).
         qk = qkv[:, : num_q + num_k].view(num_tokens, spec.num_heads + spec.num_kv_heads, spec.head_dim)
         v = qkv[:, num_q + num_k :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        weight = None
         if self.q_norm is not None and self.k_norm is not None:
-            qk = self._qk_norm(qk)
-        qk = apply_rope(qk, cos, sin)
+            qk, weight = self._qk_norm(qk)
+        qk = apply_rope(qk, cos, sin, weight)
         q, k = qk.split((spec.num_heads, spec.num_kv_heads), dim=1)
         out = forward_batch.attn_backend.forward(q, k, v, spec, forward_batch)
         return self._o(out.reshape(num_tokens, -1), self.o_proj.weight, self.o_proj.bias)
 
-    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
-        """q_norm on the q heads and k_norm on the k heads of ``qk [tokens, q + k heads, dim]``.
-        Float32 without weight offset: one rms_norm without weight times the per-head weights
-        (``rms_norm(x, w) == rms_norm(x) * w`` bit for bit); else each norm on its heads."""
+    def _qk_norm(self, qk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q_norm on the q heads and k_norm on the k heads of ``qk [tokens, q + k heads, dim]``,
+        as (normed without the weights, the per-head weights to multiply by; None: normed
+        with them). Float32 without weight offset: one rms_norm without weight, the weights
+        applied by ``apply_rope`` (``rms_norm(x, w) == rms_norm(x) * w`` bit for bit); else
+        each norm on its heads."""
         q_norm, k_norm = cast(RMSNorm, self.q_norm), cast(RMSNorm, self.k_norm)
         num_q = self.spec.num_heads
         if q_norm.weight_offset or k_norm.weight_offset or qk.dtype != torch.float32:
-            return torch.cat((q_norm(qk[:, :num_q]), k_norm(qk[:, num_q:])), dim=1)
-        return F.rms_norm(qk, q_norm.weight.shape, None, q_norm.eps) * self._qk_norm_weight(qk.dtype)
+            return torch.cat((q_norm(qk[:, :num_q]), k_norm(qk[:, num_q:])), dim=1), None
+        return F.rms_norm(qk, q_norm.weight.shape, None, q_norm.eps), self._qk_norm_weight(qk.dtype)
 
     def _qk_norm_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """``[q heads + k heads, head_dim]``: q_norm's weight per q head, then k_norm's per k

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from kvcanary.model import rope_cpu
 from kvcanary.model.config import RopeScaling
 
 
@@ -135,10 +136,16 @@ class RotaryEmbedding(nn.Module):
         return self.cos_cached[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [num_tokens, num_heads, head_dim]`` (halves layout): transformers'
-    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, the sign
-    folded into ``sin`` (``sin_signed = cat(-sin1, sin2)``, exact: ``-a * b == a * -b``), so
-    four ops instead of seven."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               weight: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Rotate ``x [num_tokens, num_heads, head_dim]`` (halves layout), times ``weight
+    [num_heads, head_dim]`` first when given: transformers' ``x * cos + rotate_half(x) *
+    sin`` with ``rotate_half(x) = cat(-x2, x1)``, the sign folded into ``sin`` (``sin_signed =
+    cat(-sin1, sin2)``, exact: ``-a * b == a * -b``), so four ops instead of seven. CPU
+    float32: one compiled pass with the same float32 operations (:mod:`.rope_cpu`)."""
+    if rope_cpu.applies(x, cos):
+        return rope_cpu.rope(x, cos, sin, weight)
+    if weight is not None:
+        x = x * weight
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
