@@ -371,8 +371,8 @@ class FusedRowLaunches:
             epoch = checker.epoch
             if checker.generation != self._watch_generation:
                 self._bind_watches()
-        status = _tail_batch_nb(*call, epoch, self._block) if len(call) == 3 else _tail_nb(
-            *call, epoch, self._block)  # fmt: skip
+        run = _tail_batch_nb if len(call) == 3 else _tail_nb
+        status = run(*(*call, epoch, self._block))
         if status:
             raise IndexError("kv-canary: plan slot out of range of the canary buffer")
 

@@ -267,8 +267,8 @@ class CanaryManager:
         if periodic:
             self.sweep.maybe_run(self.step)
         self.step += 1
-        index = self._pump_index
-        if index is None or index[0] > self.pump.total_seen:
+        ring_index = self._pump_index
+        if ring_index is None or ring_index[0] > self.pump.total_seen:
             self._report(self.pump.step())
         if periodic:
             self._periodic_observers(batch)

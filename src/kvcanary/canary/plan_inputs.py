@@ -79,7 +79,9 @@ def host_inputs_from_batch(
         table, lens = token_table[0], token_table[1].numpy()[arrays[0]]
     if expected_inputs is not None:
         ids, positions = expected_inputs[0].numpy(), expected_inputs[1].numpy()
-    return HostInputs(req_to_token, *arrays, table, lens, ids, positions)
+    rows, prefix, extend, input_ids, input_positions, out_cache_loc = arrays
+    return HostInputs(req_to_token, rows, prefix, extend, input_ids, input_positions,
+                      out_cache_loc, table, lens, ids, positions)  # fmt: skip
 
 
 def compress_plan_inputs(inputs: PlanInputs, ratio: int) -> PlanInputs:

@@ -161,10 +161,10 @@ class SingleForwardManager:
             return self._static_decode(fb, expected_inputs)
         fused = self._fused_launches()
         if fused is not None:
-            host = self._host_inputs(fb, expected_inputs)
+            batch_host = self._host_inputs(fb, expected_inputs)
             cached = self._host_cache
-            batch = cached[2] if cached is not None and cached[1] is host else None
-            self._fused_head(fused, host, batch)
+            batch = cached[2] if cached is not None and cached[1] is batch_host else None
+            self._fused_head(fused, batch_host, batch)
             return []
         host: HostInputs | None = None  # row planners' view of the batch, made once
         inputs: PlanInputs | None = None  # the others', made once

@@ -24,7 +24,7 @@ import torch
 
 
 @numba.njit(cache=True, boundscheck=False, nogil=True)
-def _rope(x, weight, has_weight, cos, sin, out):  # type: ignore[no-untyped-def]
+def _rope(x, weight, has_weight, cos, sin, out):
     tokens, heads, dim = x.shape
     half = dim // 2
     a = np.empty(dim, dtype=np.float32)
