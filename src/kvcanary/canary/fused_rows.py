@@ -154,8 +154,8 @@ def _head_nb(
 
 @numba.njit(cache=True)
 def _head_batch_nb(r2t, batch, check_token, position_assert, blk):
-    """:func:`_head_nb` of a batch described by a batch block (``_BATCH_W``; no write-input
-    assertion, no token table)."""
+    """:func:`_head_nb` of a batch described by a batch block (see above ``_HEADER``; no
+    write-input assertion, no token table)."""
     ids, positions = _a1(batch, 8), _a1(batch, 10)
     return _head_body(
         r2t, _a1(batch, 0), _a1(batch, 2), _a1(batch, 4), _a1(batch, 6), ids, positions, ids,

@@ -22,8 +22,9 @@ Observability (each opt-in by its interval; all read the device on the delayed s
 :mod:`.delayed`): :mod:`.sweep` (radix sweep), :mod:`.stats_logger`, :mod:`.health`,
 :mod:`.swa_divergence`. After a forward they are called only from the step at which one
 of them is due (and the step after, when a staged read drains): a forward with nothing due
-skips them, and skips the pump while the (CPU) ring's index has not moved. Fault injection (:mod:`.perturb`) attaches as ``perturber`` and is
-called at the three host-side points (pre-forward, post-forward, end of step).
+skips them, and skips the pump while the (CPU) ring's index has not moved. Fault injection
+(:mod:`.perturb`) attaches as ``perturber`` and is called at the three host-side points
+(pre-forward, post-forward, end of step).
 
 Until :meth:`mark_init_finished` (after warm-up / graph capture) the write kernels' chain
 position assert is disarmed: synthetic warm-up batches break position chains on purpose.
