@@ -142,6 +142,14 @@ _DIRECT_WORDS = 64
 _TILE_SLOTS, _TILE_WORDS = 64, 8192
 
 
+@numba.njit(cache=True, inline="always")
+def _fold_into(acc, slots, h, b0, m):
+    """``acc[b0 + i] = splitmix64(acc[b0 + i] ^ h[i])`` for ``i < m`` whose slot is >= 0."""
+    for i in range(m):
+        folded = np.int64(splitmix64_nb(np.uint64(acc[b0 + i]) ^ h[i]))
+        acc[b0 + i] = folded if slots[b0 + i] >= 0 else acc[b0 + i]
+
+
 @numba.njit(cache=True)
 def _fold_source(acc, slots, words, page_size, words_per_token, read_words):
     """``acc[i] = splitmix64(acc[i] ^ fold of slot i's read window)`` for slots >= 0.
@@ -177,9 +185,7 @@ def _fold_source(acc, slots, words, page_size, words_per_token, read_words):
                     lo_words[i], hi_words[i] = words[row, col], words[row, col + 1]
             for i in range(n):
                 h[i] = splitmix64_nb(splitmix64_nb(h[i] ^ lo_words[i]) ^ hi_words[i])
-        for i in range(n):
-            folded = np.int64(splitmix64_nb(np.uint64(acc[i]) ^ h[i]))
-            acc[i] = folded if slots[i] >= 0 else acc[i]
+        _fold_into(acc, slots, h, 0, n)
         return
     block = min(_TILE_SLOTS, max(4, _TILE_WORDS // read_words))
     tile = np.empty((block, read_words), dtype=np.uint64)
@@ -195,9 +201,7 @@ def _fold_source(acc, slots, words, page_size, words_per_token, read_words):
         for w in range(0, read_words, 2):
             for i in range(m):
                 h[i] = splitmix64_nb(splitmix64_nb(h[i] ^ tile[i, w]) ^ tile[i, w + 1])
-        for i in range(m):
-            folded = np.int64(splitmix64_nb(np.uint64(acc[b0 + i]) ^ h[i]))
-            acc[b0 + i] = folded if slots[b0 + i] >= 0 else acc[b0 + i]
+        _fold_into(acc, slots, h, b0, m)
 
 
 @numba.njit(cache=True)

@@ -43,7 +43,12 @@ from kvcanary.canary.constants import (
     LaunchStage,
     launch_tag,
 )
-from kvcanary.canary.hashing import fold_real_kv_words_t, splitmix64_nb, splitmix64_t
+from kvcanary.canary.hashing import (
+    fold_real_kv_nb,
+    fold_real_kv_words_t,
+    splitmix64_nb,
+    splitmix64_t,
+)
 from kvcanary.canary.kernels_numba import _record, i64_ptr
 from kvcanary.canary.plan_types import HostWritePlan, WritePlan
 from kvcanary.canary.real_kv import RealKvSource
@@ -94,10 +99,7 @@ class StoreWatch:
 @numba.njit(cache=True)
 def _observe_nb(words, num_words, loc, intended, target):
     for t in range(loc.shape[0]):
-        h = np.uint64(0)
-        for w in range(num_words):
-            h = splitmix64_nb(h ^ np.uint64(words[t, w]))
-        intended[t] = np.int64(h)
+        intended[t] = np.int64(fold_real_kv_nb(words, t, 0, num_words))
         target[t] = loc[t]
 
 
@@ -121,13 +123,11 @@ def _observe_in_place_nb(kv_addr, strides, last_dim, row_elems, elem_size, loc_a
         return False
     stamp[j] = epoch
     step_words = step // 8 if n > 1 else 0
-    words = numba.carray(i64_ptr(kv_addr), ((n - 1) * step_words + row_bytes // 8,))
+    # One row spanning exactly the stored rows (no view past the last row's end).
+    words = numba.carray(i64_ptr(kv_addr), (1, (n - 1) * step_words + row_bytes // 8))
     loc = numba.carray(i64_ptr(loc_addr), (n,))
     for t in range(n):
-        h = np.uint64(0)
-        for w in range(t * step_words, t * step_words + num_words):
-            h = splitmix64_nb(h ^ np.uint64(words[w]))
-        intended[t] = np.int64(h)
+        intended[t] = np.int64(fold_real_kv_nb(words, 0, t * step_words, num_words))
         target[t] = loc[t]
     return True
 
