@@ -56,8 +56,9 @@ from kvcanary.canary.ring import ViolationRing
 
 _KV_STORE = int(FailReason.WRITE_KV_STORE_MISMATCH)
 _UNALIGNED = -2  # target of a store that did not cover the forward's tokens one to one
-# Stores numba reads as they are (others, e.g. bfloat16, are viewed as int64 in torch first).
-_NUMPY_DTYPES = (torch.float32, torch.float64)
+# Stores numba reads as they are (others, e.g. bfloat16, are viewed as int64 in torch first),
+# with their element size.
+_NUMPY_DTYPES = {torch.float32: 4, torch.float64: 8}
 
 
 class StoreWatch:
@@ -263,14 +264,15 @@ class StoreChecker:
         watch.armed = True
         n = loc.shape[0]
         fast = watch._rows
-        if (fast is not None and n == self.num_tokens and kv.dtype == dtype
-                and dtype in _NUMPY_DTYPES and loc.dtype == torch.int64):  # fmt: skip
+        size = _NUMPY_DTYPES.get(dtype) if kv.dtype is dtype else None  # (dtypes are singletons)
+        if fast is not None and size and n == self.num_tokens and loc.dtype is torch.int64:
             # A decode step's path: k and v arrive as views of the model's projections (rows
-            # strided), read in place; no torch call but the pointers.
+            # strided), read in place; no torch call but the layout (each costs ~0.3 us right
+            # after the model's forward).
             intended, target, num_words = fast[j]
             if _observe_in_place_nb(kv.data_ptr(), kv.stride(), kv.shape[-1], kv.numel() // max(n, 1),
-                                    kv.element_size(), loc.data_ptr(), loc.stride(0), n,
-                                    num_words, intended, target, watch.stamp, j, self.epoch):  # fmt: skip
+                                    size, loc.data_ptr(), loc.stride(0), n, num_words, intended,
+                                    target, watch.stamp, j, self.epoch):  # fmt: skip
                 return
         watch.stamp[j] = self.epoch
         if n != self.num_tokens:
