@@ -144,12 +144,16 @@ def test_fused_qk_norm_and_rope_equal_separate_bit_for_bit(dtype: torch.dtype) -
         qkv = torch.randn(len(positions), width, generator=gen).to(dtype)
         nq = spec.num_heads * spec.head_dim
         qk = qkv[:, : nq + spec.num_kv_heads * spec.head_dim].view(len(positions), -1, spec.head_dim)
-        normed, weight = attn._qk_norm(qk)
-        fused = apply_rope(normed, cos, sin_signed, weight)
+        normed, weight, norm_eps = attn._qk_norm(qk)
+        # float32 CPU: the norm is left to the compiled rope pass
+        assert (norm_eps is not None) == (dtype == torch.float32)
+        fused = apply_rope(normed, cos, sin_signed, weight, norm_eps)
         q = _rotate_half_rope(attn.q_norm(qk[:, : spec.num_heads]), cos, sin)
         k = _rotate_half_rope(attn.k_norm(qk[:, spec.num_heads :]), cos, sin)
         assert torch.equal(fused, torch.cat((q, k), dim=1))
         if weight is not None:  # float32 CPU: the compiled pass; the torch ops give the same bits
+            if norm_eps is not None:
+                normed = torch.nn.functional.rms_norm(qk, (spec.head_dim,), None, norm_eps)
             x, half = normed * weight, spec.head_dim // 2
             ops = x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin_signed
             assert torch.equal(fused, ops)

@@ -135,7 +135,7 @@ class CanaryManager:
         # (A memoryview: indexing it reads a Python int; a numpy scalar costs ~1.3 us more
         # right after a forward, when numpy's code is out of the caches.)
         index = self.runtime.ring.host_index
-        self._pump_index = memoryview(index) if index is not None and self.pump.delay_steps == 0 else None
+        self._pump_index = index.data if index is not None and self.pump.delay_steps == 0 else None
         self._next_periodic = 0
 
     def _init_observability(

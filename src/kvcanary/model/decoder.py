@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kvcanary.model import norm_cpu
 from kvcanary.model.base import AttentionLayerSpec
 from kvcanary.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from kvcanary.model.gemm import PackedLinear
@@ -63,25 +64,32 @@ class Attention(nn.Module):
         # same bits, in about half the small ops (CPU decode is bound by their count).
         qk = qkv[:, : num_q + num_k].view(num_tokens, spec.num_heads + spec.num_kv_heads, spec.head_dim)
         v = qkv[:, num_q + num_k :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        weight = None
+        weight, norm_eps = None, None
         if self.q_norm is not None and self.k_norm is not None:
-            qk, weight = self._qk_norm(qk)
-        qk = apply_rope(qk, cos, sin, weight)
+            qk, weight, norm_eps = self._qk_norm(qk)
+        qk = apply_rope(qk, cos, sin, weight, norm_eps)
         q, k = qk.split((spec.num_heads, spec.num_kv_heads), dim=1)
         out = forward_batch.attn_backend.forward(q, k, v, spec, forward_batch)
         return self._o(out.reshape(num_tokens, -1), self.o_proj.weight, self.o_proj.bias)
 
-    def _qk_norm(self, qk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _qk_norm(self, qk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
         """q_norm on the q heads and k_norm on the k heads of ``qk [tokens, q + k heads, dim]``,
-        as (normed without the weights, the per-head weights to multiply by; None: normed
-        with them). Float32 without weight offset: one rms_norm without weight, the weights
-        applied by ``apply_rope`` (``rms_norm(x, w) == rms_norm(x) * w`` bit for bit); else
-        each norm on its heads."""
+        as (``qk`` normed without the weights, or not yet normed; the per-head weights to
+        multiply by, None: normed with them; the eps of the rms_norm ``apply_rope`` still
+        has to do first, or None). Float32 without weight offset: one rms_norm without
+        weight, the weights applied by ``apply_rope`` (``rms_norm(x, w) == rms_norm(x) * w``
+        bit for bit), and on the CPU the norm too (one pass: :mod:`.rope_cpu`); else each
+        norm on its heads."""
         q_norm, k_norm = cast(RMSNorm, self.q_norm), cast(RMSNorm, self.k_norm)
         num_q = self.spec.num_heads
-        if q_norm.weight_offset or k_norm.weight_offset or qk.dtype != torch.float32:
-            return torch.cat((q_norm(qk[:, :num_q]), k_norm(qk[:, num_q:])), dim=1), None
-        return F.rms_norm(qk, q_norm.weight.shape, None, q_norm.eps), self._qk_norm_weight(qk.dtype)
+        if q_norm.weight_offset or k_norm.weight_offset or qk.dtype != torch.float32 or (
+            q_norm.eps != k_norm.eps
+        ):
+            return torch.cat((q_norm(qk[:, :num_q]), k_norm(qk[:, num_q:])), dim=1), None, None
+        weight = self._qk_norm_weight(qk.dtype)
+        if norm_cpu.applies(qk):
+            return qk, weight, q_norm.eps
+        return F.rms_norm(qk, q_norm.weight.shape, None, q_norm.eps), weight, None
 
     def _qk_norm_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """``[q heads + k heads, head_dim]``: q_norm's weight per q head, then k_norm's per k
@@ -138,8 +146,8 @@ class DecoderLayer(nn.Module):
         if self.sandwich_norm:
             x = x + self.post_attention_layernorm(attn_out)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, normed = self.post_attention_layernorm.add_forward(x, attn_out)
+        return x + self.mlp(normed)
 
 
 class HybridDecoder(nn.Module):

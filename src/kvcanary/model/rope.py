@@ -13,8 +13,9 @@ import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from kvcanary.model import rope_cpu
+from kvcanary.model import norm_cpu, rope_cpu
 from kvcanary.model.config import RopeScaling
 
 
@@ -137,14 +138,17 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               weight: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+               weight: torch.Tensor | None = None, norm_eps: float | None = None) -> torch.Tensor:  # fmt: skip
     """Rotate ``x [num_tokens, num_heads, head_dim]`` (halves layout), times ``weight
-    [num_heads, head_dim]`` first when given: transformers' ``x * cos + rotate_half(x) *
-    sin`` with ``rotate_half(x) = cat(-x2, x1)``, the sign folded into ``sin`` (``sin_signed =
+    [num_heads, head_dim]`` first when given, after an unweighted rms_norm over ``head_dim``
+    (eps ``norm_eps``) first when given: transformers' ``x * cos + rotate_half(x) * sin``
+    with ``rotate_half(x) = cat(-x2, x1)``, the sign folded into ``sin`` (``sin_signed =
     cat(-sin1, sin2)``, exact: ``-a * b == a * -b``), so four ops instead of seven. CPU
     float32: one compiled pass with the same float32 operations (:mod:`.rope_cpu`)."""
-    if rope_cpu.applies(x, cos):
-        return rope_cpu.rope(x, cos, sin, weight)
+    if rope_cpu.applies(x, cos) and (norm_eps is None or norm_cpu.applies(x)):
+        return rope_cpu.rope(x, cos, sin, weight, norm_eps)
+    if norm_eps is not None:
+        x = F.rms_norm(x, (x.shape[-1],), None, norm_eps)
     if weight is not None:
         x = x * weight
     half = x.shape[-1] // 2

@@ -22,20 +22,27 @@ import numba
 import numpy as np
 import torch
 
+from kvcanary.model import norm_cpu
+from kvcanary.model.norm_cpu import inv_rms_nb
+
 
 @numba.njit(cache=True, boundscheck=False, nogil=True)
-def _rope(x, weight, has_weight, cos, sin, out):
+def _rope(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
     tokens, heads, dim = x.shape
     half = dim // 2
     a = np.empty(dim, dtype=np.float32)
+    acc = np.empty((4, 4, 16), dtype=np.float32)
     for t in range(tokens):
         for h in range(heads):
+            for d in range(dim):
+                a[d] = x[t, h, d]
+            if lanes:  # rms_norm first (norm_cpu: the same bits as F.rms_norm)
+                r = inv_rms_nb(a, norm_eps, lanes, acc)
+                for d in range(dim):
+                    a[d] = a[d] * r
             if has_weight:
                 for d in range(dim):
-                    a[d] = x[t, h, d] * weight[h, d]
-            else:
-                for d in range(dim):
-                    a[d] = x[t, h, d]
+                    a[d] = a[d] * weight[h, d]
             for d in range(half):
                 out[t, h, d] = a[d] * cos[t, d] + a[d + half] * sin[t, d]
                 out[t, h, d + half] = a[d + half] * cos[t, d + half] + a[d] * sin[t, d + half]
@@ -55,15 +62,17 @@ def applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         weight: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """``apply_rope(x * weight, cos, sin)`` (``weight [heads, dim]``, or None: ``x``) as a new
-    contiguous ``[tokens, heads, dim]`` tensor; ``cos`` / ``sin`` ``[tokens, 1, dim]``. Call
-    only where :func:`applies`."""
+         weight: torch.Tensor | None = None, norm_eps: float | None = None) -> torch.Tensor:  # fmt: skip
+    """``apply_rope(rms_norm(x) * weight, cos, sin)`` (``weight [heads, dim]``, or None: no
+    weight; ``norm_eps`` None: no norm) as a new contiguous ``[tokens, heads, dim]`` tensor;
+    ``cos`` / ``sin`` ``[tokens, 1, dim]``. Call only where :func:`applies` (and, with a
+    norm, :func:`.norm_cpu.applies`)."""
     tokens, heads, dim = x.shape
     out = torch.empty((tokens, heads, dim), dtype=torch.float32, device=x.device)
     w = _NO_WEIGHT if weight is None else weight.numpy()
-    _rope(x.numpy(), w, weight is not None, cos.reshape(tokens, dim).numpy(),
-          sin.reshape(tokens, dim).numpy(), out.numpy())  # fmt: skip
+    lanes = 0 if norm_eps is None else norm_cpu.lanes()
+    _rope(x.numpy(), w, weight is not None, np.float32(norm_eps or 0.0), lanes,
+          cos.reshape(tokens, dim).numpy(), sin.reshape(tokens, dim).numpy(), out.numpy())  # fmt: skip
     return out
 
 

@@ -1,0 +1,201 @@
+"""CPU RMSNorm (numba): torch's float32 ``rms_norm``, bit for bit, in one pass per row.
+
+On the CPU ``F.rms_norm`` runs as a composite of small ops (``pow``, ``mean`` = ``sum`` then
+``div_``, ``add_``, ``rsqrt``, two ``mul``, and the ``to`` copies between them): ~12 us a
+call on a tiny model's decode row, 19 calls a tiny-swa decode step (13 % of its time,
+torch profiler). Here each row is read once and written once, with the composite's float32
+operations in its order::
+
+    s   = torch's CPU float32 sum of x * x (below)      mean = s / D    (a true division)
+    r   = 1 / sqrt(mean + eps)                           (rsqrt: a rounded sqrt, a rounded
+                                                           division)
+    out = (x * r) * weight                               (each product rounded; no FMA)
+
+torch's CPU sum of a contiguous row (``SumKernel.cpp``: ``vectorized_inner_sum`` ->
+``row_sum`` -> ``multi_row_sum``) adds W-lane vectors in a fixed tree: the row's whole
+vectors are seen as rows of 4 (ILP), summed into cascade levels of 16 (so that only sums of
+similar size meet), the 4 partial vectors folded left to right, then the tail elements and
+the W lanes added one by one to 0. W is the vector width torch's reduction kernels were
+dispatched with, which need not be the widest the CPU has (this machine: AVX-512 CPU, 8-lane
+AVX2 sums), so it is found by probing: :func:`lanes` runs this pass with W = 8, 16 and 4 on
+rows that exercise every branch (tails, the ILP remainder, several cascade levels) and keeps
+the first whose bits equal ``F.rms_norm``'s; none (another torch, another CPU) leaves the
+torch path in place. The probe only picks a width: the tests compare the pass with torch on
+rows of many lengths.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+_ILP, _LEVELS = 4, 4  # torch's row_sum ILP factor, multi_row_sum's cascade levels
+_MAX_LANES = 16
+
+
+@numba.njit(cache=True, inline="always")
+def sq_sum_nb(row, lanes, acc):
+    """torch's CPU float32 ``(row * row).sum()`` (module doc) of a contiguous 1-D float32
+    ``row`` for ``lanes``-wide vectors; ``acc``: float32 scratch ``[4, 4, >= lanes]``."""
+    d = row.shape[0]
+    if d < lanes:  # scalar_inner_sum: the same tree over single elements
+        lanes = 1
+    nvec = d // lanes
+    size = nvec // _ILP  # multi_row_sum's "rows" of 4 vectors
+    acc[:, :, :lanes] = 0
+    ceil_log2 = 1
+    while (1 << ceil_log2) < size:
+        ceil_log2 += 1
+    level_power = max(4, ceil_log2 // _LEVELS)
+    level_step = 1 << level_power
+    level_mask = level_step - 1
+    i = 0
+    while i + level_step <= size:
+        for _ in range(level_step):
+            for k in range(_ILP):
+                off = (i * _ILP + k) * lanes
+                for lane in range(lanes):
+                    v = row[off + lane]
+                    acc[0, k, lane] += v * v
+            i += 1
+        for j in range(1, _LEVELS):
+            for k in range(_ILP):
+                for lane in range(lanes):
+                    acc[j, k, lane] += acc[j - 1, k, lane]
+                    acc[j - 1, k, lane] = 0
+            if (i & (level_mask << (j * level_power))) != 0:
+                break
+    while i < size:
+        for k in range(_ILP):
+            off = (i * _ILP + k) * lanes
+            for lane in range(lanes):
+                v = row[off + lane]
+                acc[0, k, lane] += v * v
+        i += 1
+    for j in range(1, _LEVELS):
+        for k in range(_ILP):
+            for lane in range(lanes):
+                acc[0, k, lane] += acc[j, k, lane]
+    for vec in range(size * _ILP, nvec):  # row_sum's remainder vectors, into partial 0
+        off = vec * lanes
+        for lane in range(lanes):
+            v = row[off + lane]
+            acc[0, 0, lane] += v * v
+    for k in range(1, _ILP):
+        for lane in range(lanes):
+            acc[0, 0, lane] += acc[0, k, lane]
+    total = np.float32(0)
+    for e in range(nvec * lanes, d):  # the elements past the last whole vector
+        v = row[e]
+        total += v * v
+    for lane in range(lanes):
+        total += acc[0, 0, lane]
+    return total
+
+
+@numba.njit(cache=True, inline="always")
+def inv_rms_nb(row, eps, lanes, acc):
+    """``1 / sqrt(mean(row * row) + eps)`` as torch's composite rounds it (float32)."""
+    mean = sq_sum_nb(row, lanes, acc) / np.float32(row.shape[0])
+    return np.float32(1) / np.sqrt(mean + eps)
+
+
+@numba.njit(cache=True, boundscheck=False, nogil=True)
+def _rms_rows(x, weight, has_weight, eps, lanes, out):
+    acc = np.empty((_LEVELS, _ILP, _MAX_LANES), dtype=np.float32)
+    for t in range(x.shape[0]):
+        r = inv_rms_nb(x[t], eps, lanes, acc)
+        if has_weight:
+            for e in range(x.shape[1]):
+                out[t, e] = (x[t, e] * r) * weight[e]
+        else:
+            for e in range(x.shape[1]):
+                out[t, e] = x[t, e] * r
+
+
+@numba.njit(cache=True, boundscheck=False, nogil=True)
+def _add_rms_rows(x, y, weight, eps, lanes, total, out):
+    acc = np.empty((_LEVELS, _ILP, _MAX_LANES), dtype=np.float32)
+    for t in range(x.shape[0]):
+        for e in range(x.shape[1]):
+            total[t, e] = x[t, e] + y[t, e]
+        r = inv_rms_nb(total[t], eps, lanes, acc)
+        for e in range(x.shape[1]):
+            out[t, e] = (total[t, e] * r) * weight[e]
+
+
+_NO_WEIGHT = np.ones(1, dtype=np.float32)
+_lanes: int | None = None  # lanes(), once probed
+
+
+def lanes() -> int:
+    """The vector width of torch's float32 CPU sums (module doc), or 0 when no width this
+    pass knows reproduces ``F.rms_norm`` bit for bit here (probed once)."""
+    global _lanes
+    if _lanes is None:
+        _lanes = _probe()
+    return _lanes
+
+
+def _probe() -> int:
+    gen = torch.Generator().manual_seed(0)
+    # Rows shorter than a vector, tails, ILP remainders, one and several cascade levels.
+    rows = [torch.randn(3, d, generator=gen) * 7 for d in (5, 24, 100, 128, 1000, 5003)]
+    weights = [torch.randn(x.shape[1], generator=gen) for x in rows]
+    for width in (8, 16, 4):
+        if all(torch.equal(_rms(x, w, 1e-6, width), F.rms_norm(x, (x.shape[1],), w, 1e-6))
+               for x, weight in zip(rows, weights, strict=True) for w in (weight, None)):  # fmt: skip
+            return width
+    return 0
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether :func:`rms_norm` / :func:`add_rms_norm` take ``x`` (else the torch ops): CPU
+    float32 (dtypes are singletons), at least 1-D, outside ``torch.compile`` tracing, and a
+    width found. (Called per norm: cheapest tests first.)"""
+    return (
+        x.dtype is torch.float32
+        and x.is_cpu
+        and (_lanes if _lanes is not None else lanes()) > 0
+        and x.dim() >= 1
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return (t.detach() if t.requires_grad else t).numpy()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as contiguous rows ``[-1, x.shape[-1]]`` (itself when it is already)."""
+    return (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float, width: int) -> torch.Tensor:
+    rows = _rows(x)
+    out = torch.empty_like(rows)
+    _rms_rows(rows.numpy(), _NO_WEIGHT if weight is None else _np(weight), weight is not None,
+              np.float32(eps), width, out.numpy())  # fmt: skip
+    return out if x.dim() == 2 else out.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, (x.shape[-1],), weight, eps)``, the same bits, as a new contiguous
+    tensor. Call only where :func:`applies`."""
+    return _rms(x, weight, eps, lanes())
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(x + y, F.rms_norm(x + y, ..., weight, eps))``, the same bits, in one pass (the
+    residual add before a pre-norm block). Call only where :func:`applies` (``x``, ``y`` of
+    one shape)."""
+    rows_x, rows_y = _rows(x), _rows(y)
+    total, out = torch.empty_like(rows_x), torch.empty_like(rows_x)
+    _add_rms_rows(rows_x.numpy(), rows_y.numpy(), _np(weight), np.float32(eps), lanes(),
+                  total.numpy(), out.numpy())  # fmt: skip
+    if x.dim() == 2:
+        return total, out
+    return total.view(x.shape), out.view(x.shape)
