@@ -26,7 +26,8 @@ def test_rms_norm_equals_torch_bit_for_bit(dim: int) -> None:
     x = torch.randn(5, dim, generator=gen) * torch.rand(5, 1, generator=gen) * 20
     y = torch.randn(5, dim, generator=gen)
     weight = torch.randn(dim, generator=gen)
-    assert norm_cpu.applies(x)
+    # The pass takes decode-sized inputs; larger ones go to torch's threads (same bits).
+    assert norm_cpu.applies(x) == (x.numel() <= norm_cpu._MAX_ELEMENTS)
     for w in (weight, None):
         assert torch.equal(norm_cpu.rms_norm(x, w, 1e-6), F.rms_norm(x, (dim,), w, 1e-6))
     total, normed = norm_cpu.add_rms_norm(x, y, weight, 1e-5)

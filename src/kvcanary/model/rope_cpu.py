@@ -31,7 +31,7 @@ def _rope(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
     tokens, heads, dim = x.shape
     half = dim // 2
     a = np.empty(dim, dtype=np.float32)
-    acc = np.empty((4, 4, 16), dtype=np.float32)
+    acc = np.empty((4, 64), dtype=np.float32)  # norm_cpu.sq_sum_nb's scratch
     for t in range(tokens):
         for h in range(heads):
             for d in range(dim):
