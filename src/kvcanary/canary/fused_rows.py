@@ -37,7 +37,14 @@ import numba
 import numpy as np
 
 from kvcanary.canary.constants import NO_TOKEN, FailReason, KvHalf, LaunchStage, launch_tag
-from kvcanary.canary.kernels_numba import _NO_COUNTERS, _launch_rows_kernel, _np, _record, i64_ptr
+from kvcanary.canary.kernels_numba import (
+    _NO_COUNTERS,
+    _launch_rows_kernel,
+    _np,
+    _record,
+    entry_point,
+    i64_ptr,
+)
 from kvcanary.canary.real_kv import numba_source_args
 from kvcanary.canary.records import as_int64_records
 from kvcanary.canary.ring import RunCounters, ViolationRing
@@ -239,6 +246,11 @@ class FusedRowLaunches:
         # and positions, check inputs, has table, check token, position assert), or (batch
         # block, check token, position assert).
         self._tail_call: tuple[Any, ...] | None = None
+        # The batch-block calls' compiled functions (:func:`.kernels_numba.entry_point`: their
+        # argument types are fixed, int64 blocks made here and Python scalars, but for
+        # req_to_token's): (the req_to_token HEAD's is for, HEAD's), TAIL's.
+        self._head_entry: tuple[np.ndarray, Any] | None = None
+        self._tail_entry: Any = None
 
     @staticmethod
     def build(planners: Sequence[RowPlanner], groups: Sequence[Any], v_half: bool,
@@ -313,9 +325,15 @@ class FusedRowLaunches:
         verify overflowed its capacity (its verify skipped; see :meth:`verify_entries`).
         ``batch``: ``host``'s :meth:`batch_block`, when it has one (fewer arguments to pass)."""
         if batch is not None:
+            r2t = host.req_to_token
+            head = self._head_entry
+            if head is None or head[0] is not r2t:
+                head = self._head_entry = (r2t, entry_point(
+                    _head_batch_nb, r2t, batch, check_token, position_assert, self._block))  # fmt: skip
+                self._tail_entry = entry_point(_tail_batch_nb, batch, check_token,
+                                               position_assert, 0, self._block)  # fmt: skip
             while True:
-                code = _head_batch_nb(host.req_to_token, batch, check_token, position_assert,
-                                      self._block)  # fmt: skip
+                code = head[1](r2t, batch, check_token, position_assert, self._block)
                 if not self._retry(code, host):
                     self._tail_call = (batch, check_token, position_assert)
                     return code == _OVERFLOW
@@ -371,8 +389,10 @@ class FusedRowLaunches:
             epoch = checker.epoch
             if checker.generation != self._watch_generation:
                 self._bind_watches()
-        run = _tail_batch_nb if len(call) == 3 else _tail_nb
-        status = run(*(*call, epoch, self._block))
+        if len(call) == 3:  # (HEAD resolved the entry)
+            status = self._tail_entry(*call, epoch, self._block)
+        else:
+            status = _tail_nb(*(*call, epoch, self._block))
         if status:
             raise IndexError("kv-canary: plan slot out of range of the canary buffer")
 

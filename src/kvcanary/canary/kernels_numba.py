@@ -14,8 +14,8 @@ are bumped inside the kernels (one Python call less per launch).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import numba
 import numpy as np
@@ -48,6 +48,19 @@ def i64_ptr(typingctx, addr):
         return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int64)))
 
     return sig, codegen
+
+
+def entry_point(dispatcher: Any, *sample_args: Any) -> Callable[..., Any]:
+    """The compiled function of ``dispatcher`` (an ``njit`` function) for the numba types of
+    ``sample_args``, compiled (or loaded from the cache) now. Calling it skips the
+    dispatcher's typing of every argument and its overload lookup: ~2.3 us less a call right
+    after a model's forward, when that code is out of the caches (4.0 vs 6.3 us measured,
+    five arguments). Only for call sites whose argument types cannot change (the same
+    arrays, Python scalars): a wrong type is not caught, an array is read by the layout
+    compiled for. Anything but a dispatcher (a profiler's wrapper) is returned as it is."""
+    if not isinstance(dispatcher, numba.core.registry.CPUDispatcher):
+        return cast(Callable[..., Any], dispatcher)
+    return dispatcher.compile(tuple(numba.typeof(a) for a in sample_args))
 
 
 @numba.njit(cache=True)
