@@ -334,7 +334,7 @@ class FusedRowLaunches:
                                                position_assert, 0, self._block)  # fmt: skip
             while True:
                 code = head[1](r2t, batch, check_token, position_assert, self._block)
-                if not self._retry(code, host):
+                if code <= _OVERFLOW or not self._retry(code, host):
                     self._tail_call = (batch, check_token, position_assert)
                     return code == _OVERFLOW
         ids, positions = host.expected_input_ids, host.expected_positions
