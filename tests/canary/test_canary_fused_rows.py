@@ -126,3 +126,26 @@ def test_plan_errors_leave_no_trace_and_name_the_problem() -> None:
         engine.step()
     assert int(rt.ring.write_index) == before[0]
     assert torch.equal(rt.verify_counters.kernel_runs, before[1])
+
+
+def test_entry_point_runs_the_compiled_function_without_the_dispatcher() -> None:
+    """What fused HEAD / TAIL and the store check call instead of the dispatcher: the same
+    compiled function (here the ring writer), typed once; a wrapper that is not a numba
+    dispatcher (a profiler's) is called as it is."""
+    import numpy as np
+
+    from kvcanary.canary.kernels_numba import _record, entry_point
+
+    ring, index = np.zeros((2, 8), dtype=np.int64), np.zeros(1, dtype=np.int64)
+    args = (ring, index, 11, 12, 13, 14, 15, 16, 17, 18)
+    run = entry_point(_record, *args)
+    assert run is not _record and not hasattr(run, "compile")
+    run(*args)
+    run(*args)
+    run(*args)  # a full ring counts the row it drops
+    assert index[0] == 3 and ring.tolist() == [[11, 12, 13, 14, 15, 16, 17, 18]] * 2
+
+    def wrapper(*a: Any) -> None:
+        return None
+
+    assert entry_point(wrapper, 1, 2) is wrapper
