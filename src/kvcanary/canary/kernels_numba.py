@@ -184,7 +184,7 @@ def _row_may_violate(rec, slots, tokens, real, first, count, first_position, che
 _ERR_SLOT = 1
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _verify_rows_kernel(
     requests, num_rows, entries, num_entries, check_token, tag,
     rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index, runs, processed,
@@ -239,7 +239,7 @@ def _verify_rows_kernel(
     return 0
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _write_kernel(
     requests, num_reqs, token_ids, positions, slots,
     check_inputs, expected_token_ids, expected_positions, position_assert, tag,

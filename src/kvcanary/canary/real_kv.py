@@ -204,7 +204,7 @@ def _fold_source(acc, slots, words, page_size, words_per_token, read_words):
         _fold_into(acc, slots, h, b0, m)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def real_kv_hashes_nb(slots, words0, words1, words2, words3, meta, num_sources):
     """numba: field 3 for every slot (0 for negative slots), one pass per source (the
     arguments of :func:`numba_source_args`).

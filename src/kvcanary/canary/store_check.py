@@ -141,7 +141,7 @@ def _observe_rows_nb(kv, num_words, loc, intended, target):
     _observe_nb(kv.reshape(n, kv.size // n).view(np.int64), num_words, loc, intended, target)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _check_nb(requests, num_reqs, slots, token_ids, positions, intended, target, stored, rec,
               ring, ring_index, tag):  # fmt: skip
     num_sources = intended.shape[0]
