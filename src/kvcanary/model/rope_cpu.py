@@ -1,4 +1,5 @@
-"""CPU RoPE (numba): ``apply_rope``'s rotation, optionally after a per-head weight, in one pass.
+"""CPU RoPE (numba): ``apply_rope``'s rotation, optionally after Qwen3's q/k RMSNorm and a
+per-head weight, in one pass.
 
 The torch path is four whole-tensor ops (``x * cos``, a ``cat`` of the halves, ``* sin``, an
 add; plus ``* weight`` after Qwen3's q/k norm), each reading and writing every element of
@@ -7,7 +8,8 @@ qwen3-0.6b-shape preset's 1024-token prefill those ops took ~25 ms a layer (13 %
 forward); one pass here reads each element once and writes it once. Per element it does
 exactly the torch path's float32 operations in the same order (``w * x`` rounded, then
 ``a * cos + b * sin`` as two rounded products and a rounded sum; no fused multiply-add), so
-the results are bit for bit the same.
+the results are bit for bit the same. The norm, when asked for, is :mod:`.norm_cpu`'s (the
+composite ``F.rms_norm``'s bits) on each head's row before the weight.
 
 Halves layout (transformers' ``rotate_half``), ``sin`` sign-folded as
 :meth:`~kvcanary.model.rope.RotaryEmbedding.cos_sin` gives it::
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 
 from kvcanary.model import norm_cpu
-from kvcanary.model.norm_cpu import inv_rms_nb
+from kvcanary.model.norm_cpu import SQ_SUM_SCRATCH, inv_rms_nb
 
 
 @numba.njit(cache=True, boundscheck=False, nogil=True)
@@ -31,7 +33,7 @@ def _rope(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
     tokens, heads, dim = x.shape
     half = dim // 2
     a = np.empty(dim, dtype=np.float32)
-    acc = np.empty((4, 64), dtype=np.float32)  # norm_cpu.sq_sum_nb's scratch
+    acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
     for t in range(tokens):
         for h in range(heads):
             for d in range(dim):
