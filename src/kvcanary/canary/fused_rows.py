@@ -17,10 +17,14 @@ cache-cold cost right after (or before) the model's forward; together they measu
           per launch: verify + write on the plans HEAD made, then the store check of its
           watch (:func:`.store_check._check_nb`, when the watch is armed)
 
-A batch in a host's persistent arrays (the graph runner's decode buffers) goes in as one
-"batch block" of addresses made once (``_head_batch_nb`` / ``_tail_batch_nb``, same
-bodies): each argument the dispatcher types costs time, most of all right after the model's
-forward. Exactly the per-launch path's records, ring rows (same order), counters and errors
+A batch goes in as one "batch block" of addresses (``_head_batch_nb`` / ``_tail_batch_nb``,
+same bodies), made once for a host's persistent arrays (the graph runner's decode buffers)
+and per forward otherwise: each argument the dispatcher types costs time, most of all right
+after the model's forward, and these calls skip the dispatcher altogether
+(:func:`.kernels_numba.entry_point`). The planner and the launch kernels are inlined into
+them (one compiled body each, ~2 us less a call at batch 1 than calls into separate code;
+~10 s more of a first compile); a forward with a write-input assertion or a token table
+runs ``_head_nb`` / ``_tail_nb`` (the same bodies, arrays passed one by one). Exactly the per-launch path's records, ring rows (same order), counters and errors
 (``tests/canary/test_canary_fused_rows.py`` runs both on the same state and compares).
 It applies when every group plans as rows and the per-launch argument tuples share one
 numba type (a launch whose real-KV views differ in dtype or layout cannot be a member of
@@ -31,7 +35,7 @@ otherwise, and the per-launch path runs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numba
 import numpy as np
@@ -72,13 +76,31 @@ _NO_WATCH = (np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.int64),
 # HEAD launches first, then TAIL's. The owner keeps every array alive (and rebuilds the block
 # when one is reallocated).
 #
-# A batch block (int64 [14]) describes a forward batch the same way: (address, length) of
+# A batch block (int64 [12]) describes a forward batch the same way: (address, length) of
 # its req_pool_indices, prefix_lens, extend_lens, out_cache_loc, input_ids, positions, each
 # int64 C-contiguous; made once for a host's persistent batch arrays (ForwardBatch.host_arrays),
-# so a decode step passes 3 arrays instead of 12 (:meth:`FusedRowLaunches.batch_block`).
+# per forward otherwise, so a call passes 3 arrays instead of 12
+# (:meth:`FusedRowLaunches.batch_block`).
 _HEADER = 19
 _GROUP_W = 18
 _LAUNCH_W = 30
+
+
+@numba.njit(cache=True)
+def _batch_block_nb(rows, prefix, extend, out_cache_loc, input_ids, positions):
+    """The batch block (below) of six int64 1-D C-contiguous arrays."""
+    blk = np.empty(12, dtype=np.int64)
+    blk[0], blk[1] = rows.ctypes.data, rows.shape[0]
+    blk[2], blk[3] = prefix.ctypes.data, prefix.shape[0]
+    blk[4], blk[5] = extend.ctypes.data, extend.shape[0]
+    blk[6], blk[7] = out_cache_loc.ctypes.data, out_cache_loc.shape[0]
+    blk[8], blk[9] = input_ids.ctypes.data, input_ids.shape[0]
+    blk[10], blk[11] = positions.ctypes.data, positions.shape[0]
+    return blk
+
+
+_INT64 = np.dtype(np.int64)
+_batch_block_entry: Any = None
 
 
 @numba.njit(cache=True, inline="always")
@@ -244,8 +266,10 @@ class FusedRowLaunches:
         self.bind()
         # TAIL's arguments, set by HEAD: (bs, the batch's token ids, positions, expected ids
         # and positions, check inputs, has table, check token, position assert), or (batch
-        # block, check token, position assert).
+        # block, check token, position assert); and the HostInputs whose arrays a batch block
+        # points into (kept alive until TAIL: a prefill's are made per forward).
         self._tail_call: tuple[Any, ...] | None = None
+        self._tail_host: HostInputs | None = None
         # The batch-block calls' compiled functions (:func:`.kernels_numba.entry_point`: their
         # argument types are fixed, int64 blocks made here and Python scalars, but for
         # req_to_token's): (the req_to_token HEAD's is for, HEAD's), TAIL's.
@@ -315,9 +339,13 @@ class FusedRowLaunches:
             return None
         arrays = (host.req_pool_indices, host.prefix_lens, host.extend_lens, host.out_cache_loc,
                   host.input_ids, host.positions)  # fmt: skip
-        if not all(_flat_ok(a) and a.ndim == 1 for a in arrays):
-            return None
-        return np.array([w for a in arrays for w in (a.ctypes.data, a.shape[0])], dtype=np.int64)
+        for a in arrays:  # (per prefill forward: no numpy flags / ctypes objects, ~50 us cold)
+            if a.dtype is not _INT64 or a.ndim != 1 or (a.shape[0] > 1 and a.strides[0] != 8):
+                return None
+        global _batch_block_entry
+        if _batch_block_entry is None:  # (every call: six int64 1-D C-contiguous arrays)
+            _batch_block_entry = entry_point(_batch_block_nb, *arrays)
+        return cast(np.ndarray, _batch_block_entry(*arrays))
 
     def head(self, host: HostInputs, check_token: bool, position_assert: bool,
              batch: np.ndarray | None = None) -> bool:  # fmt: skip
@@ -335,7 +363,7 @@ class FusedRowLaunches:
             while True:
                 code = head[1](r2t, batch, check_token, position_assert, self._block)
                 if code <= _OVERFLOW or not self._retry(code, host):
-                    self._tail_call = (batch, check_token, position_assert)
+                    self._tail_call, self._tail_host = (batch, check_token, position_assert), host
                     return code == _OVERFLOW
         ids, positions = host.expected_input_ids, host.expected_positions
         check_inputs = ids is not None and positions is not None
@@ -391,6 +419,7 @@ class FusedRowLaunches:
                 self._bind_watches()
         if len(call) == 3:  # (HEAD resolved the entry)
             status = self._tail_entry(*call, epoch, self._block)
+            self._tail_host = None
         else:
             status = _tail_nb(*(*call, epoch, self._block))
         if status:

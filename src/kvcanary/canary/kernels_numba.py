@@ -303,7 +303,7 @@ def _write_kernel(
     return num_written
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _launch_rows_kernel(
     v_requests, v_rows, v_entries, v_num_entries, check_token,
     w_requests, w_reqs, token_ids, positions, w_slots, do_write, check_inputs,

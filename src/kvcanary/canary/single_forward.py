@@ -163,7 +163,10 @@ class SingleForwardManager:
         if fused is not None:
             batch_host = self._host_inputs(fb, expected_inputs)
             cached = self._host_cache
-            batch = cached[2] if cached is not None and cached[1] is batch_host else None
+            if cached is not None and cached[1] is batch_host:
+                batch = cached[2]
+            else:  # made per forward (a prefill): one compiled body for every forward
+                batch = FusedRowLaunches.batch_block(batch_host)
             self._fused_head(fused, batch_host, batch)
             return []
         host: HostInputs | None = None  # row planners' view of the batch, made once
