@@ -149,3 +149,28 @@ def test_entry_point_runs_the_compiled_function_without_the_dispatcher() -> None
         return None
 
     assert entry_point(wrapper, 1, 2) is wrapper
+
+
+def test_batch_block_describes_int64_contiguous_batches_only() -> None:
+    """The batch block (made per prefill forward by one compiled call) holds each array's
+    address and length; an array it cannot describe (another dtype, strided) gives None
+    and the forward passes its arrays one by one."""
+    import numpy as np
+
+    from kvcanary.canary.row_plan import HostInputs
+
+    r2t = np.zeros((4, 8), dtype=np.int32)
+    arrays = [np.arange(k, k + 3, dtype=np.int64) for k in range(6)]
+
+    def host(arrs: list[Any]) -> HostInputs:
+        return HostInputs(r2t, *arrs, None, None, None, None)
+
+    block = fused_rows.FusedRowLaunches.batch_block(host(arrays))
+    assert block is not None
+    # Block order: rows, prefix, extend, out_cache_loc, input_ids, positions (HostInputs
+    # holds out_cache_loc last).
+    order = [arrays[i] for i in (0, 1, 2, 5, 3, 4)]
+    assert block.tolist() == [w for a in order for w in (a.ctypes.data, 3)]
+    wide = np.zeros(6, dtype=np.int64)
+    for bad in (arrays[0].astype(np.int32), wide[::2]):
+        assert fused_rows.FusedRowLaunches.batch_block(host([bad, *arrays[1:]])) is None

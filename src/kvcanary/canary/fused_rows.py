@@ -24,7 +24,8 @@ after the model's forward, and these calls skip the dispatcher altogether
 (:func:`.kernels_numba.entry_point`). The planner and the launch kernels are inlined into
 them (one compiled body each, ~2 us less a call at batch 1 than calls into separate code;
 ~10 s more of a first compile); a forward with a write-input assertion or a token table
-runs ``_head_nb`` / ``_tail_nb`` (the same bodies, arrays passed one by one). Exactly the per-launch path's records, ring rows (same order), counters and errors
+runs ``_head_nb`` / ``_tail_nb`` (the same bodies, arrays passed one by one). Exactly the
+per-launch path's records, ring rows (same order), counters and errors
 (``tests/canary/test_canary_fused_rows.py`` runs both on the same state and compares).
 It applies when every group plans as rows and the per-launch argument tuples share one
 numba type (a launch whose real-KV views differ in dtype or layout cannot be a member of
@@ -88,7 +89,7 @@ _LAUNCH_W = 30
 
 @numba.njit(cache=True)
 def _batch_block_nb(rows, prefix, extend, out_cache_loc, input_ids, positions):
-    """The batch block (below) of six int64 1-D C-contiguous arrays."""
+    """The batch block (see above ``_HEADER``) of six int64 1-D C-contiguous arrays."""
     blk = np.empty(12, dtype=np.int64)
     blk[0], blk[1] = rows.ctypes.data, rows.shape[0]
     blk[2], blk[3] = prefix.ctypes.data, prefix.shape[0]
