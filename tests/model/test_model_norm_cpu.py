@@ -33,6 +33,7 @@ def test_rms_norm_equals_torch_bit_for_bit(dim: int) -> None:
     total, normed = norm_cpu.add_rms_norm(x, y, weight, 1e-5)
     assert torch.equal(total, x + y)
     assert torch.equal(normed, F.rms_norm(x + y, (dim,), weight, 1e-5))
+    assert not norm_cpu.applies(x.clone().requires_grad_())  # autograd keeps the torch ops
 
 
 def test_rms_norm_takes_any_layout_and_returns_the_input_shape() -> None:

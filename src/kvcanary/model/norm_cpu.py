@@ -171,12 +171,14 @@ def _probe() -> int:
 def applies(x: torch.Tensor) -> bool:
     """Whether :func:`rms_norm` / :func:`add_rms_norm` take ``x`` (else the torch ops, the
     same bits): CPU float32 (dtypes are singletons), 1 to ``_MAX_ELEMENTS`` elements (a
-    decode batch; a prefill's rows go to torch's threads), outside ``torch.compile``
-    tracing, and a width found. (Called per norm: cheapest tests first.)"""
+    decode batch; a prefill's rows go to torch's threads), not requiring grad (autograd
+    needs the torch ops), outside ``torch.compile`` tracing, and a width found. (Called per
+    norm: cheapest tests first.)"""
     return (
         x.dtype is torch.float32
         and x.is_cpu
         and 0 < x.numel() <= _MAX_ELEMENTS
+        and not x.requires_grad
         and (_lanes if _lanes is not None else lanes()) > 0
         and not torch.compiler.is_compiling()
     )
