@@ -15,9 +15,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from kvcanary.model import norm_cpu
 from kvcanary.model.base import AttentionLayerSpec
 from kvcanary.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from kvcanary.model.gemm import PackedLinear
@@ -74,22 +72,18 @@ class Attention(nn.Module):
 
     def _qk_norm(self, qk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
         """q_norm on the q heads and k_norm on the k heads of ``qk [tokens, q + k heads, dim]``,
-        as (``qk`` normed without the weights, or not yet normed; the per-head weights to
-        multiply by, None: normed with them; the eps of the rms_norm ``apply_rope`` still
-        has to do first, or None). Float32 without weight offset: one rms_norm without
-        weight, the weights applied by ``apply_rope`` (``rms_norm(x, w) == rms_norm(x) * w``
-        bit for bit), and on the CPU the norm too (one pass: :mod:`.rope_cpu`); else each
-        norm on its heads."""
+        as (``qk`` normed, or still to norm; the per-head weights to multiply by, None: normed
+        with them; the eps of the unweighted rms_norm ``apply_rope`` does first, or None).
+        Float32 without weight offset (one eps): ``apply_rope`` norms q and k together and
+        applies the weights (``rms_norm(x, w) == rms_norm(x) * w`` bit for bit; on the CPU in
+        its one pass, :mod:`.rope_cpu`); else each norm on its heads here."""
         q_norm, k_norm = cast(RMSNorm, self.q_norm), cast(RMSNorm, self.k_norm)
         num_q = self.spec.num_heads
         if q_norm.weight_offset or k_norm.weight_offset or qk.dtype != torch.float32 or (
             q_norm.eps != k_norm.eps
         ):
             return torch.cat((q_norm(qk[:, :num_q]), k_norm(qk[:, num_q:])), dim=1), None, None
-        weight = self._qk_norm_weight(qk.dtype)
-        if norm_cpu.applies(qk):
-            return qk, weight, q_norm.eps
-        return F.rms_norm(qk, q_norm.weight.shape, None, q_norm.eps), weight, None
+        return qk, self._qk_norm_weight(qk.dtype), q_norm.eps
 
     def _qk_norm_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """``[q heads + k heads, head_dim]``: q_norm's weight per q head, then k_norm's per k

@@ -145,10 +145,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     with ``rotate_half(x) = cat(-x2, x1)``, the sign folded into ``sin`` (``sin_signed =
     cat(-sin1, sin2)``, exact: ``-a * b == a * -b``), so four ops instead of seven. CPU
     float32: one compiled pass with the same float32 operations (:mod:`.rope_cpu`)."""
-    if rope_cpu.applies(x, cos) and (norm_eps is None or norm_cpu.applies(x)):
+    cpu = rope_cpu.applies(x, cos)
+    if norm_eps is not None and not (cpu and norm_cpu.applies(x)):  # the norm apart
+        x, norm_eps = F.rms_norm(x, (x.shape[-1],), None, norm_eps), None
+    if cpu:
         return rope_cpu.rope(x, cos, sin, weight, norm_eps)
-    if norm_eps is not None:
-        x = F.rms_norm(x, (x.shape[-1],), None, norm_eps)
     if weight is not None:
         x = x * weight
     half = x.shape[-1] // 2
