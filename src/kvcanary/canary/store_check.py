@@ -287,8 +287,7 @@ class StoreChecker:
             return
         if n == 0:
             return
-        if (fast is not None and kv.dtype == dtype and dtype in _NUMPY_DTYPES
-                and kv.element_size() * kv.numel() // n % 8 == 0):  # fmt: skip
+        if fast is not None and size and size * kv.numel() // n % 8 == 0:
             intended, target, num_words = fast[j]
             _observe_rows_nb(kv.contiguous().numpy(), num_words, loc.numpy(), intended, target)
             return
