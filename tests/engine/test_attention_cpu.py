@@ -114,3 +114,132 @@ def test_slot_outside_the_buffer_raises_before_reading(bad: int) -> None:
         attention_cpu.decode_attention(q, kv, kv, slots[:, :3], torch.tensor([4, 1]), 1.0)
     # A key past the request's count is never read, so it is not checked.
     attention_cpu.decode_attention(q, kv, kv, slots, torch.tensor([3, 1]), 1.0)
+
+
+# ----------------------------------------------------------------- decode key tables
+
+
+def _random_decode_batch(gen: torch.Generator, bs: int, width: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """A slot table, the rows of ``bs`` requests (the last a graph padding row: table row
+    0, one key) and their lengths."""
+    table = torch.randint(1, 10_000, (bs + 3, width), generator=gen, dtype=torch.int64).to(dtype)
+    rows = torch.randperm(bs + 2, generator=gen)[:bs] + 1
+    seq = torch.randint(1, width + 1, (bs,), generator=gen)
+    rows[-1], seq[-1] = 0, 1
+    return table, rows, seq
+
+
+@pytest.mark.parametrize("window", [0, 1, 7, 32])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("bs", [1, 5, 33])
+def test_decode_tables_equal_key_view(window: int, dtype: torch.dtype, bs: int) -> None:
+    from types import SimpleNamespace
+
+    from kvcanary.engine.attention import QueryLayout, key_view
+
+    gen = torch.Generator().manual_seed(bs * 100 + window)
+    for width in (1, 40, 130):
+        table, rows, seq = _random_decode_batch(gen, bs, width, dtype)
+        pre = seq - 1
+        fb = SimpleNamespace(extend_seq_lens_cpu=[1] * bs, prefix_lens_cpu=pre.tolist(),
+                             seq_lens_cpu=seq.tolist(), batch_size=bs, num_tokens=bs,
+                             input_ids=torch.zeros(bs, dtype=torch.int64))  # fmt: skip
+        layout = QueryLayout.of(fb)  # type: ignore[arg-type]
+        loc = torch.randint(1, 10_000, (bs,), generator=gen)
+        slots, mask, sliding = attention_cpu.decode_tables(
+            table.numpy(), rows.numpy(), pre.numpy(), seq.numpy(), window, loc.numpy()
+        )
+        want = key_view(table, rows, layout, torch.zeros(bs, dtype=torch.int64), None, torch.device("cpu"))
+        assert torch.equal(torch.from_numpy(slots), want[0])
+        assert torch.equal(torch.from_numpy(mask), want[1])
+        assert torch.equal(seq, want[2])
+        if window == 0:
+            assert sliding is None
+            continue
+        assert sliding is not None
+        both, sw_mask, sw_keys = sliding
+        start = (layout.pre - window + 1).clamp(min=0)
+        want = key_view(table, rows, layout, start, window, torch.device("cpu"))
+        assert torch.equal(torch.from_numpy(both[:bs]), loc)  # this forward's writes first
+        assert torch.equal(torch.from_numpy(both[bs:]).view(bs, -1), want[0])
+        assert torch.equal(torch.from_numpy(sw_mask), want[1])
+        assert torch.equal(torch.from_numpy(sw_keys), want[2])
+
+
+@pytest.mark.parametrize("case", ["row", "negative-row", "length"])
+def test_decode_tables_refuse_a_batch_outside_the_table(case: str) -> None:
+    table = torch.arange(40, dtype=torch.int32).view(4, 10).numpy()
+    rows, seq = torch.tensor([1, 2]), torch.tensor([3, 5])
+    if case == "row":
+        rows[1] = 4
+    elif case == "negative-row":
+        rows[1] = -1
+    else:
+        seq[1] = 11
+    want = rf"request row {int(rows[1])} with {int(seq[1])} keys; allowed rows in \[0, 4\), at most 10 keys"
+    with pytest.raises(IndexError, match=want):
+        attention_cpu.decode_tables(table, rows.numpy(), (seq - 1).numpy(), seq.numpy(), 4,
+                                    torch.tensor([7, 8]).numpy())  # fmt: skip
+
+
+def test_fill_tables_pads_like_the_torch_copy() -> None:
+    from kvcanary.engine.attention import StaticKeyBuffers, _KeyView
+
+    gen = torch.Generator().manual_seed(3)
+    table, rows, seq = _random_decode_batch(gen, 6, 20, torch.int64)
+    slots, mask, _ = attention_cpu.decode_tables(table.numpy(), rows.numpy(), (seq - 1).numpy(),
+                                                 seq.numpy(), 0, rows.numpy())  # fmt: skip
+    loc = torch.arange(6) + 100
+    host = (slots, mask, loc.numpy(), seq.numpy())
+    views = [_KeyView(*(torch.from_numpy(a) for a in host)) for _ in range(2)]
+    views[0].host = host  # the compiled copy; the other: torch's
+    width = int(seq.max()) + 5
+    got, want = (StaticKeyBuffers(8, 64, torch.device("cpu")) for _ in range(2))
+    for buf in (got, want):  # stale contents the copy must overwrite
+        buf.slots.fill_(-7)
+        buf.mask.fill_(True)
+    out = [got.fill(views[0], width), want.fill(views[1], width)]
+    for a, b in zip((out[0].slots, out[0].mask, out[0].write_loc, out[0].num_keys),
+                    (out[1].slots, out[1].mask, out[1].write_loc, out[1].num_keys), strict=True):  # fmt: skip
+        assert torch.equal(a, b)
+    assert out[0].slots.shape == (6, width) and not out[0].mask[:, :, int(seq.max()) :].any()
+    assert torch.equal(got.slots, want.slots)  # past the filled rows: untouched by both
+    # Tables wider than the buffers: refused, nothing copied.
+    before = got.slots.clone()
+    assert not attention_cpu.fill_tables(*host, *got._host, int(seq.max()) - 1)  # type: ignore[misc]
+    assert not attention_cpu.fill_tables(*host, *got._host, 11)  # type: ignore[misc]  # 6 x 11 > 64
+    assert torch.equal(got.slots, before)
+
+
+@pytest.mark.parametrize("graphs", [(), (1, 2, 4, 8, 16)])
+def test_engine_decode_tables_equal_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, graphs: tuple[int, ...]
+) -> None:
+    """Every decode forward of a tiny-swa engine: the compiled tables (SWA-translated slots
+    and write locations included) are the torch path's on the same batch."""
+    from kvcanary.engine.attention import PagedAttentionBackend
+
+    real = PagedAttentionBackend.init_forward_metadata
+    fast = PagedAttentionBackend._init_decode_cpu
+    checked = {"n": 0}
+
+    def both_ways(self, fb):  # type: ignore[no-untyped-def]
+        real(self, fb)
+        if not fb.is_decode:
+            return
+        got = (self._full, self._sliding, self._q_index, self._q_valid, self._dense_q)
+        monkeypatch.setattr(PagedAttentionBackend, "_init_decode_cpu", lambda *_: False)
+        real(self, fb)
+        monkeypatch.setattr(PagedAttentionBackend, "_init_decode_cpu", fast)
+        want = (self._full, self._sliding, self._q_index, self._q_valid, self._dense_q)
+        for g, w in zip(got[:2], want[:2], strict=True):
+            for name in ("slots", "mask", "write_loc", "num_keys"):
+                assert torch.equal(getattr(g, name), getattr(w, name)), name
+        assert got[1] is not None and got[1].host is not None
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3]) and got[4] is want[4]
+        checked["n"] += 1
+
+    monkeypatch.setattr(PagedAttentionBackend, "init_forward_metadata", both_ways)
+    engine = tiny_engine(model="builtin:tiny-swa", graph_batch_sizes=graphs)
+    engine.generate(make_prompts(5, 3, 70, seed=2), SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert checked["n"] >= 11

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kvcanary.engine import attention_cpu
@@ -26,6 +27,8 @@ from kvcanary.memory.req_to_token import ReqToTokenPool
 from kvcanary.memory.swa_pool import SWAKVPool
 from kvcanary.model.base import AttentionLayerSpec
 
+_HOST = torch.device("cpu")
+
 
 @dataclass
 class _KeyView:
@@ -33,6 +36,8 @@ class _KeyView:
     mask: torch.Tensor  # bool [bs, max_q, max_keys]
     write_loc: torch.Tensor  # int64 [num_tokens] where this forward's K/V go
     num_keys: torch.Tensor  # int64 [bs] keys of each request: slots[b, :num_keys[b]] (host)
+    # The four as numpy arrays (CPU decode tables: StaticKeyBuffers.fill copies these).
+    host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
     _grouped: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def grouped_mask(self, group: int) -> torch.Tensor:
@@ -55,20 +60,35 @@ class StaticKeyBuffers:
         self.mask = torch.zeros(max_bs * max_keys, dtype=torch.bool, device=device)
         self.write_loc = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.num_keys = torch.zeros(max_bs, dtype=torch.int64)  # host: the CPU kernel's
+        # CPU: numpy views of the four buffers (fill's compiled copy).
+        self._host = (
+            (self.slots.numpy(), self.mask.numpy(), self.write_loc.numpy(), self.num_keys.numpy())
+            if device.type == "cpu" else None
+        )  # fmt: skip
+        self._last: tuple[tuple[int, int], _KeyView] | None = None  # fill's last (n, width) views
 
     def fill(self, view: _KeyView, width: int) -> _KeyView:
         """Copy a decode view (``[n, k]`` tables, ``k <= width``) in, padded to ``width``
         (padding: slot 0, masked out)."""
         n, k = view.slots.shape
-        slots = self.slots[: n * width].view(n, width)
-        mask = self.mask[: n * width].view(n, 1, width)
+        last = self._last
+        if last is None or last[0] != (n, width):  # (sliding tables: the same every step)
+            out = _KeyView(self.slots[: n * width].view(n, width),
+                           self.mask[: n * width].view(n, 1, width), self.write_loc[:n],
+                           self.num_keys[:n])  # fmt: skip
+            self._last = last = ((n, width), out)
+        if view.host is not None and self._host is not None and attention_cpu.fill_tables(
+            *view.host, *self._host, width
+        ):  # fmt: skip
+            return last[1]  # the CPU decode tables, in one compiled copy
+        slots, mask = last[1].slots, last[1].mask
         slots.zero_()
         slots[:, :k].copy_(view.slots)
         mask.fill_(False)
         mask[:, :, :k].copy_(view.mask)
         self.write_loc[:n].copy_(view.write_loc)
         self.num_keys[:n].copy_(view.num_keys)
-        return _KeyView(slots, mask, self.write_loc[:n], self.num_keys[:n])
+        return last[1]
 
 
 class QueryLayout(NamedTuple):
@@ -144,10 +164,14 @@ class PagedAttentionBackend:
         self._q_index: torch.Tensor | None = None  # [bs, max_q] flat token index (clamped)
         self._q_valid: torch.Tensor | None = None
         self._dense_q = False
+        self._table_np: tuple[torch.Tensor, np.ndarray] | None = None  # req_to_token's view
+        self._decode_query: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> index, valid
 
     # ----------------------------------------------------------- metadata
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         device = fb.input_ids.device
+        if fb.is_decode and device == _HOST and self._init_decode_cpu(fb):
+            return  # (tables on the host: not where a device, even "cpu:0", wants them)
         layout = QueryLayout.of(fb)
         self._q_valid, self._dense_q, self._q_index = layout.valid, layout.dense, layout.flat_index
         rows = fb.req_pool_indices.to(torch.int64)
@@ -171,6 +195,53 @@ class PagedAttentionBackend:
                 write_loc = swa[: fb.num_tokens]
                 slots = swa[fb.num_tokens :].reshape(slots.shape)
             self._sliding = _KeyView(slots, mask, write_loc, num_keys)
+
+    def _init_decode_cpu(self, fb: ForwardBatch) -> bool:
+        """:meth:`init_forward_metadata` of a CPU decode forward in one compiled pass
+        (:func:`.attention_cpu.decode_tables`: the same tables); False when the slot table
+        is not a CPU tensor (the torch path then runs)."""
+        table = self.req_to_token_pool.req_to_token
+        if table.device != _HOST:
+            return False
+        if self._table_np is None or self._table_np[0] is not table:
+            self._table_np = (table, table.numpy())  # a view: the table mutates in place
+        bs = fb.batch_size
+        host = fb.host_arrays  # (graph runner) persistent numpy views of the batch
+        if host is not None:
+            rows, pre = host[0], host[1]
+        else:
+            rows = fb.req_pool_indices.numpy()
+            pre = np.asarray(fb.prefix_lens_cpu, dtype=np.int64)
+        seq = np.asarray(fb.seq_lens_cpu, dtype=np.int64)
+        loc = fb.out_cache_loc
+        loc_np = loc.numpy()
+        window = self.sliding_window or 0
+        full_slots, full_mask, sliding = attention_cpu.decode_tables(
+            self._table_np[1], rows, pre, seq, window, loc_np
+        )
+        query = self._decode_query.get(bs)
+        if query is None:  # one query per request, in batch order
+            query = self._decode_query[bs] = (
+                torch.arange(bs, dtype=torch.int64)[:, None], torch.ones((bs, 1), dtype=torch.bool)
+            )  # fmt: skip
+        self._q_index, self._q_valid = query
+        self._dense_q = True
+        self._full = _KeyView(torch.from_numpy(full_slots), torch.from_numpy(full_mask), loc,
+                              torch.from_numpy(seq), host=(full_slots, full_mask, loc_np, seq))  # fmt: skip
+        self._sliding = None
+        if sliding is not None:
+            both, mask, num_keys = sliding
+            slots = torch.from_numpy(both)
+            if self.swa_pool is not None:  # one gather: write locations and the read table
+                slots = self.swa_pool.translate_loc_from_full_to_swa(slots).clamp(min=0)
+                both = slots.numpy()
+            n = loc_np.shape[0]
+            sw_slots = both[n:].reshape(bs, mask.shape[2])
+            write_loc = both[:n] if self.swa_pool is not None else loc_np
+            self._sliding = _KeyView(torch.from_numpy(sw_slots), torch.from_numpy(mask),
+                                     torch.from_numpy(write_loc), torch.from_numpy(num_keys),
+                                     host=(sw_slots, mask, write_loc, num_keys))  # fmt: skip
+        return True
 
     def make_static(
         self, full: StaticKeyBuffers, sliding: StaticKeyBuffers | None, full_width: int
