@@ -76,6 +76,10 @@ class StaticKeyBuffers:
             out = _KeyView(self.slots[: n * width].view(n, width),
                            self.mask[: n * width].view(n, 1, width), self.write_loc[:n],
                            self.num_keys[:n])  # fmt: skip
+            if self._host is not None:
+                h = self._host
+                out.host = (h[0][: n * width].reshape(n, width), h[1][: n * width].reshape(n, 1, width),
+                            h[2][:n], h[3][:n])  # fmt: skip
             self._last = last = ((n, width), out)
         if view.host is not None and self._host is not None and attention_cpu.fill_tables(
             *view.host, *self._host, width
@@ -166,6 +170,8 @@ class PagedAttentionBackend:
         self._dense_q = False
         self._table_np: tuple[torch.Tensor, np.ndarray] | None = None  # req_to_token's view
         self._decode_query: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> index, valid
+        # layer -> (its K, V buffers, their numpy views): the CPU decode kernel's arguments.
+        self._kv_np: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]] = {}
 
     # ----------------------------------------------------------- metadata
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -234,7 +240,7 @@ class PagedAttentionBackend:
             slots = torch.from_numpy(both)
             if self.swa_pool is not None:  # one gather: write locations and the read table
                 slots = self.swa_pool.translate_loc_from_full_to_swa(slots).clamp(min=0)
-                both = slots.numpy()
+                both = slots.to(torch.int64).numpy()  # (the mapping is int64: no copy)
             n = loc_np.shape[0]
             sw_slots = both[n:].reshape(bs, mask.shape[2])
             write_loc = both[:n] if self.swa_pool is not None else loc_np
@@ -273,9 +279,14 @@ class PagedAttentionBackend:
         bs, max_q = self._q_index.shape
         if max_q == 1 and self._dense_q and attention_cpu.applies(q, k_buf, v_buf):
             # Decode on the CPU: read K/V where they lie, no gathered copy (attention_cpu).
+            kv_np = self._kv_np.get(layer.layer_id)
+            if kv_np is None or kv_np[0] is not k_buf or kv_np[1] is not v_buf:
+                kv_np = self._kv_np[layer.layer_id] = (k_buf, v_buf, k_buf.numpy(), v_buf.numpy())
+            tables = None if view.host is None else (view.host[0], view.host[3])
             return attention_cpu.decode_attention(
-                q, k_buf, v_buf, view.slots, view.num_keys, layer.scaling
-            )
+                q, k_buf, v_buf, view.slots, view.num_keys, layer.scaling,
+                host=(kv_np[2], kv_np[3], tables),
+            )  # fmt: skip
         # index_select on the flat table: several times cheaper than advanced indexing on CPU.
         flat = view.slots.view(-1)
         keys = k_buf.index_select(0, flat).view(*view.slots.shape, *k_buf.shape[1:]).transpose(1, 2)

@@ -122,18 +122,23 @@ def decode_attention(
     slots: torch.Tensor,
     num_keys: torch.Tensor,
     scale: float,
+    host: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None] | None = None,
 ) -> torch.Tensor:
     """``q [bs, heads, dim]`` (one query per request), ``k_buf`` / ``v_buf [slots, kv heads,
     dim]``, ``slots [bs, >= max(num_keys)]`` int64 (request ``b``'s keys are
     ``slots[b, :num_keys[b]]``) -> ``[bs, heads, dim]``; query head ``h`` attends with KV
-    head ``h // (heads / kv heads)``. Call only where :func:`applies`."""
+    head ``h // (heads / kv heads)``. Call only where :func:`applies`. ``host``: the caller's
+    numpy views of ``k_buf``, ``v_buf`` and (when it has them) of ``slots`` and ``num_keys``
+    as int64 (:func:`decode_tables`' arrays), instead of views made per call."""
     bs, heads, dim = q.shape
     out = torch.empty((bs, heads, dim), dtype=torch.float32, device=q.device)
-    args = (q.contiguous().numpy(), k_buf.numpy(), v_buf.numpy(),
-            slots.to(torch.int64).contiguous().numpy(), num_keys.to(torch.int64).contiguous().numpy(),
-            np.float32(scale), out.numpy())  # fmt: skip
+    k_np, v_np, tables = (k_buf.numpy(), v_buf.numpy(), None) if host is None else host
+    slots_np, keys_np = tables if tables is not None else (
+        slots.to(torch.int64).contiguous().numpy(), num_keys.to(torch.int64).contiguous().numpy()
+    )  # fmt: skip
+    args = (q.contiguous().numpy(), k_np, v_np, slots_np, keys_np, np.float32(scale), out.numpy())
     threads = torch.get_num_threads()
-    if threads > 1 and bs * k_buf.shape[1] * slots.shape[1] * dim >= PARALLEL_MIN_WORK:
+    if threads > 1 and bs * k_np.shape[1] * slots_np.shape[1] * dim >= PARALLEL_MIN_WORK:
         with _parallel_lock:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
             bad_row = _parallel(*args)
