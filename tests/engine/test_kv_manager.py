@@ -70,6 +70,29 @@ def test_extend_decode_maps_one_slot_per_request() -> None:
     assert int(kv.req_to_token[b.req_pool_idx, b.kv_len]) == int(out[1])
 
 
+@pytest.mark.parametrize("make", [_mha, _swa])
+def test_decode_steps_through_the_host_table_equal_the_torch_path(make) -> None:  # type: ignore[no-untyped-def]
+    """A host table is read and written through its numpy view; the same requests decoded
+    through torch's indexing (the view dropped) give the same slots, tables and pools."""
+    managers = [make(), make()]
+    managers[1]._table_np = None  # the torch path
+    reqs: list[list[Req]] = [[], []]
+    for kv, rs in zip(managers, reqs, strict=True):
+        rs.extend([_prefill(kv, 9), _prefill(kv, 1), _prefill(kv, 4)])  # kv_len 8, 0, 3
+        rs[1].kv_len = 0  # nothing cached yet: last slot -1
+    assert managers[0].last_locs(reqs[0]).tolist() == managers[1].last_locs(reqs[1]).tolist()
+    for _ in range(6):  # page starts and continuations
+        outs = [kv.extend_decode(rs) for kv, rs in zip(managers, reqs, strict=True)]
+        assert outs[0] is not None and outs[1] is not None
+        assert outs[0].tolist() == outs[1].tolist()
+        for rs in reqs:
+            for r in rs:
+                r.kv_len += 1
+        assert torch.equal(managers[0].req_to_token, managers[1].req_to_token)
+        assert managers[0].last_locs(reqs[0]).tolist() == managers[1].last_locs(reqs[1]).tolist()
+    assert managers[0].available() == managers[1].available()
+
+
 def test_release_into_the_cache_keeps_whole_pages_and_frees_the_partial_page() -> None:
     kv = _mha(tokens=64, cache=True)
     req = _prefill(kv, 11)  # kv_len 10: pages [0, 8) whole, [8, 10) partial

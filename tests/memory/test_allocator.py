@@ -189,23 +189,50 @@ def test_alloc_extend_short_returns_none_and_mutates_nothing() -> None:
         (4, [5, 7, 9], [11, 21, 30], [4, 22, 8], 2),  # pages in batch order
     ],
 )
+@pytest.mark.parametrize("lens", ["host list", "tensor"])  # the Python path, the torch path
 def test_alloc_decode(
-    page_size: int, seq_lens: list[int], last_locs: list[int], expected: list[int], pages_taken: int
-) -> None:
+    page_size: int, seq_lens: list[int], last_locs: list[int], expected: list[int],
+    pages_taken: int, lens: str,
+) -> None:  # fmt: skip
     a = make_allocator(4 * page_size, page_size)
-    assert a.num_new_pages_decode(seq_lens) == pages_taken
-    out = a.alloc_decode(seq_lens, t(last_locs))
-    assert out is not None and out.tolist() == expected
+    given_lens = seq_lens if lens == "host list" else t(seq_lens)
+    assert a.num_new_pages_decode(given_lens) == pages_taken
+    out = a.alloc_decode(given_lens, t(last_locs))
+    assert out is not None and out.tolist() == expected and out.dtype == torch.int64
     assert a.num_free_pages() == 4 - pages_taken
 
 
-def test_alloc_decode_short_returns_none_and_mutates_nothing() -> None:
+@pytest.mark.parametrize("lens", ["host list", "tensor"])
+def test_alloc_decode_short_returns_none_and_mutates_nothing(lens: str) -> None:
+    def as_lens(v: list[int]) -> list[int] | torch.Tensor:
+        return v if lens == "host list" else t(v)
+
     a = PagedAllocator(8, 4)
     a.alloc(4)
     before = snapshot(a)
-    assert a.alloc_decode([5, 9], t([7, 11])) is None  # two page starts, one free page
+    assert a.alloc_decode(as_lens([5, 9]), t([7, 11])) is None  # two page starts, one free page
     assert snapshot(a) == before
-    assert a.alloc_decode([6], t([8])).tolist() == [9]  # continuing needs no page
+    assert a.alloc_decode(as_lens([6]), t([8])).tolist() == [9]  # continuing needs no page
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 2, 4, 16]),
+    steps=st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=12), min_size=1, max_size=8),
+)
+def test_alloc_decode_host_path_equals_the_torch_path(page_size: int, steps: list[list[int]]) -> None:
+    """Host lengths (Python) and tensor lengths (torch) from the same state: the same slots,
+    the same pages taken, the same refusals, batch after batch."""
+    host, torch_path = (PagedAllocator(48 * page_size, page_size) for _ in range(2))
+    for lens in steps:
+        seq = [n + 1 for n in lens]
+        last = t([-1 if n == 0 else page_size * (3 + i) + (n - 1) % page_size for i, n in enumerate(lens)])
+        assert host.num_new_pages_decode(seq) == torch_path.num_new_pages_decode(t(seq))
+        a, b = host.alloc_decode(seq, last), torch_path.alloc_decode(t(seq), last)
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert a.tolist() == b.tolist()
+        assert snapshot(host) == snapshot(torch_path)
 
 
 # ---------------------------------------------------------------- free

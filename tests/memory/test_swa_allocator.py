@@ -145,14 +145,20 @@ def test_alloc_decode_short_side_returns_none_without_mutation(
     assert snapshot(a) == before
 
 
-def test_alloc_decode_after_window_eviction_raises_without_mutation() -> None:
+@pytest.mark.parametrize("lens", ["host list", "tensor"])  # the Python check, the torch one
+def test_alloc_decode_after_window_eviction_raises_without_mutation(lens: str) -> None:
     a = SWAAllocator(32, 32, 4)
     full = a.alloc_extend([0], [6], t([-1]))
     a.free_swa(full)
     before = snapshot(a)
     with pytest.raises(ValueError, match="no SWA slot"):
-        a.alloc_decode([7], full[-1:])
+        a.alloc_decode([7] if lens == "host list" else t([7]), full[-1:])
     assert snapshot(a) == before
+    # A token that starts a page needs no previous SWA slot.
+    full = a.alloc_extend([0], [8], t([-1]))
+    a.free_swa(full)
+    out = a.alloc_decode([9] if lens == "host list" else t([9]), full[-1:])
+    assert out is not None and mapped(a, out)[0] > 0
 
 
 # ---------------------------------------------------------------- alloc_extend_swa_tail

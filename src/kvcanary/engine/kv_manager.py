@@ -44,6 +44,8 @@ from kvcanary.memory.radix_cache import RadixCache, RadixNode
 from kvcanary.memory.req_to_token import ReqToTokenPool
 from kvcanary.utils import cdiv, ceil_page, floor_page
 
+_HOST = torch.device("cpu")
+
 
 class PoolNeed(NamedTuple):
     num_full_tokens: int
@@ -107,6 +109,9 @@ class KVManager:
         self._full_pages: PageAllocator = full  # page flags of the full pool (abort reclaim)
         self.req_to_token_pool = req_to_token_pool
         self.req_to_token = req_to_token_pool.req_to_token
+        # A table on the host (not "cpu:0", a stand-in device): its numpy view, for the
+        # decode step's few reads and writes (torch's advanced indexing costs ~5 us an op).
+        self._table_np = self.req_to_token.numpy() if self.req_to_token.device == _HOST else None
         self.kv_pool = kv_pool
         self.spec = spec
         self.enable_host_offload = enable_host_offload
@@ -133,6 +138,10 @@ class KVManager:
 
     def last_locs(self, reqs: Sequence[Req]) -> torch.Tensor:
         """Each request's last slot (-1 for none): where a paged allocation continues."""
+        if self._table_np is not None:  # a host table: read the few entries where they are
+            table = self._table_np
+            return torch.tensor([int(table[r.req_pool_idx, r.kv_len - 1]) if r.kv_len > 0 else -1
+                                 for r in reqs], dtype=torch.int64)  # fmt: skip
         dev = self.req_to_token.device  # kv meets the gathered slots in torch.where
         rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)
         kv = torch.tensor([r.kv_len for r in reqs], device=dev)
@@ -245,7 +254,9 @@ class KVManager:
             lambda: self.allocator.alloc_decode(seq_lens, last_locs),
             len(reqs) * self.spec.page_size,
         )
-        if out is not None:
+        if out is not None and self._table_np is not None and out.device == _HOST:
+            self._table_np[[r.req_pool_idx for r in reqs], [r.kv_len for r in reqs]] = out.numpy()
+        elif out is not None:
             rows = torch.tensor([r.req_pool_idx for r in reqs])
             # An advanced-index write: CPU indices are fine, the values must be on the table's device.
             self.req_to_token[rows, torch.tensor([r.kv_len for r in reqs])] = out.to(

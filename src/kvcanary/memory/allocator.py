@@ -32,6 +32,9 @@ def _nonempty(pages: torch.Tensor) -> torch.Tensor:
     return pages if pages.numel() else torch.zeros(1, dtype=torch.int64)
 
 
+_HOST = torch.device("cpu")
+
+
 def _as_cpu_lens(lens: Lens) -> torch.Tensor:
     return torch.as_tensor(lens, dtype=torch.int64, device="cpu").reshape(-1)
 
@@ -96,6 +99,8 @@ class PagedAllocator:
 
     def num_new_pages_decode(self, seq_lens: Lens) -> int:
         """Pages ``alloc_decode`` would take: requests whose new token starts a page."""
+        if isinstance(seq_lens, list):  # host lengths: count them where they are
+            return sum((s - 1) % self.page_size == 0 for s in seq_lens)
         seq = _as_cpu_lens(seq_lens)
         return int(((seq - 1) % self.page_size == 0).sum())
 
@@ -143,6 +148,8 @@ class PagedAllocator:
         self, seq_lens: Lens, last_locs: torch.Tensor
     ) -> torch.Tensor | None:
         """One slot per request for position ``seq_len - 1`` (``seq_len`` counts the new token)."""
+        if isinstance(seq_lens, list) and self.device == _HOST and last_locs.device == _HOST:
+            return self._alloc_decode_host(seq_lens, last_locs)
         seq = _as_cpu_lens(seq_lens)
         starts_page = (seq - 1) % self.page_size == 0
         num_new_pages = int(starts_page.sum())
@@ -153,6 +160,19 @@ class PagedAllocator:
         last_locs = last_locs.to(device="cpu", dtype=torch.int64).reshape(-1)
         page_slots = pages[rank] * self.page_size
         return torch.where(starts_page, page_slots, last_locs + 1).to(self.device)
+
+    def _alloc_decode_host(self, seq_lens: list[int], last_locs: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`alloc_decode` of host lengths on a host pool, in Python: the same slots and
+        pages taken (a decode batch's few lengths; ~20 torch ops on tiny tensors cost ~50 us)."""
+        p = self.page_size
+        starts = [(s - 1) % p == 0 for s in seq_lens]
+        num_new_pages = sum(starts)
+        if num_new_pages > self.num_free_pages():
+            return None
+        last = last_locs.reshape(-1).tolist()
+        pages = iter(self._take_pages(num_new_pages).tolist() if num_new_pages else ())
+        out = [next(pages) * p if start else loc + 1 for start, loc in zip(starts, last, strict=True)]
+        return torch.tensor(out, dtype=torch.int64)
 
     # ------------------------------------------------------------------ free
     def free(self, slots: torch.Tensor) -> None:

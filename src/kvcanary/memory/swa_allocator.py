@@ -129,9 +129,15 @@ class SWAAllocator:
         if not self.new_pages_available(n, n):
             return None
         swa_last = self.translate_last_locs(last_locs)
-        seq = _as_cpu_lens(seq_lens)
-        continues = ((seq - 1) % self.page_size != 0).to(swa_last.device)
-        if bool((continues & (swa_last <= 0)).any()):
+        if isinstance(seq_lens, list) and swa_last.device.type == "cpu":  # host lengths
+            p = self.page_size
+            orphan = any((s - 1) % p != 0 and loc <= 0
+                         for s, loc in zip(seq_lens, swa_last.tolist(), strict=True))  # fmt: skip
+        else:
+            seq = _as_cpu_lens(seq_lens)
+            continues = ((seq - 1) % self.page_size != 0).to(swa_last.device)
+            orphan = bool((continues & (swa_last <= 0)).any())
+        if orphan:
             raise ValueError(
                 "alloc_decode: a request's previous token has no SWA slot "
                 f"(last_locs={last_locs.tolist()}, swa={swa_last.tolist()})"
