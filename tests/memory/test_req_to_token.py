@@ -101,3 +101,20 @@ def test_check_integrity_catches_corruption(corrupt, message: str) -> None:  # t
     corrupt(pool)
     with pytest.raises(IntegrityError, match=message):
         pool.check_integrity()
+
+
+def test_append_tokens_on_the_host_equals_the_torch_path() -> None:
+    """The host pool writes the token mirror through numpy views; the same appends through
+    torch's indexing (the views dropped) leave the same mirror."""
+    pools = [ReqToTokenPool(4, 16), ReqToTokenPool(4, 16)]
+    assert pools[0]._host is not None
+    pools[1]._host = None  # the torch path
+    for p in pools:
+        p.set_tokens(2, [5, 6, 7])
+        p.set_tokens(3, [9])
+        p.append_tokens([2, 3], [3, 1], [70, 80])
+        p.append_tokens([3], [2], [81])
+    assert torch.equal(pools[0].token_ids, pools[1].token_ids)
+    assert torch.equal(pools[0].token_lens, pools[1].token_lens)
+    assert pools[0].token_ids[2, :4].tolist() == [5, 6, 7, 70]
+    assert pools[0].token_ids[3, :3].tolist() == [9, 80, 81] and pools[0].token_lens[3] == 3

@@ -262,20 +262,27 @@ class Scheduler:
         )
 
     def _build_decode(self, reqs: list[Req], out: torch.Tensor) -> ForwardBatch:
-        dev = self.runner.device
-        seq = [r.kv_len + 1 for r in reqs]
+        kv = [r.kv_len for r in reqs]
+        seq = [n + 1 for n in kv]
+        ones = [1] * len(reqs)
+        last = [(r.output_ids or r.prompt_ids)[-1] for r in reqs]  # each request's newest token
+        # One tensor, a row per field (one host-to-device copy, not six).
+        rows, seq_lens, prefix_lens, extend_lens, input_ids, positions = torch.tensor(
+            [[r.req_pool_idx for r in reqs], seq, kv, ones, last, kv],
+            dtype=torch.int64, device=self.runner.device,
+        )  # fmt: skip
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], device=dev),
-            seq_lens=torch.tensor(seq, device=dev),
-            prefix_lens=torch.tensor([r.kv_len for r in reqs], device=dev),
-            extend_seq_lens=torch.ones(len(reqs), dtype=torch.int64, device=dev),
-            input_ids=torch.tensor([r.all_ids()[-1] for r in reqs], dtype=torch.int64, device=dev),
-            positions=torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=dev),
+            req_pool_indices=rows,
+            seq_lens=seq_lens,
+            prefix_lens=prefix_lens,
+            extend_seq_lens=extend_lens,
+            input_ids=input_ids,
+            positions=positions,
             out_cache_loc=out.to(torch.int64),
             seq_lens_cpu=seq,
-            prefix_lens_cpu=[r.kv_len for r in reqs],
-            extend_seq_lens_cpu=[1] * len(reqs),
+            prefix_lens_cpu=kv,
+            extend_seq_lens_cpu=ones,
             rids=[r.rid for r in reqs],
         )
 
@@ -291,17 +298,17 @@ class Scheduler:
         if not sample_rows:
             return []
         to_sample = [reqs[i] for i in sample_rows]
+        # (a decode step samples every row: no gathered copy of the logits)
+        rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
         if self.config.token_oracle:
             vocab = self.runner.vocab_size
             tokens = [oracle_token(r.rid, r.seq_len, vocab) for r in to_sample]
         else:
-            tokens = sample_batch(
-                logits[sample_rows], [r.params for r in to_sample], [r.generator for r in to_sample]
-            )
+            tokens = sample_batch(rows, [r.params for r in to_sample], [r.generator for r in to_sample])
         self.kv.req_to_token_pool.append_tokens(
             [r.req_pool_idx for r in to_sample], [r.seq_len for r in to_sample], tokens
         )
-        record_logprobs(to_sample, logits[sample_rows], tokens)
+        record_logprobs(to_sample, rows, tokens)
         finished = []
         for req, tok in zip(to_sample, tokens, strict=True):
             req.output_ids.append(tok)

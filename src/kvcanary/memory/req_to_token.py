@@ -38,6 +38,12 @@ class ReqToTokenPool:
         self.token_lens = torch.zeros(size + 1, dtype=torch.int64, device=self.device)
         self._free_rows: list[int] = list(range(1, size + 1))
         self._is_free = [False] + [True] * size
+        # On the host (not "cpu:0", a stand-in device): numpy views of the token mirror
+        # (torch's advanced indexing costs ~5 us an op; a decode step writes a few entries).
+        self._host = (
+            (self.token_ids.numpy(), self.token_lens.numpy())
+            if self.device == torch.device("cpu") else None
+        )  # fmt: skip
 
     def available_size(self) -> int:
         return len(self._free_rows)
@@ -82,6 +88,11 @@ class ReqToTokenPool:
 
     def append_tokens(self, rows: list[int], positions: list[int], token_ids: list[int]) -> None:
         """One new token per row at ``positions`` (= the old length)."""
+        if self._host is not None:  # the few entries of a decode step, written where they are
+            token_ids_np, token_lens_np = self._host
+            token_ids_np[rows, positions] = token_ids
+            token_lens_np[rows] = [p + 1 for p in positions]
+            return
         r = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
         p = torch.as_tensor(positions, dtype=torch.int64, device=self.device)
         self.token_ids[r, p] = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device)
