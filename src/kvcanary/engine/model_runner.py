@@ -155,4 +155,5 @@ class ModelRunner:
         hidden = self.model(fb.input_ids, fb.positions, fb)
         if hooks is not None:
             hooks.after_forward(fb)
-        return self.model.compute_logits(hidden[fb.last_token_indices()])
+        # A decode forward's rows are its requests' last tokens already (no gathered copy).
+        return self.model.compute_logits(hidden if fb.is_decode else hidden[fb.last_token_indices()])
