@@ -243,3 +243,20 @@ def test_engine_decode_tables_equal_the_torch_path(
     engine = tiny_engine(model="builtin:tiny-swa", graph_batch_sizes=graphs)
     engine.generate(make_prompts(5, 3, 70, seed=2), SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert checked["n"] >= 11
+
+
+def test_graph_buckets_rebuild_the_gqa_mask_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch path through the graph runner's static tables: a short request decoding
+    beside one past the window keeps the sliding table's width (the window) while its own
+    visible keys grow every step; each step's GQA-folded mask is that step's (the same
+    logprobs as eager decode)."""
+    monkeypatch.setattr(attention_cpu, "applies", lambda *a: False)  # SDPA with masks
+    prompts = [make_prompts(1, 50, 50, seed=7)[0], make_prompts(1, 3, 3, seed=8)[0]]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=0)
+    outs = [tiny_engine(model="builtin:tiny-swa", graph_batch_sizes=graphs).generate(prompts, params)
+            for graphs in ((), (1, 2, 4))]  # fmt: skip
+    for eager, graphed in zip(*outs, strict=True):
+        assert graphed.output_ids == eager.output_ids
+        lp = [torch.tensor([t.logprob for t in o.logprobs or []]) for o in (graphed, eager)]
+        assert lp[0].numel() == 12
+        torch.testing.assert_close(lp[0], lp[1], rtol=0, atol=1e-5)

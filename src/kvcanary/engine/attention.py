@@ -81,6 +81,7 @@ class StaticKeyBuffers:
                 out.host = (h[0][: n * width].reshape(n, width), h[1][: n * width].reshape(n, 1, width),
                             h[2][:n], h[3][:n])  # fmt: skip
             self._last = last = ((n, width), out)
+        last[1]._grouped.clear()  # (the masks GQA folds are this forward's: rebuilt on use)
         if view.host is not None and self._host is not None and attention_cpu.fill_tables(
             *view.host, *self._host, width
         ):  # fmt: skip
