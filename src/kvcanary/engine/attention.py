@@ -22,12 +22,11 @@ import torch
 
 from kvcanary.engine import attention_cpu
 from kvcanary.engine.forward_batch import ForwardBatch
+from kvcanary.memory.base import HOST
 from kvcanary.memory.mha_pool import MHAKVPool
 from kvcanary.memory.req_to_token import ReqToTokenPool
 from kvcanary.memory.swa_pool import SWAKVPool
 from kvcanary.model.base import AttentionLayerSpec
-
-_HOST = torch.device("cpu")
 
 
 @dataclass
@@ -177,7 +176,7 @@ class PagedAttentionBackend:
     # ----------------------------------------------------------- metadata
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         device = fb.input_ids.device
-        if fb.is_decode and device == _HOST and self._init_decode_cpu(fb):
+        if fb.is_decode and device == HOST and self._init_decode_cpu(fb):
             return  # (tables on the host: not where a device, even "cpu:0", wants them)
         layout = QueryLayout.of(fb)
         self._q_valid, self._dense_q, self._q_index = layout.valid, layout.dense, layout.flat_index
@@ -208,7 +207,7 @@ class PagedAttentionBackend:
         (:func:`.attention_cpu.decode_tables`: the same tables); False when the slot table
         is not a CPU tensor (the torch path then runs)."""
         table = self.req_to_token_pool.req_to_token
-        if table.device != _HOST:
+        if table.device != HOST:
             return False
         if self._table_np is None or self._table_np[0] is not table:
             self._table_np = (table, table.numpy())  # a view: the table mutates in place

@@ -50,12 +50,12 @@ from kvcanary.engine.attention import PagedAttentionBackend, StaticKeyBuffers
 from kvcanary.engine.forward_batch import ForwardBatch, ForwardMode
 from kvcanary.engine.hooks import GraphForwardHooks
 from kvcanary.engine.model_runner import ModelRunner
+from kvcanary.memory.base import HOST
 from kvcanary.utils import ceil_page
 
 logger = logging.getLogger("kvcanary.engine")
 
 KEY_WIDTH_BUCKET = 64
-_HOST = torch.device("cpu")
 
 
 class GraphRunner:
@@ -77,7 +77,7 @@ class GraphRunner:
         self._host_bufs = (
             tuple(b.numpy() for b in (self.input_ids, self.positions, self.req_pool_indices,
                                       self.seq_lens, self.out_cache_loc, self.prefix_lens))  # fmt: skip
-            if torch.device(dev) == _HOST else None
+            if torch.device(dev) == HOST else None
         )
         # CPU: numpy views of the static buffers per padded batch size (ForwardBatch.host_arrays).
         self._host_arrays: dict[int, tuple[np.ndarray, ...] | None] = {}
@@ -130,7 +130,7 @@ class GraphRunner:
         fields = ((self.input_ids, fb.input_ids, 0), (self.positions, fb.positions, 0),
                   (self.req_pool_indices, fb.req_pool_indices, 0), (self.seq_lens, fb.seq_lens, 1),
                   (self.out_cache_loc, fb.out_cache_loc, 0))  # fmt: skip
-        if self._host_bufs is not None and all(src.device == _HOST for _, src, _ in fields):
+        if self._host_bufs is not None and all(src.device == HOST for _, src, _ in fields):
             # Host buffers: numpy copies (a torch op on these few rows costs ~4 us).
             for (_, src, fill), host in zip(fields, self._host_bufs[:5], strict=True):
                 host[:bs] = src.numpy()

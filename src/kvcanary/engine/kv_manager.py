@@ -39,12 +39,10 @@ import torch
 from kvcanary.engine.request import PrefixLock, Req
 from kvcanary.engine.stats import KVStats
 from kvcanary.memory import host_pool
-from kvcanary.memory.base import KVPool, PageAllocator, PrefixCache, WindowedAllocator
+from kvcanary.memory.base import HOST, KVPool, PageAllocator, PrefixCache, WindowedAllocator
 from kvcanary.memory.radix_cache import RadixCache, RadixNode
 from kvcanary.memory.req_to_token import ReqToTokenPool
 from kvcanary.utils import cdiv, ceil_page, floor_page
-
-_HOST = torch.device("cpu")
 
 
 class PoolNeed(NamedTuple):
@@ -111,7 +109,7 @@ class KVManager:
         self.req_to_token = req_to_token_pool.req_to_token
         # A table on the host (not "cpu:0", a stand-in device): its numpy view, for the
         # decode step's few reads and writes (torch's advanced indexing costs ~5 us an op).
-        self._table_np = self.req_to_token.numpy() if self.req_to_token.device == _HOST else None
+        self._table_np = self.req_to_token.numpy() if self.req_to_token.device == HOST else None
         self.kv_pool = kv_pool
         self.spec = spec
         self.enable_host_offload = enable_host_offload
@@ -254,7 +252,7 @@ class KVManager:
             lambda: self.allocator.alloc_decode(seq_lens, last_locs),
             len(reqs) * self.spec.page_size,
         )
-        if out is not None and self._table_np is not None and out.device == _HOST:
+        if out is not None and self._table_np is not None and out.device == HOST:
             self._table_np[[r.req_pool_idx for r in reqs], [r.kv_len for r in reqs]] = out.numpy()
         elif out is not None:
             rows = torch.tensor([r.req_pool_idx for r in reqs])

@@ -23,16 +23,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcanary.memory.base import Lens, PageAllocator
+from kvcanary.memory.base import HOST, Lens, PageAllocator
 from kvcanary.memory.errors import DoubleFreeError, raise_if_problems
 
 
 def _nonempty(pages: torch.Tensor) -> torch.Tensor:
     # Gather source for torch.where: when no page is taken every lane uses the other branch.
     return pages if pages.numel() else torch.zeros(1, dtype=torch.int64)
-
-
-_HOST = torch.device("cpu")
 
 
 def _as_cpu_lens(lens: Lens) -> torch.Tensor:
@@ -148,7 +145,7 @@ class PagedAllocator:
         self, seq_lens: Lens, last_locs: torch.Tensor
     ) -> torch.Tensor | None:
         """One slot per request for position ``seq_len - 1`` (``seq_len`` counts the new token)."""
-        if isinstance(seq_lens, list) and self.device == _HOST and last_locs.device == _HOST:
+        if isinstance(seq_lens, list) and self.device == HOST and last_locs.device == HOST:
             return self._alloc_decode_host(seq_lens, last_locs)
         seq = _as_cpu_lens(seq_lens)
         starts_page = (seq - 1) % self.page_size == 0

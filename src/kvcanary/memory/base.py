@@ -39,6 +39,11 @@ BufInfos: TypeAlias = tuple[list[int], list[int], list[int]]
 # Per-request lengths: a sequence of ints or a 1-D integer tensor (read on the CPU).
 Lens: TypeAlias = Sequence[int] | torch.Tensor
 
+# The host CPU. Host-only fast paths (numpy views, Python lists instead of torch ops on a
+# few elements) compare a device with this exactly: "cpu:0" counts as another device, the
+# stand-in accelerator of the device-mixing tests, and keeps the torch paths.
+HOST = torch.device("cpu")
+
 
 # ---------------------------------------------------------------------- pools
 def resolve_device(device: str | torch.device) -> torch.device:

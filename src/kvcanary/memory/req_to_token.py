@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcanary.memory.base import HOST
 from kvcanary.memory.errors import DoubleFreeError, PoolExhaustedError, raise_if_problems
 
 REQ_POOL_IDX_PADDING = 0
@@ -38,12 +39,11 @@ class ReqToTokenPool:
         self.token_lens = torch.zeros(size + 1, dtype=torch.int64, device=self.device)
         self._free_rows: list[int] = list(range(1, size + 1))
         self._is_free = [False] + [True] * size
-        # On the host (not "cpu:0", a stand-in device): numpy views of the token mirror
-        # (torch's advanced indexing costs ~5 us an op; a decode step writes a few entries).
+        # On the host (base.HOST): numpy views of the token mirror (torch's advanced indexing
+        # costs ~5 us an op; a decode step writes a few entries).
         self._host = (
-            (self.token_ids.numpy(), self.token_lens.numpy())
-            if self.device == torch.device("cpu") else None
-        )  # fmt: skip
+            (self.token_ids.numpy(), self.token_lens.numpy()) if self.device == HOST else None
+        )
 
     def available_size(self) -> int:
         return len(self._free_rows)
