@@ -33,7 +33,8 @@ def _run(fused: bool, model: str, canary: dict[str, Any],
         if not fused:
             m.setattr(fused_rows.FusedRowLaunches, "build", staticmethod(lambda *a, **k: None))
         engine = tiny_engine(model=model, swa_full_tokens_ratio=0.5, chunked_prefill_size=24,
-                             canary=CanaryConfig(mode="log", **canary))  # fmt: skip
+                             canary=CanaryConfig(mode="log", swa_divergence_interval=7,
+                                                 **canary))  # fmt: skip
         prompts = make_prompts(5, 20, 40, seed=3)
         start_decoding(engine, prompts, max_new_tokens=30)
         runner = engine.runner
@@ -79,6 +80,7 @@ def _run(fused: bool, model: str, canary: dict[str, Any],
             "rows": engine.canary.violations, "overflow_steps": rt.num_verify_overflow_steps,
             "ring": rt.ring.rows.clone(), "index": int(rt.ring.write_index),
             "records": [b.clone() for g in engine.canary.groups for b in g.buffers()],
+            "totals": rt.verify_totals.totals.tolist(),  # the SWA divergence reporter's
             "counters": [c.clone() for c in (rt.verify_counters.kernel_runs,
                                              rt.verify_counters.slots_processed,
                                              rt.write_counters.kernel_runs,
@@ -106,6 +108,7 @@ def test_fused_launches_leave_exactly_the_per_launch_state(
         if model != "builtin:tiny-mha":
             assert "verify_not_resident" in reasons
     assert got["overflow_steps"] == want["overflow_steps"]
+    assert got["totals"] == want["totals"] and sum(want["totals"]) > 0
     assert got["rows"] == want["rows"] and got["index"] == want["index"]
     assert torch.equal(got["ring"], want["ring"])
     assert all(torch.equal(a, b) for a, b in zip(got["records"], want["records"], strict=True))

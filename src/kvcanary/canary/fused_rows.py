@@ -69,9 +69,10 @@ _NO_WATCH = (np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.int64),
 # (address, shape...) of an int64 C-contiguous array, so a call passes one array instead of
 # ~40 (the dispatcher types each argument it is given: ~8 us a call, cold, for the tuples).
 #   header   G, H, L (groups, HEAD launches, TAIL launches), ring [2D], ring index, verify
-#            runs, verify processed, write runs, write processed [1D each], out [2D]
+#            runs, verify processed, write runs, write processed [1D each], out [2D],
+#            verify totals [1D] (the SWA divergence reporter's, or empty)
 #   group    window, has LUT, offset, capacity, check holes, LUT [1D], requests [2D],
-#            entries [2D], write slots [1D], holes [2D]
+#            entries [2D], write slots [1D], holes [2D], verify totals index (-1: none)
 #   launch   group, tag, hole tag, sources, records [2D], words0..3 [2D], meta [2D],
 #            watch intended [2D], watch target [2D], watch stamp [1D]
 # HEAD launches first, then TAIL's. The owner keeps every array alive (and rebuilds the block
@@ -82,8 +83,8 @@ _NO_WATCH = (np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.int64),
 # int64 C-contiguous; made once for a host's persistent batch arrays (ForwardBatch.host_arrays),
 # per forward otherwise, so a call passes 3 arrays instead of 12
 # (:meth:`FusedRowLaunches.batch_block`).
-_HEADER = 19
-_GROUP_W = 18
+_HEADER = 21
+_GROUP_W = 19
 _LAUNCH_W = 30
 
 
@@ -168,6 +169,11 @@ def _head_body(
         if _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inputs,
                    has_table, check_token, position_assert):  # fmt: skip
             return _SLOT_ERROR + i
+    totals = _a1(blk, 19)  # 3. the SWA divergence reporter's totals (VerifyTotals.observe)
+    for g in range(num_groups):
+        k = _HEADER + g * _GROUP_W
+        if blk[k + 18] >= 0 and out[g, _TOTAL_VERIFY] <= blk[k + 3]:
+            totals[blk[k + 18]] += out[g, _TOTAL_VERIFY]
     return _OVERFLOW if overflow else _DONE
 
 
@@ -249,7 +255,8 @@ class FusedRowLaunches:
                  tail_watches: Sequence[StoreWatch | None],
                  ring: ViolationRing, verify_counters: RunCounters | None,
                  write_counters: RunCounters | None,
-                 store_checker: StoreChecker | None) -> None:  # fmt: skip
+                 store_checker: StoreChecker | None,
+                 verify_totals: tuple[np.ndarray, Sequence[int]] | None = None) -> None:  # fmt: skip
         self.planners = list(planners)
         n = len(self.planners)
         self.windows = np.array([p._window for p in self.planners], dtype=np.int64)
@@ -264,6 +271,11 @@ class FusedRowLaunches:
         self.store_checker = store_checker
         self._watch_generation = 0 if store_checker is None else store_checker.generation
         self.out = np.zeros((n, 6), dtype=np.int64)
+        # HEAD adds each group's verify entries (0 when it overflowed) to the SWA divergence
+        # reporter's totals at its index, as VerifyTotals.observe would.
+        self.totals, self.totals_index = (
+            (np.zeros(0, dtype=np.int64), [-1] * n) if verify_totals is None else verify_totals
+        )
         self.bind()
         # TAIL's arguments, set by HEAD: (bs, the batch's token ids, positions, expected ids
         # and positions, check inputs, has table, check token, position assert), or (batch
@@ -281,9 +293,13 @@ class FusedRowLaunches:
     def build(planners: Sequence[RowPlanner], groups: Sequence[Any], v_half: bool,
               ring: ViolationRing, verify_counters: RunCounters | None,
               write_counters: RunCounters | None,
-              store_checker: StoreChecker | None) -> FusedRowLaunches | None:  # fmt: skip
+              store_checker: StoreChecker | None,
+              verify_totals: tuple[np.ndarray, Sequence[int]] | None = None,
+              ) -> FusedRowLaunches | None:  # fmt: skip
         """The fused launches of ``groups`` (their planners, in order), or None when their
-        arguments cannot share one numba type (the per-launch path then runs)."""
+        arguments cannot share one numba type (the per-launch path then runs).
+        ``verify_totals``: (int64 totals, each group's index into them or -1), which HEAD
+        adds the groups' verify entries to."""
         if not groups or not all(g.per_position for g in groups):
             return None
         luts = tuple(p._lut_np for p in planners)
@@ -300,8 +316,11 @@ class FusedRowLaunches:
             _flat_ok(a) for t in launches + tails for a in t if isinstance(a, np.ndarray)
         ):
             return None
+        if verify_totals is not None and not _flat_ok(verify_totals[0]):
+            return None
         return FusedRowLaunches(planners, luts, tuple(launches), tuple(tails), watches, ring,
-                                verify_counters, write_counters, store_checker)  # fmt: skip
+                                verify_counters, write_counters, store_checker,
+                                verify_totals)  # fmt: skip
 
     def bind(self) -> None:
         """(Re)build the argument block (see ``_HEADER``) from the launches, the planners'
@@ -317,13 +336,14 @@ class FusedRowLaunches:
             keep.append(a)
             words.extend((a.ctypes.data, *a.shape))
 
-        for a in (ring, index, *self.count_args, self.out):
+        for a in (ring, index, *self.count_args, self.out, self.totals):
             arr(a)
         for i, p in enumerate(ps):
             words.extend((int(self.windows[i]), int(self.has_luts[i]), int(self.offsets[i]),
                           int(self.capacities[i]), int(self.check_holes[i])))  # fmt: skip
             for a in (self.luts[i], p._requests, p._entries, p._write_slots, p._holes):
                 arr(a)
+            words.append(int(self.totals_index[i]))
         for t in (*self.launches, *self.tails):
             words.extend((t[0], t[1], t[2], t[9]))
             for a in (*t[3:9], *t[10:13]):

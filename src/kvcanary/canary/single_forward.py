@@ -200,28 +200,31 @@ class SingleForwardManager:
     def _fused_launches(self) -> FusedRowLaunches | None:
         if self._fused is True:
             rt = self.rt
-            self._fused = FusedRowLaunches.build(
-                cast(list[RowPlanner], self._planners), rt.groups, rt.config.v_half, rt.ring,
-                rt.verify_counters, rt.write_counters, rt.store_checker,
-            ) or False  # fmt: skip
+            # Fused HEAD adds the divergence reporter's totals itself: they must be host memory.
+            totals = None if rt.verify_totals is None else rt.verify_totals.host_index(
+                [g.kind for g in rt.groups])  # fmt: skip
+            self._fused = False
+            if rt.verify_totals is None or totals is not None:
+                self._fused = FusedRowLaunches.build(
+                    cast(list[RowPlanner], self._planners), rt.groups, rt.config.v_half, rt.ring,
+                    rt.verify_counters, rt.write_counters, rt.store_checker, totals,
+                ) or False  # fmt: skip
         return self._fused if isinstance(self._fused, FusedRowLaunches) else None
 
     def _fused_head(self, fused: FusedRowLaunches, host: HostInputs,
                     batch: np.ndarray | None) -> None:  # fmt: skip
         """HEAD of every group in one compiled call (:mod:`.fused_rows`; ``batch``: the
-        batch block of ``host``, if any), then the host's notes of it: overflowed verifies,
-        the divergence reporter's totals."""
+        batch block of ``host``, if any; it adds the divergence reporter's totals too), then
+        the host's note of overflowed verifies."""
         rt = self.rt
         self._fused_open = False
         overflow = fused.head(host, rt.config.verify_tokens, rt.chain_position_assert, batch)
         self._fused_open = True
-        if overflow or rt.verify_totals is not None:
+        if overflow:
             for i, group in enumerate(rt.groups):
                 total, enabled = fused.verify_entries(i)
                 if not enabled:
                     self._overflows.append((group.kind.name, total, rt.verify_capacities[i]))
-                if rt.verify_totals is not None:
-                    rt.verify_totals.observe(group.kind, total if enabled else 0)
 
     def _static_decode(
         self, fb: ForwardBatchView, expected_inputs: tuple[torch.Tensor, torch.Tensor] | None

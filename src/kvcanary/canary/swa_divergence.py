@@ -28,7 +28,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -107,6 +107,13 @@ class VerifyTotals:
         self.totals = torch.zeros(2, dtype=torch.int64, device=device)
         # CPU: numpy view of the same memory (a torch indexed add costs ~2.5 us per call).
         self._host = self.totals.numpy() if device.type == "cpu" else None
+
+    def host_index(self, kinds: Sequence[PoolKind]) -> tuple[np.ndarray, list[int]] | None:
+        """The totals' numpy view and each of ``kinds``' index into it (-1: not counted),
+        for compiled callers that add to them directly; None off the CPU."""
+        if self._host is None:
+            return None
+        return self._host, [self.INDEX.get(k, -1) for k in kinds]
 
     def observe(self, kind: PoolKind, num_entries: int | torch.Tensor) -> None:
         index = self.INDEX.get(kind)
