@@ -273,9 +273,10 @@ class FusedRowLaunches:
         self.out = np.zeros((n, 6), dtype=np.int64)
         # HEAD adds each group's verify entries (0 when it overflowed) to the SWA divergence
         # reporter's totals at its index, as VerifyTotals.observe would.
-        self.totals, self.totals_index = (
-            (np.zeros(0, dtype=np.int64), [-1] * n) if verify_totals is None else verify_totals
-        )
+        self.totals: np.ndarray = np.zeros(0, dtype=np.int64)
+        self.totals_index: Sequence[int] = [-1] * n
+        if verify_totals is not None:
+            self.totals, self.totals_index = verify_totals
         self.bind()
         # TAIL's arguments, set by HEAD: (bs, the batch's token ids, positions, expected ids
         # and positions, check inputs, has table, check token, position assert), or (batch
