@@ -376,10 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="torch CPU threads (default: torch's choice); 1 is steadier on "
                                "a machine shared with other work")  # fmt: skip
     overhead.add_argument("--time-canary", action="store_true",
-                          help="also time the canary's own host calls in every step (columns "
-                               "canary us/fwd and canary %%: median host time per forward, and "
-                               "over the paired none step); the timers add ~1 us a call to the "
-                               "canary variants")  # fmt: skip
+                          help="also time the canary calls the engine makes in every step "
+                               "(columns canary us/fwd and canary %%: median host time per "
+                               "forward, and over the paired none step); the timers add "
+                               "~0.3-1 us a call to the canary variants")  # fmt: skip
     overhead.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
     overhead.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     overhead.set_defaults(func=_cmd_bench_overhead)

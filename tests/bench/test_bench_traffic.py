@@ -108,3 +108,37 @@ def test_replayed_cuda_graph_decodes_are_recorded_once(monkeypatch: pytest.Monke
     assert len(shapes) == stats.num_forwards
     decodes = [s for s in shapes if all(e == 1 for e in s.extend_lens)]
     assert sum(len(s.extend_lens) for s in decodes) == stats.num_decode_tokens  # no padding rows
+
+
+@pytest.mark.parametrize("graph_parts", [False, True])
+def test_canary_timers_count_each_call_the_engine_makes_once(
+    graph_parts: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--time-canary``'s timers: one interval per outermost canary call (before_forward,
+    after_forward, each store observe; with ``graph_parts`` also begin / end_forward, which
+    before / after_forward call inside: not counted twice). A fake clock that ticks once per
+    read makes each timed call add exactly 1."""
+    import types
+
+    from kvcanary.bench import overhead
+
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(overhead, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    config = EngineConfig(model="builtin:tiny-swa", page_size=4, max_total_tokens=4096,
+                          canary=CanaryConfig(mode="log", real_data="partial"))  # fmt: skip
+    engine = Engine(config)
+    observes = [0]
+    checker = engine.canary.runtime.store_checker
+    assert checker is not None
+    observe = checker.observe
+
+    def counted(*args, **kwargs):  # installed first: runs inside the timed observe
+        observes[0] += 1
+        return observe(*args, **kwargs)
+
+    checker.observe = counted
+    clock = overhead.time_canary_calls(engine, graph_parts=graph_parts)
+    engine.generate([[5, 6, 7, 8, 9], [1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    forwards = engine.stats.num_forwards
+    assert forwards > 0 and observes[0] >= 2 * forwards  # two watched stores a forward
+    assert clock[0] == 2 * forwards + observes[0]

@@ -79,8 +79,9 @@ class OverheadSpec:
     prefill_len: int = 1024
     repeats: int = 3
     variants: tuple[str, ...] = DEFAULT_VARIANTS
-    # Time the canary's host calls in each step (rows gain canary_host_us_per_forward and
-    # canary_host_pct); the timers add ~1 us a call to the canary variants' steps.
+    # Time the canary calls the engine makes in each step (rows gain
+    # canary_host_us_per_forward and canary_host_pct; time_canary_calls); the timers add
+    # ~0.3-1 us a call to the canary variants' steps.
     time_canary: bool = False
 
     def __post_init__(self) -> None:
@@ -240,30 +241,43 @@ def _bench_model(config: EngineConfig, spec: OverheadSpec, cases: list[Case], ba
     return rows
 
 
-def time_canary_calls(engine: Engine) -> list[float]:
-    """Wrap ``engine``'s canary host calls (begin_forward, head, tail, end_forward: what
-    before_forward / after_forward and a graph replay's host parts call; the store check's
-    per-layer observe inside attention) with timers; returns the accumulator ``[seconds]``.
-    On the CPU that is all of the canary's work; on an accelerator its host work and
-    launches (not the device time, nor HEAD / TAIL replayed inside a captured graph)."""
+def time_canary_calls(engine: Engine, graph_parts: bool | None = None) -> list[float]:
+    """Wrap ``engine``'s canary host calls with timers; returns the accumulator
+    ``[seconds]``. Timed: what the engine calls, ``before_forward`` / ``after_forward``
+    (``begin_forward`` + ``head``, ``tail`` + ``end_forward``), on CUDA also
+    ``begin_forward`` / ``end_forward`` (a graph replay calls them around HEAD / TAIL
+    recorded in the graph; ``graph_parts`` overrides), and the store check's per-layer
+    ``observe`` inside attention;
+    only the outermost of nested calls is timed (one timer per call the engine makes: each
+    adds ~0.3-1 us of its own, counted in). On the CPU that is all of the canary's work; on
+    an accelerator its host work and launches (not the device time, nor HEAD / TAIL
+    replayed inside a captured graph)."""
     clock = [0.0]
     canary = engine.canary
     if canary is None:
         return clock
+    depth = [0]
 
     def timed(obj: Any, name: str) -> None:
         call = getattr(obj, name)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if depth[0]:  # inside a timed call: counted there
+                return call(*args, **kwargs)
+            depth[0] = 1
             t0 = time.perf_counter()
             try:
                 return call(*args, **kwargs)
             finally:
                 clock[0] += time.perf_counter() - t0
+                depth[0] = 0
 
         setattr(obj, name, wrapper)
 
-    for name in ("begin_forward", "head", "tail", "end_forward"):
+    names = ["before_forward", "after_forward"]
+    if engine.runner.device.type == "cuda" if graph_parts is None else graph_parts:
+        names += ["begin_forward", "end_forward"]
+    for name in names:
         timed(canary, name)
     if canary.runtime.store_checker is not None:
         timed(canary.runtime.store_checker, "observe")
