@@ -13,6 +13,8 @@ cache-cold cost right after (or before) the model's forward; together they measu
           2. per launch (group, half), in group order: the group's holes (first half only,
              under its HEAD K tag, as ``ViolationRing.append_holes``), then verify + write
              (:func:`.kernels_numba._launch_rows_kernel`)
+          3. each group's verify entries (0 when it overflowed) onto the SWA divergence
+             reporter's totals, when it is on (``VerifyTotals.observe``)
     TAIL  tail_nb(batch, groups, launches)
           per launch: verify + write on the plans HEAD made, then the store check of its
           watch (:func:`.store_check._check_nb`, when the watch is armed)
