@@ -118,3 +118,14 @@ def test_append_tokens_on_the_host_equals_the_torch_path() -> None:
     assert torch.equal(pools[0].token_lens, pools[1].token_lens)
     assert pools[0].token_ids[2, :4].tolist() == [5, 6, 7, 70]
     assert pools[0].token_ids[3, :3].tolist() == [9, 80, 81] and pools[0].token_lens[3] == 3
+
+
+def test_host_table_is_the_slot_table_itself_on_the_host_only() -> None:
+    """``host_table``: a numpy view of ``req_to_token`` on the host (writes either way are
+    seen by both); None on "cpu:0", the stand-in device that keeps the torch paths."""
+    pool = ReqToTokenPool(2, 8)
+    assert pool.host_table is not None
+    pool.req_to_token[1, 3] = 42
+    pool.host_table[2, 5] = 7
+    assert pool.host_table[1, 3] == 42 and int(pool.req_to_token[2, 5]) == 7
+    assert ReqToTokenPool(2, 8, device="cpu:0").host_table is None

@@ -168,7 +168,6 @@ class PagedAttentionBackend:
         self._q_index: torch.Tensor | None = None  # [bs, max_q] flat token index (clamped)
         self._q_valid: torch.Tensor | None = None
         self._dense_q = False
-        self._table_np: tuple[torch.Tensor, np.ndarray] | None = None  # req_to_token's view
         self._decode_query: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> index, valid
         # layer -> (its K, V buffers, their numpy views): the CPU decode kernel's arguments.
         self._kv_np: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]] = {}
@@ -205,12 +204,10 @@ class PagedAttentionBackend:
     def _init_decode_cpu(self, fb: ForwardBatch) -> bool:
         """:meth:`init_forward_metadata` of a CPU decode forward in one compiled pass
         (:func:`.attention_cpu.decode_tables`: the same tables); False when the slot table
-        is not a CPU tensor (the torch path then runs)."""
-        table = self.req_to_token_pool.req_to_token
-        if table.device != HOST:
+        is not on the host (the torch path then runs)."""
+        table = self.req_to_token_pool.host_table
+        if table is None:
             return False
-        if self._table_np is None or self._table_np[0] is not table:
-            self._table_np = (table, table.numpy())  # a view: the table mutates in place
         bs = fb.batch_size
         host = fb.host_arrays  # (graph runner) persistent numpy views of the batch
         if host is not None:
@@ -223,7 +220,7 @@ class PagedAttentionBackend:
         loc_np = loc.numpy()
         window = self.sliding_window or 0
         full_slots, full_mask, sliding = attention_cpu.decode_tables(
-            self._table_np[1], rows, pre, seq, window, loc_np
+            table, rows, pre, seq, window, loc_np
         )
         query = self._decode_query.get(bs)
         if query is None:  # one query per request, in batch order

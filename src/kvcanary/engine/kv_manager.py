@@ -109,7 +109,7 @@ class KVManager:
         self.req_to_token = req_to_token_pool.req_to_token
         # A table on the host (not "cpu:0", a stand-in device): its numpy view, for the
         # decode step's few reads and writes (torch's advanced indexing costs ~5 us an op).
-        self._table_np = self.req_to_token.numpy() if self.req_to_token.device == HOST else None
+        self._table_np = req_to_token_pool.host_table
         self.kv_pool = kv_pool
         self.spec = spec
         self.enable_host_offload = enable_host_offload

@@ -44,6 +44,9 @@ class ReqToTokenPool:
         self._host = (
             (self.token_ids.numpy(), self.token_lens.numpy()) if self.device == HOST else None
         )
+        # And of the slot table, for the engine's host paths (the KV manager's decode reads
+        # and writes, attention's decode tables); None off the host.
+        self.host_table = self.req_to_token.numpy() if self.device == HOST else None
 
     def available_size(self) -> int:
         return len(self._free_rows)
