@@ -14,6 +14,7 @@ from engine_utils import make_prompts, start_decoding, tiny_engine
 
 from kvcanary import Engine, SamplingParams
 from kvcanary.canary.config import CanaryConfig
+from kvcanary.canary.single_forward import SingleForwardManager
 
 PROMPTS = make_prompts(3, 44, 60, seed=5)
 MODELS = ["builtin:tiny-mha", "builtin:tiny-swa"]
@@ -81,6 +82,52 @@ def test_a_lost_store_is_a_tail_kv_store_violation(
     engine.step()
     later = [r for r in engine.canary.violations[1:] if r.slot_idx == slot]
     assert later and all(r.fail_reasons == ("verify_real_kv_hash",) for r in later)
+
+
+def test_graph_runner_decode_takes_the_fast_head_and_still_checks_stores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode step of the graph runner's persistent batch arrays seen before runs HEAD
+    through ``SingleForwardManager.fast_head`` (not the full pre-ops); the store check still
+    runs there (a lost store is reported), and a perturber attached mid-run takes the full
+    path again (its pre-forward hook runs)."""
+    engine = tiny_engine(model="builtin:tiny-swa", graph_batch_sizes=(4,),
+                         canary=CanaryConfig(mode="log", real_data="partial"))  # fmt: skip
+    start_decoding(engine, PROMPTS)
+    engine.step()  # a decode step of the bucket-4 arrays: the next one can take the fast path
+    full: list[Any] = []
+    original = SingleForwardManager.pre_ops_maybe_inside_graph
+    monkeypatch.setattr(SingleForwardManager, "pre_ops_maybe_inside_graph",
+                        lambda self, fb: full.append(fb) or original(self, fb))  # fmt: skip
+    a = engine.running_requests()[1]
+    while a.kv_len % 4 == 0:  # the next token must continue a's current page (page size 4)
+        engine.step()
+        a = engine.running_requests()[1]
+    row = engine.runner.req_to_token_pool.req_to_token[a.req_pool_idx]
+    slot = int(row[a.kv_len - 1]) + 1
+    undo = _lose_the_store_of(engine, "FULL", slot)
+    engine.step()
+    undo()
+    assert full == [] and engine.scheduler.graph_runner.num_replays > 0
+    assert [(r.launch_tag, r.fail_reasons, r.slot_idx) for r in engine.canary.violations] == [
+        ("TAIL_K_FULL", ("write_kv_store",), slot)
+    ]
+
+    calls: list[str] = []
+
+    class Recorder:
+        def pre_forward(self, batch: Any) -> None:
+            calls.append("pre_forward")
+
+        def post_forward(self, batch: Any) -> None:
+            calls.append("post_forward")
+
+        def end_step(self) -> None:
+            calls.append("end_step")
+
+    engine.canary.perturber = Recorder()
+    engine.step()
+    assert calls == ["pre_forward", "post_forward", "end_step"] and len(full) == 1
 
 
 @pytest.mark.parametrize(("model", "group"), CASES)
