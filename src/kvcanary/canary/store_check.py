@@ -105,16 +105,20 @@ def _observe_nb(words, num_words, loc, intended, target):
 
 
 @numba.njit(cache=True)
-def _observe_in_place_nb(kv_addr, strides, last_dim, row_elems, elem_size, loc_addr, loc_stride,
-                         n, num_words, intended, target, stamp, j, epoch):  # fmt: skip
-    """:func:`_observe_nb` of a store read where it is (``n`` rows at ``kv_addr`` with element
-    ``strides``, 2-D or 3-D, ``row_elems`` elements of ``elem_size`` bytes per row; slots
-    int64 at ``loc_addr``), stamping ``stamp[j] = epoch``. False, with nothing read or
-    stamped, unless each row is contiguous whole int64 words at an 8-byte aligned address,
-    rows do not overlap and the slots are contiguous."""
-    ok = loc_stride == 1 or n == 1
+def _observe_in_place_nb(kv_addr, shape, strides, elem_size, loc_addr, loc_stride, n, num_tokens,
+                         num_words, intended, target, stamp, j, epoch):  # fmt: skip
+    """:func:`_observe_nb` of a store read where it is (``n`` slots int64 at ``loc_addr``;
+    rows at ``kv_addr``, 2-D or 3-D ``shape`` with element ``strides``, of ``elem_size``
+    bytes), stamping ``stamp[j] = epoch``. False, with nothing read or stamped, unless the
+    store covers the forward's ``num_tokens`` tokens one row each, each row is contiguous
+    whole int64 words at an 8-byte aligned address, rows do not overlap and the slots are
+    contiguous."""
+    ok = n == num_tokens and shape[0] == n and (loc_stride == 1 or n == 1)
+    row_elems = 1
+    for d in range(1, len(shape)):
+        row_elems *= shape[d]
     if len(strides) == 3:
-        ok &= strides[2] == 1 and strides[1] == last_dim
+        ok &= strides[2] == 1 and strides[1] == shape[2]
     else:
         ok &= len(strides) == 2 and strides[1] == 1
     row_bytes, step = row_elems * elem_size, strides[0] * elem_size
@@ -233,13 +237,20 @@ class StoreChecker:
 
     def _patch(self, sub: Any, targets: dict[int, list[tuple[StoreWatch, int, KvHalf]]]) -> None:
         original = sub.set_kv_buffer
+        # layer -> ([(watch, source index, K half?)], the dtype the layer stores), looked up
+        # once here rather than per store
+        layers = {
+            layer: ([(w, j, half == KvHalf.K) for w, j, half in ts], sub.k_buffer[layer].dtype)
+            for layer, ts in targets.items()
+        }  # fmt: skip
 
         @functools.wraps(original)
         def set_kv_buffer(layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: Any,
                           *args: Any, **kwargs: Any) -> Any:  # fmt: skip
-            for watch, j, half in targets.get(layer_id, ()):
-                self.observe(watch, j, loc, k if half == KvHalf.K else v,
-                             sub.k_buffer[layer_id].dtype)  # fmt: skip
+            watched = layers.get(layer_id)
+            if watched is not None:
+                for watch, j, is_k in watched[0]:
+                    self.observe(watch, j, loc, k if is_k else v, watched[1])
             return original(layer_id, loc, k, v, *args, **kwargs)
 
         sub.set_kv_buffer = set_kv_buffer
@@ -265,22 +276,23 @@ class StoreChecker:
         """One store of ``kv`` (one row per token, stored as ``dtype``) at slots ``loc`` into
         the buffer of ``watch``'s source ``j``."""
         watch.armed = True
-        n = loc.shape[0]
         fast = watch._rows
         size = _NUMPY_DTYPES.get(dtype) if kv.dtype is dtype else None  # (dtypes are singletons)
-        if fast is not None and size and n == self.num_tokens and loc.dtype is torch.int64:
+        if fast is not None and size and loc.dtype is torch.int64:
             # A decode step's path: k and v arrive as views of the model's projections (rows
             # strided), read in place; no torch call but the layout (each costs ~0.3 us right
-            # after the model's forward).
+            # after the model's forward; the compiled call checks it).
             intended, target, num_words = fast[j]
-            args = (kv.data_ptr(), kv.stride(), kv.shape[-1], kv.numel() // max(n, 1), size,
-                    loc.data_ptr(), loc.stride(0), n, num_words, intended, target, watch.stamp,
-                    j, self.epoch)  # fmt: skip
-            run = self._in_place.get(len(args[1]))
-            if run is None:
-                run = self._in_place[len(args[1])] = entry_point(_observe_in_place_nb, *args)
+            args = (kv.data_ptr(), kv.shape, kv.stride(), size, loc.data_ptr(), loc.stride(0),
+                    loc.shape[0], self.num_tokens, num_words, intended, target, watch.stamp, j,
+                    self.epoch)  # fmt: skip
+            run = self._in_place.get(len(args[2]))
+            if run is None:  # (typed with a plain tuple for the shape: a torch.Size is one)
+                run = self._in_place[len(args[2])] = entry_point(
+                    _observe_in_place_nb, args[0], tuple(args[1]), *args[2:])  # fmt: skip
             if run(*args):
                 return
+        n = loc.shape[0]
         watch.stamp[j] = self.epoch
         if n != self.num_tokens:
             watch.target[j].fill_(_UNALIGNED)
