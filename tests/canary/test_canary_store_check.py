@@ -84,15 +84,22 @@ def test_a_lost_store_is_a_tail_kv_store_violation(
     assert later and all(r.fail_reasons == ("verify_real_kv_hash",) for r in later)
 
 
+@pytest.mark.parametrize("after", ["after_forward", "tail+end_forward"])
 def test_graph_runner_decode_takes_the_fast_head_and_still_checks_stores(
-    monkeypatch: pytest.MonkeyPatch,
+    after: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A decode step of the graph runner's persistent batch arrays seen before runs HEAD
-    through ``SingleForwardManager.fast_head`` (not the full pre-ops); the store check still
-    runs there (a lost store is reported), and a perturber attached mid-run takes the full
-    path again (its pre-forward hook runs)."""
+    through ``SingleForwardManager.fast_head`` (not the full pre-ops) and TAIL through its
+    fused launches, whether the host closes the forward with ``after_forward`` or with
+    ``tail`` + ``end_forward``; the store check still runs there (a lost store is
+    reported), and a perturber attached mid-run takes the full path again (its pre-forward
+    hook runs)."""
     engine = tiny_engine(model="builtin:tiny-swa", graph_batch_sizes=(4,),
                          canary=CanaryConfig(mode="log", real_data="partial"))  # fmt: skip
+    canary = engine.canary
+    if after != "after_forward":
+        monkeypatch.setattr(canary, "after_forward",
+                            lambda fb: (canary.tail(fb), canary.end_forward(fb)))  # fmt: skip
     start_decoding(engine, PROMPTS)
     engine.step()  # a decode step of the bucket-4 arrays: the next one can take the fast path
     full: list[Any] = []
@@ -125,9 +132,11 @@ def test_graph_runner_decode_takes_the_fast_head_and_still_checks_stores(
         def end_step(self) -> None:
             calls.append("end_step")
 
-    engine.canary.perturber = Recorder()
+    canary.perturber = Recorder()
+    steps = canary.step
     engine.step()
     assert calls == ["pre_forward", "post_forward", "end_step"] and len(full) == 1
+    assert canary.step == steps + 1 and not canary.forward_open
 
 
 @pytest.mark.parametrize(("model", "group"), CASES)

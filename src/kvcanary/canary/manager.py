@@ -52,6 +52,7 @@ from kvcanary.canary.constants import (
     PoolKind,
 )
 from kvcanary.canary.delayed import DelayedDeviceHostHandler
+from kvcanary.canary.fused_rows import FusedRowLaunches
 from kvcanary.canary.health import KernelRunHealthChecker
 from kvcanary.canary.host import (
     AbortHandler,
@@ -127,6 +128,8 @@ class CanaryManager:
         self.init_finished = False
         # The forward between before_forward and after_forward: (SFM index, its plans).
         self._open: tuple[int, list[CanaryPlans]] | None = None
+        # The forward's fused launches when its HEAD ran through fast_head (TAIL: theirs).
+        self._fast_tail: FusedRowLaunches | None = None
         self.perturber: Any = None  # kvcanary.canary.perturb.Perturber, when injecting faults
         self._init_observability(config, groups, req_to_token_pool)
         # end_forward's fast path: the ring index to compare with the pump's count (CPU,
@@ -188,10 +191,11 @@ class CanaryManager:
         plan -> holes -> HEAD verify / write (:meth:`begin_forward` + :meth:`head`; a decode
         step of the host's persistent batch arrays seen before, with no perturber:
         ``SingleForwardManager.fast_head``, the same work with less Python)."""
-        if (self._open is None and forward_index == 0 and self.perturber is None
-                and self.single_forward_managers[0].fast_head(batch)):  # fmt: skip
-            self._open = (0, [])
-            return
+        if self._open is None and forward_index == 0 and self.perturber is None:
+            self._fast_tail = self.single_forward_managers[0].fast_head(batch)
+            if self._fast_tail is not None:
+                self._open = (0, [])
+                return
         self.begin_forward(batch, forward_index)
         try:
             self.head(batch)
@@ -210,7 +214,11 @@ class CanaryManager:
         if opened is None:
             raise _not_open()
         sfm = self.single_forward_managers[opened[0]]
-        sfm.post_ops_maybe_inside_graph(batch, opened[1])
+        fused, self._fast_tail = self._fast_tail, None
+        if fused is not None:  # HEAD ran through fast_head: TAIL is its fused launches'
+            fused.tail()
+        else:
+            sfm.post_ops_maybe_inside_graph(batch, opened[1])
         self._open = None
         self._end_forward(sfm, batch)
 
@@ -263,6 +271,10 @@ class CanaryManager:
         """Per group TAIL verify / write (+ store check) on the plans :meth:`head` made."""
         if self._open is None:
             raise _not_open()
+        fused, self._fast_tail = self._fast_tail, None
+        if fused is not None:  # HEAD ran through fast_head
+            fused.tail()
+            return
         index, plans = self._open
         self.single_forward_managers[index].post_ops_maybe_inside_graph(batch, plans)
 
@@ -274,7 +286,8 @@ class CanaryManager:
         self._end_forward(self.single_forward_managers[index], batch)
 
     def _end_forward(self, sfm: SingleForwardManager, batch: ForwardBatchView) -> None:
-        sfm.post_ops_outside_graph()
+        if sfm.overflows:  # (a call costs ~0.7 us right after the forward)
+            sfm.post_ops_outside_graph()
         if self.perturber is not None:
             self.perturber.post_forward(batch)
         periodic = self.step + 1 >= self._next_periodic

@@ -95,7 +95,9 @@ class SingleForwardManager:
     def __init__(self, index: int, runtime: CanaryRuntime):
         self.index = index
         self.rt = runtime
-        self._overflows: list[tuple[str, int, int]] = []  # (group kind, requested, capacity)
+        # This forward's overflowed verifies: (group kind, requested, capacity); the manager
+        # calls post_ops_outside_graph only when there is one.
+        self.overflows: list[tuple[str, int, int]] = []
         config, pool = runtime.config, runtime.req_to_token_pool
         # (tag, records, real-KV sources, store watch) of each launch, per (group, stage),
         # K then V.
@@ -158,26 +160,29 @@ class SingleForwardManager:
     def pre_ops_outside_graph(
         self, maybe_inaccurate_forward_batch: ForwardBatchView | None = None
     ) -> None:
-        self._overflows = []
+        self.overflows = []
 
-    def fast_head(self, fb: ForwardBatchView) -> bool:
+    def fast_head(self, fb: ForwardBatchView) -> FusedRowLaunches | None:
         """:meth:`pre_ops_outside_graph` + :meth:`pre_ops_maybe_inside_graph` of a forward
         of the same persistent batch arrays as a forward that ran HEAD fused (a decode step
         of the host's graph runner), with nothing per forward to prepare: the fused HEAD's
         compiled call and little Python around it (before_forward 10.0-10.4 -> 8.2-8.8 us,
-        tiny-swa batch 1, where the canary's Python is most of its cost). False, with
-        nothing done, otherwise."""
+        tiny-swa batch 1, where the canary's Python is most of its cost). Returns the fused
+        launches, whose ``tail()`` the caller runs after the forward (instead of
+        :meth:`post_ops_maybe_inside_graph`); None, with nothing done, otherwise."""
         fast, rt = self._fast, self.rt
         if (fast is None or fast[0] is not getattr(fb, "host_arrays", None)
                 or rt.expected_inputs is not None
                 or fast[1] is not rt.req_to_token_pool.req_to_token):  # fmt: skip
-            return False
-        if self._overflows:
-            self._overflows = []
+            return None
+        if self.overflows:
+            self.overflows = []
         if rt.store_checker is not None:
             rt.store_checker.begin_forward(fast[2])
-        self._fused_head(fast[3], fast[4], fast[5])
-        return True
+        fused: FusedRowLaunches = fast[3]
+        self._fused_head(fused, fast[4], fast[5])
+        self._fused_open = False  # the caller runs fused.tail()
+        return fused
 
     def pre_ops_maybe_inside_graph(self, fb: ForwardBatchView) -> list[CanaryPlans]:
         rt = self.rt
@@ -215,7 +220,7 @@ class SingleForwardManager:
                     )  # fmt: skip
                 plans = self._plan_inputs(i, group, inputs)
             if not plans.verify.enabled:
-                self._overflows.append(
+                self.overflows.append(
                     (group.kind.name, plans.verify.num_requested_entries, rt.verify_capacities[i])
                 )
             if rt.verify_totals is not None:
@@ -254,7 +259,7 @@ class SingleForwardManager:
             for i, group in enumerate(rt.groups):
                 total, enabled = fused.verify_entries(i)
                 if not enabled:
-                    self._overflows.append((group.kind.name, total, rt.verify_capacities[i]))
+                    self.overflows.append((group.kind.name, total, rt.verify_capacities[i]))
 
     def _static_decode(
         self, fb: ForwardBatchView, expected_inputs: tuple[torch.Tensor, torch.Tensor] | None
@@ -335,17 +340,17 @@ class SingleForwardManager:
             self._launch(group, LaunchStage.TAIL, plans)
 
     def post_ops_outside_graph(self) -> None:
-        if not self._overflows:
+        if not self.overflows:
             return
         self.rt.num_verify_overflow_steps += 1
-        for kind, requested, capacity in self._overflows:
+        for kind, requested, capacity in self.overflows:
             logger.warning(
                 "kv-canary: per-forward verify skipped this step due to overflow (total=%d, "
                 "capacity=%d); check ServerArgs / pool sizing (group=%s requested_entries=%d; "
                 "raise --kv-canary-verify-capacity)",
                 self.rt.num_verify_overflow_steps, capacity, kind, requested,
             )  # fmt: skip
-        self._overflows = []
+        self.overflows = []
 
     def _launch(self, group: CanaryBufferGroup, stage: LaunchStage, plans: CanaryPlans) -> None:
         rt = self.rt
