@@ -63,4 +63,10 @@ def test_prefill_crash_fails_affected_requests_without_hanging() -> None:
     failed = [o for o in outs if o.finish_reason == "error"]
     assert len(failed) >= 2  # the crash hit while requests 3 and 4 were in flight
     assert all("prefill worker unreachable" in o.error for o in failed)
-    assert_side_clean(reports["decode"])  # every pre-allocation was given back
+    # Every pre-allocation was given back. Under load the prefill requests of 1 and 2 can
+    # arrive in the same read as 3's, whose crash then fails all four: the decode side never
+    # ran a forward, and its canary protected nothing (but must report nothing either).
+    finished = [o for o in outs if o.finish_reason != "error"]
+    assert all(o.finish_reason == "length" for o in finished)
+    assert_side_clean(reports["decode"], canary=bool(finished))
+    assert reports["decode"]["canary"]["stats"]["violations"] == 0
