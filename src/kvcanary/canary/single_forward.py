@@ -135,10 +135,6 @@ class SingleForwardManager:
         # (:mod:`.fused_rows`); built on first use, None when they cannot be fused.
         self._fused: FusedRowLaunches | None | bool = self._planners is not None
         self._fused_open = False  # this forward's HEAD ran fused: so does its TAIL
-        # fast_head's state: (the host's persistent batch arrays, the pool's table, the
-        # forward's token count, the fused launches, their HostInputs and batch block), set
-        # by a forward that ran HEAD fused on them; None: take the full path.
-        self._fast: tuple[Any, ...] | None = None
 
     @property
     def graph_safe(self) -> bool:
@@ -155,7 +151,6 @@ class SingleForwardManager:
                     for tag, rec, src, _ in launches
                 ]
         self._fused = self._planners is not None  # rebuilt with the store watches
-        self._fast = None
 
     def pre_ops_outside_graph(
         self, maybe_inaccurate_forward_batch: ForwardBatchView | None = None
@@ -164,23 +159,25 @@ class SingleForwardManager:
 
     def fast_head(self, fb: ForwardBatchView) -> FusedRowLaunches | None:
         """:meth:`pre_ops_outside_graph` + :meth:`pre_ops_maybe_inside_graph` of a forward
-        of the same persistent batch arrays as a forward that ran HEAD fused (a decode step
-        of the host's graph runner), with nothing per forward to prepare: the fused HEAD's
-        compiled call and little Python around it (before_forward 10.0-10.4 -> 8.2-8.8 us,
-        tiny-swa batch 1, where the canary's Python is most of its cost). Returns the fused
-        launches, whose ``tail()`` the caller runs after the forward (instead of
-        :meth:`post_ops_maybe_inside_graph`); None, with nothing done, otherwise."""
-        fast, rt = self._fast, self.rt
-        if (fast is None or fast[0] is not getattr(fb, "host_arrays", None)
-                or rt.expected_inputs is not None
-                or fast[1] is not rt.req_to_token_pool.req_to_token):  # fmt: skip
+        of the persistent batch arrays whose HostInputs and batch block are cached (a
+        decode step of the host's graph runner), once the fused launches are built and with
+        nothing per forward to prepare: the fused HEAD's compiled call and little Python
+        around it (before_forward 10.0-10.4 -> 8.2-8.8 us, tiny-swa batch 1, where the
+        canary's Python is most of its cost). Returns the fused launches, whose ``tail()``
+        the caller runs after the forward (instead of :meth:`post_ops_maybe_inside_graph`);
+        None, with nothing done, otherwise (the full path: the same work)."""
+        cached, fused, table, rt = self._host_cache, self._fused, self._req_to_token, self.rt
+        if (cached is None or cached[0] is not getattr(fb, "host_arrays", None)
+                or cached[2] is None or not isinstance(fused, FusedRowLaunches) or self._static
+                or rt.expected_inputs is not None or table is None
+                or table[0] is not rt.req_to_token_pool.req_to_token):  # fmt: skip
             return None
         if self.overflows:
             self.overflows = []
+        host = cached[1]
         if rt.store_checker is not None:
-            rt.store_checker.begin_forward(fast[2])
-        fused: FusedRowLaunches = fast[3]
-        self._fused_head(fused, fast[4], fast[5])
+            rt.store_checker.begin_forward(host.out_cache_loc.shape[0])
+        self._fused_head(fused, host, cached[2])
         self._fused_open = False  # the caller runs fused.tail()
         return fused
 
@@ -197,9 +194,6 @@ class SingleForwardManager:
             cached = self._host_cache
             if cached is not None and cached[1] is batch_host:
                 batch = cached[2]
-                if batch is not None and not self._static:  # the next such forward: fast_head
-                    self._fast = (cached[0], rt.req_to_token_pool.req_to_token,
-                                  int(fb.out_cache_loc.shape[0]), fused, batch_host, batch)  # fmt: skip
             else:  # made per forward (a prefill): one compiled body for every forward
                 batch = FusedRowLaunches.batch_block(batch_host)
             self._fused_head(fused, batch_host, batch)
