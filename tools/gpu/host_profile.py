@@ -6,6 +6,7 @@ Tensor.item / tolist / cpu copies are counted by cProfile's callers of the same 
 
     python3 tools/gpu/host_profile.py OUT.json [cuda|cpu]
 """
+
 import cProfile
 import io
 import json
@@ -24,17 +25,32 @@ from kvcanary.engine.engine import Engine
 out, dev = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cuda"
 sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 res = {}
-for model in sys.argv[3].split(",") if len(sys.argv) > 3 else ("builtin:tiny-swa", "builtin:qwen3-0.6b-shape"):
-    for label, canary in (("none", CanaryConfig(mode="none")),
-                          ("log_graph_safe", CanaryConfig(mode="log", graph_safe=True))):
+for model in (
+    sys.argv[3].split(",")
+    if len(sys.argv) > 3
+    else ("builtin:tiny-swa", "builtin:qwen3-0.6b-shape")
+):
+    for label, canary in (
+        ("none", CanaryConfig(mode="none")),
+        ("log_graph_safe", CanaryConfig(mode="log", graph_safe=True)),
+    ):
         for bs in (1, 32):
-            e = Engine(EngineConfig(model=model, device=dev, page_size=16,
-                                    max_total_tokens=bs * 200 + 1024,
-                                    swa_full_tokens_ratio=1.0, canary=canary))
+            e = Engine(
+                EngineConfig(
+                    model=model,
+                    device=dev,
+                    page_size=16,
+                    max_total_tokens=bs * 200 + 1024,
+                    swa_full_tokens_ratio=1.0,
+                    canary=canary,
+                )
+            )
             random.seed(0)
             for _ in range(bs):
-                e.add_request([random.randrange(3, 250) for _ in range(64)],
-                              SamplingParams(max_new_tokens=60, ignore_eos=True))
+                e.add_request(
+                    [random.randrange(3, 250) for _ in range(64)],
+                    SamplingParams(max_new_tokens=60, ignore_eos=True),
+                )
             for _ in range(12):
                 e.step()
             sync()
@@ -55,8 +71,11 @@ for model in sys.argv[3].split(",") if len(sys.argv) > 3 else ("builtin:tiny-swa
             st.sort_stats("tottime").print_stats(22)
             st.sort_stats("cumulative").print_stats(28)
             key = f"{model.split(':')[1]}_{label}_b{bs}"
-            res[key] = {"step_ms_median": round(statistics.median(ts) * 1e3, 3),
-                        "profile": s.getvalue()[-9000:]}
+            res[key] = {
+                "step_ms_median": round(statistics.median(ts) * 1e3, 3),
+                "profile": s.getvalue()[-9000:],
+            }
             print(key, res[key]["step_ms_median"], "ms/step", flush=True)
             del e
-json.dump(res, open(out, "w"), indent=1)
+with open(out, "w") as f:
+    json.dump(res, f, indent=1)
