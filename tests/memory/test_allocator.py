@@ -117,6 +117,7 @@ EXTEND_CASES = [
     [c[1:] for c in EXTEND_CASES],
     ids=[c[0] for c in EXTEND_CASES],
 )
+@pytest.mark.parametrize("lens", ["host list", "tensor"])  # the Python path, the torch path
 def test_alloc_extend(
     page_size: int,
     num_pages: int,
@@ -124,11 +125,12 @@ def test_alloc_extend(
     seq: list[int],
     last: list[int],
     expected: list[int],
+    lens: str,
 ) -> None:
     a = make_allocator(num_pages * page_size, page_size)
-    pages = a.num_new_pages_extend(prefix, seq)
-    out = a.alloc_extend(prefix, seq, t(last))
-    assert out is not None and out.tolist() == expected
+    pages = a.num_new_pages_extend(*_lens(lens, prefix, seq))
+    out = a.alloc_extend(*_lens(lens, prefix, seq), t(last))
+    assert out is not None and out.tolist() == expected and out.dtype == torch.int64
     assert a.num_free_pages() == num_pages - pages
     # position p of a request sits at offset p % page_size of its page
     positions = [p for pre, s in zip(prefix, seq, strict=True) for p in range(pre, s)]
@@ -160,22 +162,63 @@ def test_num_new_pages_extend(prefix: list[int], seq: list[int], expected_pages:
         ([0, 0], [1], [-1, -1], ValueError),  # length mismatch
     ],
 )
+@pytest.mark.parametrize("lens", ["host list", "tensor"])
 def test_alloc_extend_bad_arguments_mutate_nothing(
-    prefix: list[int], seq: list[int], last: list[int], error: type[Exception]
+    prefix: list[int], seq: list[int], last: list[int], error: type[Exception], lens: str
 ) -> None:
     a = PagedAllocator(16, 4)
     before = snapshot(a)
     with pytest.raises(error):
-        a.alloc_extend(prefix, seq, t(last))
+        a.alloc_extend(*_lens(lens, prefix, seq), t(last))
     assert snapshot(a) == before
 
 
-def test_alloc_extend_short_returns_none_and_mutates_nothing() -> None:
+@pytest.mark.parametrize("lens", ["host list", "tensor"])
+def test_alloc_extend_short_returns_none_and_mutates_nothing(lens: str) -> None:
     a = PagedAllocator(16, 4)
-    assert a.alloc_extend([0], [9], t([-1])) is not None  # 3 of 4 pages
+    assert a.alloc_extend(*_lens(lens, [0], [9]), t([-1])) is not None  # 3 of 4 pages
     before = snapshot(a)
-    assert a.alloc_extend([0, 0], [1, 1], t([-1, -1])) is None  # needs 2
+    assert a.alloc_extend(*_lens(lens, [0, 0], [1, 1]), t([-1, -1])) is None  # needs 2
     assert snapshot(a) == before
+
+
+def _lens(kind: str, *lens: list[int]) -> list[list[int]] | list[torch.Tensor]:
+    """The lengths as host lists (the Python path) or tensors (the torch path)."""
+    return list(lens) if kind == "host list" else [t(v) for v in lens]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 2, 4, 16]),
+    steps=st.lists(
+        st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=6),
+        min_size=1, max_size=8,
+    ),
+)
+def test_alloc_extend_host_path_equals_the_torch_path(
+    page_size: int, steps: list[list[tuple[int, int]]]
+) -> None:  # fmt: skip
+    """Host lengths (Python) and tensor lengths (torch) from the same state: the same slots,
+    the same pages taken, the same refusals and errors, batch after batch (prefixes that end
+    mid-page continue at a last slot of matching offset, or of a wrong one: an error)."""
+    host, torch_path = (PagedAllocator(40 * page_size, page_size) for _ in range(2))
+    for batch in steps:
+        prefix = [q for q, _ in batch]
+        seq = [q + n for q, n in batch]
+        # a last slot whose offset continues the prefix, but every 7th prefix's: off by one
+        last = t([-1 if q == 0 else page_size * (3 + i) + (q - 1 + (q % 7 == 3)) % page_size
+                  for i, q in enumerate(prefix)])  # fmt: skip
+        assert host.num_new_pages_extend(prefix, seq) == torch_path.num_new_pages_extend(
+            t(prefix), t(seq))  # fmt: skip
+        results = []
+        for a, lens in ((host, (prefix, seq)), (torch_path, (t(prefix), t(seq)))):
+            try:
+                out = a.alloc_extend(*lens, last)
+                results.append(None if out is None else out.tolist())
+            except ValueError as e:
+                results.append(f"ValueError: {e}")
+        assert results[0] == results[1]
+        assert snapshot(host) == snapshot(torch_path)
 
 
 # ---------------------------------------------------------------- alloc_decode

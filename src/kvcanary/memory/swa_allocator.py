@@ -108,9 +108,14 @@ class SWAAllocator:
         if not self.new_pages_available(n, n):
             return None
         swa_last = self.translate_last_locs(last_locs)
-        pre = _as_cpu_lens(prefix_lens)
-        partial = (pre % self.page_size != 0).to(swa_last.device)
-        if bool((partial & (swa_last <= 0)).any()):
+        p = self.page_size
+        if isinstance(prefix_lens, list) and swa_last.device.type == "cpu":  # host lengths
+            orphan = any(q % p != 0 and loc <= 0
+                         for q, loc in zip(prefix_lens, swa_last.reshape(-1).tolist(), strict=True))  # fmt: skip
+        else:
+            partial = (_as_cpu_lens(prefix_lens) % p != 0).to(swa_last.device)
+            orphan = bool((partial & (swa_last <= 0)).any())
+        if orphan:
             raise ValueError(
                 "alloc_extend: a request continues a partial page whose last slot has no SWA "
                 f"slot (last_locs={last_locs.tolist()}, swa={swa_last.tolist()}); its window "
