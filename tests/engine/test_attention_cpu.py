@@ -260,3 +260,33 @@ def test_graph_buckets_rebuild_the_gqa_mask_each_step(monkeypatch: pytest.Monkey
         lp = [torch.tensor([t.logprob for t in o.logprobs or []]) for o in (graphed, eager)]
         assert lp[0].numel() == 12
         torch.testing.assert_close(lp[0], lp[1], rtol=0, atol=1e-5)
+
+
+def test_additive_gqa_mask_gives_the_bool_masks_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend hands SDPA the additive mask (0 / -inf, built once per forward) that SDPA
+    would make of the bool one on every call: its values are that conversion's, and the
+    engine's tokens and logprobs (prefills through SDPA; decode through it too here) are bit
+    for bit those of the bool mask."""
+    from kvcanary.engine.attention import _KeyView
+
+    monkeypatch.setattr(attention_cpu, "applies", lambda *a: False)  # SDPA with masks
+    view = _KeyView(torch.zeros(2, 5, dtype=torch.int64), torch.rand(2, 3, 5) > 0.4,
+                    torch.zeros(6, dtype=torch.int64), torch.full((2,), 5))  # fmt: skip
+    bool_mask = view.mask[:, None, None].expand(2, 1, 2, 3, 5).reshape(2, 1, 6, 5)
+    additive = view.grouped_mask(2, torch.float32)
+    assert additive.dtype == torch.float32 and torch.equal(additive == 0, bool_mask)
+    assert bool(torch.isneginf(additive[~bool_mask]).all())
+    assert view.grouped_mask(2, torch.float32) is additive  # once per forward
+
+    prompts = make_prompts(4, 20, 90, seed=11)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=0)
+    outs = [tiny_engine(model="builtin:tiny-swa").generate(prompts, params)]
+    with monkeypatch.context() as m:  # the bool mask, as SDPA got it before
+        m.setattr(_KeyView, "grouped_mask", lambda self, group, dtype: self.mask[:, None, None]
+                  .expand(self.mask.shape[0], 1, group, *self.mask.shape[1:])
+                  .reshape(self.mask.shape[0], 1, group * self.mask.shape[1], self.mask.shape[2]))  # fmt: skip
+        outs.append(tiny_engine(model="builtin:tiny-swa").generate(prompts, params))
+    for new, old in zip(*outs, strict=True):
+        assert new.output_ids == old.output_ids
+        lp = [torch.tensor([t.logprob for t in o.logprobs or []]) for o in (new, old)]
+        assert lp[0].numel() == 6 and torch.equal(lp[0], lp[1])

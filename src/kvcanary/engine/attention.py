@@ -37,16 +37,22 @@ class _KeyView:
     num_keys: torch.Tensor  # int64 [bs] keys of each request: slots[b, :num_keys[b]] (host)
     # The four as numpy arrays (CPU decode tables: StaticKeyBuffers.fill copies these).
     host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
-    _grouped: dict[int, torch.Tensor] = field(default_factory=dict)
+    _grouped: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
-    def grouped_mask(self, group: int) -> torch.Tensor:
-        """``[bs, 1, group * max_q, max_keys]``: the mask for queries folded by GQA group,
-        built once per forward and shared by every layer."""
-        if group not in self._grouped:
+    def grouped_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[bs, 1, group * max_q, max_keys]``: the mask for queries folded by GQA group, as
+        the additive ``dtype`` mask (0 seen, -inf not) SDPA would make of the bool one on
+        every call (``convert_boolean_attn_mask``: the same values, so the same results),
+        built once per forward and shared by every layer (tiny-swa's 16 x 128-token
+        prefill: 1.8 -> 1.0 ms an SDPA call)."""
+        key = (group, dtype)
+        if key not in self._grouped:
             bs, max_q, max_k = self.mask.shape
             m = self.mask[:, None, None].expand(bs, 1, group, max_q, max_k)
-            self._grouped[group] = m.reshape(bs, 1, group * max_q, max_k)
-        return self._grouped[group]
+            m = m.reshape(bs, 1, group * max_q, max_k)
+            self._grouped[key] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(
+                ~m, float("-inf"))  # fmt: skip
+        return self._grouped[key]
 
 
 class StaticKeyBuffers:
@@ -295,7 +301,7 @@ class PagedAttentionBackend:
         qb = qb.view(bs, max_q, kvh, group, dim).permute(0, 2, 3, 1, 4)
         qb = qb.reshape(bs, kvh, group * max_q, dim).to(keys.dtype)
         out = torch.nn.functional.scaled_dot_product_attention(
-            qb, keys, values, attn_mask=view.grouped_mask(group), scale=layer.scaling
+            qb, keys, values, attn_mask=view.grouped_mask(group, qb.dtype), scale=layer.scaling
         )
         out = out.view(bs, kvh, group, max_q, dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(bs, max_q, kvh * group, dim)
