@@ -26,7 +26,8 @@ def test_rms_norm_equals_torch_bit_for_bit(dim: int) -> None:
     x = torch.randn(5, dim, generator=gen) * torch.rand(5, 1, generator=gen) * 20
     y = torch.randn(5, dim, generator=gen)
     weight = torch.randn(dim, generator=gen)
-    # The pass takes decode-sized inputs; larger ones go to torch's threads (same bits).
+    # The pass takes decode-sized inputs; larger ones only with threads to split them
+    # among (the tests run torch on one: the torch ops, the same bits).
     assert norm_cpu.applies(x) == (x.numel() <= norm_cpu._MAX_ELEMENTS)
     for w in (weight, None):
         assert torch.equal(norm_cpu.rms_norm(x, w, 1e-6), F.rms_norm(x, (dim,), w, 1e-6))
@@ -103,3 +104,54 @@ def test_rope_pass_norms_first_bit_for_bit(dim: int) -> None:
         half = dim // 2
         want = y * cos + torch.cat((y[..., half:], y[..., :half]), dim=-1) * sin
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("shape", [(300, 128), (2048, 96), (64, 1031), (5, 40000)])
+def test_large_inputs_run_the_parallel_passes_bit_for_bit(
+    shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill's rows (more than ``_MAX_ELEMENTS``) on two torch threads: rms_norm,
+    add_rms_norm and the rope pass (q/k norm included) run their parallel kernels (rows,
+    tokens split among the threads) and give the torch ops' bits; on one thread the norm
+    leaves them to torch."""
+    from kvcanary import numba_parallel
+
+    calls: list[str] = []
+    run = numba_parallel.run_parallel
+
+    def spy(kernel, *args):  # type: ignore[no-untyped-def]
+        calls.append(kernel.py_func.__name__)
+        return run(kernel, *args)
+
+    for module in (norm_cpu, rope_cpu):
+        monkeypatch.setattr(module, "run_parallel", spy)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        if numba_parallel.parallel_threads() < 2:
+            pytest.fail("numba has one thread here: NUMBA_NUM_THREADS must allow two")
+        gen = torch.Generator().manual_seed(shape[0])
+        x = torch.randn(*shape, generator=gen) * torch.rand(shape[0], 1, generator=gen) * 20
+        y, weight = torch.randn(*shape, generator=gen), torch.randn(shape[1], generator=gen)
+        assert norm_cpu.applies(x)
+        for w in (weight, None):
+            assert torch.equal(norm_cpu.rms_norm(x, w, 1e-6), F.rms_norm(x, (shape[1],), w, 1e-6))
+        total, normed = norm_cpu.add_rms_norm(x, y, weight, 1e-5)
+        assert torch.equal(total, x + y)
+        assert torch.equal(normed, F.rms_norm(x + y, (shape[1],), weight, 1e-5))
+        assert calls == ["_rms_rows_parallel"] * 2 + ["_add_rms_rows_parallel"]
+        if shape[1] % 2 == 0:  # rope: x [tokens, heads, dim] a strided view, as q / k come
+            dim = 32
+            wide = torch.randn(shape[0], 7, dim, generator=gen) * 4
+            qk = wide[:, :5]
+            cos, sin = torch.randn(shape[0], 1, dim, generator=gen), torch.randn(shape[0], 1, dim, generator=gen)
+            w5 = torch.randn(5, dim, generator=gen)
+            want = F.rms_norm(qk, (dim,), None, 1e-6) * w5
+            half = dim // 2
+            want = want * cos + torch.cat((want[..., half:], want[..., :half]), dim=-1) * sin
+            calls.clear()
+            assert torch.equal(rope_cpu.rope(qk, cos, sin, w5, 1e-6), want)
+            assert calls == (["_rope_parallel"] if qk.numel() > rope_cpu._PARALLEL_MIN else [])
+    finally:
+        torch.set_num_threads(threads)
+    assert not norm_cpu.applies(x)  # one thread: the torch ops

@@ -20,14 +20,12 @@ buffer, or a key count past the slot table's width, raises ``IndexError`` before
 read (as ``index_select`` does).
 
 Work of at least :data:`PARALLEL_MIN_WORK` multiply-adds runs on ``torch.get_num_threads()``
-numba threads (a parallel launch costs ~10 us; smaller work runs on one). Calls into the
-parallel kernel are serialized by a lock: numba's ``workqueue`` threading layer (its fallback
-when no OpenMP / TBB is found) must not be entered by two Python threads at once.
+numba threads (a parallel launch costs ~10 us; smaller work runs on one), under
+:mod:`kvcanary.numba_parallel`'s lock.
 """
 
 from __future__ import annotations
 
-import threading
 import types
 
 import numba
@@ -35,9 +33,10 @@ import numpy as np
 import torch
 from numba import prange
 
+from kvcanary.numba_parallel import parallel_threads, run_parallel
+
 # bs x kv heads x keys x dim below which one thread does the work.
 PARALLEL_MIN_WORK = 1 << 15
-_parallel_lock = threading.Lock()
 
 
 def _decode_attention(q, k_buf, v_buf, slots, num_keys, scale, out):  # type: ignore[no-untyped-def]
@@ -137,11 +136,8 @@ def decode_attention(
         slots.to(torch.int64).contiguous().numpy(), num_keys.to(torch.int64).contiguous().numpy()
     )  # fmt: skip
     args = (q.contiguous().numpy(), k_np, v_np, slots_np, keys_np, np.float32(scale), out.numpy())
-    threads = torch.get_num_threads()
-    if threads > 1 and bs * k_np.shape[1] * slots_np.shape[1] * dim >= PARALLEL_MIN_WORK:
-        with _parallel_lock:
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
-            bad_row = _parallel(*args)
+    if bs * k_np.shape[1] * slots_np.shape[1] * dim >= PARALLEL_MIN_WORK and parallel_threads() > 1:
+        bad_row = run_parallel(_parallel, *args)
     else:
         bad_row = _serial(*args)
     if bad_row >= 0:  # as index_select would refuse it (nothing was read)

@@ -30,13 +30,18 @@ import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
+from numba import prange
+
+from kvcanary.numba_parallel import parallel_threads, run_parallel
 
 _ILP, _LEVELS = 4, 4  # torch's row_sum ILP factor, multi_row_sum's cascade levels
 _MAX_LANES = 16
 SQ_SUM_SCRATCH = (_LEVELS, _ILP * _MAX_LANES)  # sq_sum_nb's acc, for any width
-# Up to torch's parallel grain (32768 elements) the pass wins (one thread, one read):
+# Up to torch's parallel grain (32768 elements) the pass wins on one thread (one read):
 # [1, 128] 3.8 vs 8.3 us, [64, 128] 8.6 vs 11.9, [32, 1024] 16.9 vs 28.9; above it torch's
-# ops run on every thread and win ([64, 1024] 30.5 vs 25.0 us, [512, 128] 40 vs 26).
+# ops run on every thread and beat one ([64, 1024] 30.5 vs 25.0 us, [512, 128] 40 vs 26),
+# so larger inputs take the pass on torch's threads (rows split among them; no threads to
+# split among: the torch ops).
 _MAX_ELEMENTS = 32768
 
 
@@ -119,28 +124,52 @@ def inv_rms_nb(row, eps, lanes, acc):
     return np.float32(1) / np.sqrt(mean + eps)
 
 
+@numba.njit(cache=True, inline="always")
+def _rms_row(x, t, weight, has_weight, eps, lanes, acc, out):
+    r = inv_rms_nb(x[t], eps, lanes, acc)
+    if has_weight:
+        for e in range(x.shape[1]):
+            out[t, e] = (x[t, e] * r) * weight[e]
+    else:
+        for e in range(x.shape[1]):
+            out[t, e] = x[t, e] * r
+
+
+@numba.njit(cache=True, inline="always")
+def _add_rms_row(x, y, t, weight, eps, lanes, acc, total, out):
+    for e in range(x.shape[1]):
+        total[t, e] = x[t, e] + y[t, e]
+    r = inv_rms_nb(total[t], eps, lanes, acc)
+    for e in range(x.shape[1]):
+        out[t, e] = (total[t, e] * r) * weight[e]
+
+
 @numba.njit(cache=True, boundscheck=False, nogil=True)
 def _rms_rows(x, weight, has_weight, eps, lanes, out):
     acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
     for t in range(x.shape[0]):
-        r = inv_rms_nb(x[t], eps, lanes, acc)
-        if has_weight:
-            for e in range(x.shape[1]):
-                out[t, e] = (x[t, e] * r) * weight[e]
-        else:
-            for e in range(x.shape[1]):
-                out[t, e] = x[t, e] * r
+        _rms_row(x, t, weight, has_weight, eps, lanes, acc, out)
+
+
+@numba.njit(cache=True, boundscheck=False, nogil=True, parallel=True)
+def _rms_rows_parallel(x, weight, has_weight, eps, lanes, out):
+    for t in prange(x.shape[0]):
+        acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
+        _rms_row(x, t, weight, has_weight, eps, lanes, acc, out)
 
 
 @numba.njit(cache=True, boundscheck=False, nogil=True)
 def _add_rms_rows(x, y, weight, eps, lanes, total, out):
     acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
     for t in range(x.shape[0]):
-        for e in range(x.shape[1]):
-            total[t, e] = x[t, e] + y[t, e]
-        r = inv_rms_nb(total[t], eps, lanes, acc)
-        for e in range(x.shape[1]):
-            out[t, e] = (total[t, e] * r) * weight[e]
+        _add_rms_row(x, y, t, weight, eps, lanes, acc, total, out)
+
+
+@numba.njit(cache=True, boundscheck=False, nogil=True, parallel=True)
+def _add_rms_rows_parallel(x, y, weight, eps, lanes, total, out):
+    for t in prange(x.shape[0]):
+        acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
+        _add_rms_row(x, y, t, weight, eps, lanes, acc, total, out)
 
 
 _NO_WEIGHT = np.ones(1, dtype=np.float32)
@@ -170,14 +199,16 @@ def _probe() -> int:
 
 def applies(x: torch.Tensor) -> bool:
     """Whether :func:`rms_norm` / :func:`add_rms_norm` take ``x`` (else the torch ops, the
-    same bits): CPU float32 (dtypes are singletons), 1 to ``_MAX_ELEMENTS`` elements (a
-    decode batch; a prefill's rows go to torch's threads), not requiring grad (autograd
+    same bits): CPU float32 (dtypes are singletons), at least one element (more than
+    ``_MAX_ELEMENTS``, a prefill's rows: only with threads to split them among; without, the
+    torch ops), not requiring grad (autograd
     needs the torch ops), outside ``torch.compile`` tracing, and a width found. (Called per
     norm: cheapest tests first.)"""
     return (
         x.dtype is torch.float32
         and x.is_cpu
-        and 0 < x.numel() <= _MAX_ELEMENTS
+        and x.numel() > 0
+        and (x.numel() <= _MAX_ELEMENTS or parallel_threads() > 1)
         and not x.requires_grad
         and (_lanes if _lanes is not None else lanes()) > 0
         and not torch.compiler.is_compiling()
@@ -196,8 +227,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float, width: int) -> torch.Tensor:
     rows = _rows(x)
     out = torch.empty_like(rows)
-    _rms_rows(rows.numpy(), _NO_WEIGHT if weight is None else _np(weight), weight is not None,
-              np.float32(eps), width, out.numpy())  # fmt: skip
+    args = (rows.numpy(), _NO_WEIGHT if weight is None else _np(weight), weight is not None,
+            np.float32(eps), width, out.numpy())  # fmt: skip
+    if rows.numel() > _MAX_ELEMENTS and parallel_threads() > 1:
+        run_parallel(_rms_rows_parallel, *args)
+    else:
+        _rms_rows(*args)
     return out if x.dim() == 2 else out.view(x.shape)
 
 
@@ -214,8 +249,12 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
     one shape)."""
     rows_x, rows_y = _rows(x), _rows(y)
     total, out = torch.empty_like(rows_x), torch.empty_like(rows_x)
-    _add_rms_rows(rows_x.numpy(), rows_y.numpy(), _np(weight), np.float32(eps), lanes(),
-                  total.numpy(), out.numpy())  # fmt: skip
+    args = (rows_x.numpy(), rows_y.numpy(), _np(weight), np.float32(eps), lanes(), total.numpy(),
+            out.numpy())  # fmt: skip
+    if rows_x.numel() > _MAX_ELEMENTS and parallel_threads() > 1:
+        run_parallel(_add_rms_rows_parallel, *args)
+    else:
+        _add_rms_rows(*args)
     if x.dim() == 2:
         return total, out
     return total.view(x.shape), out.view(x.shape)

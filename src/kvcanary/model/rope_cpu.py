@@ -23,31 +23,52 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from numba import prange
 
 from kvcanary.model import norm_cpu
 from kvcanary.model.norm_cpu import SQ_SUM_SCRATCH, inv_rms_nb
+from kvcanary.numba_parallel import parallel_threads, run_parallel
+
+
+@numba.njit(cache=True, inline="always")
+def _rope_token(x, t, weight, has_weight, norm_eps, lanes, cos, sin, out, a, acc):
+    heads, dim = x.shape[1], x.shape[2]
+    half = dim // 2
+    for h in range(heads):
+        for d in range(dim):
+            a[d] = x[t, h, d]
+        if lanes:  # rms_norm first (norm_cpu: the same bits as F.rms_norm)
+            r = inv_rms_nb(a, norm_eps, lanes, acc)
+            for d in range(dim):
+                a[d] = a[d] * r
+        if has_weight:
+            for d in range(dim):
+                a[d] = a[d] * weight[h, d]
+        for d in range(half):
+            out[t, h, d] = a[d] * cos[t, d] + a[d + half] * sin[t, d]
+            out[t, h, d + half] = a[d + half] * cos[t, d + half] + a[d] * sin[t, d + half]
 
 
 @numba.njit(cache=True, boundscheck=False, nogil=True)
 def _rope(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
-    tokens, heads, dim = x.shape
-    half = dim // 2
-    a = np.empty(dim, dtype=np.float32)
+    a = np.empty(x.shape[2], dtype=np.float32)
     acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
-    for t in range(tokens):
-        for h in range(heads):
-            for d in range(dim):
-                a[d] = x[t, h, d]
-            if lanes:  # rms_norm first (norm_cpu: the same bits as F.rms_norm)
-                r = inv_rms_nb(a, norm_eps, lanes, acc)
-                for d in range(dim):
-                    a[d] = a[d] * r
-            if has_weight:
-                for d in range(dim):
-                    a[d] = a[d] * weight[h, d]
-            for d in range(half):
-                out[t, h, d] = a[d] * cos[t, d] + a[d + half] * sin[t, d]
-                out[t, h, d + half] = a[d + half] * cos[t, d + half] + a[d] * sin[t, d + half]
+    for t in range(x.shape[0]):
+        _rope_token(x, t, weight, has_weight, norm_eps, lanes, cos, sin, out, a, acc)
+
+
+@numba.njit(cache=True, boundscheck=False, nogil=True, parallel=True)
+def _rope_parallel(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
+    for t in prange(x.shape[0]):
+        a = np.empty(x.shape[2], dtype=np.float32)
+        acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
+        _rope_token(x, t, weight, has_weight, norm_eps, lanes, cos, sin, out, a, acc)
+
+
+# Elements (tokens x heads x dim) above which the pass runs on torch's threads (a prefill).
+# The parallel build is also faster per thread ([2048, 6, 32] with the norm: 1.3 ms serial,
+# 0.59 on one thread, 0.30 on two), but a decode batch's pass is too short to wake them.
+_PARALLEL_MIN = 32768
 
 
 def applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -73,8 +94,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     out = torch.empty((tokens, heads, dim), dtype=torch.float32, device=x.device)
     w = _NO_WEIGHT if weight is None else weight.numpy()
     lanes = 0 if norm_eps is None else norm_cpu.lanes()
-    _rope(x.numpy(), w, weight is not None, np.float32(norm_eps or 0.0), lanes,
-          cos.reshape(tokens, dim).numpy(), sin.reshape(tokens, dim).numpy(), out.numpy())  # fmt: skip
+    args = (x.numpy(), w, weight is not None, np.float32(norm_eps or 0.0), lanes,
+            cos.reshape(tokens, dim).numpy(), sin.reshape(tokens, dim).numpy(), out.numpy())  # fmt: skip
+    if tokens * heads * dim > _PARALLEL_MIN and parallel_threads() > 1:
+        run_parallel(_rope_parallel, *args)
+    else:
+        _rope(*args)
     return out
 
 
