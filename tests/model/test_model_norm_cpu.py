@@ -106,14 +106,15 @@ def test_rope_pass_norms_first_bit_for_bit(dim: int) -> None:
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("shape", [(300, 128), (2048, 96), (64, 1031), (5, 40000)])
+@pytest.mark.parametrize("shape", [(300, 128), (2048, 96), (64, 1031), (5, 40000), (64, 128),
+                                   (16, 128), (20, 6)])  # fmt: skip
 def test_large_inputs_run_the_parallel_passes_bit_for_bit(
     shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A prefill's rows (more than ``_MAX_ELEMENTS``) on two torch threads: rms_norm,
-    add_rms_norm and the rope pass (q/k norm included) run their parallel kernels (rows,
-    tokens split among the threads) and give the torch ops' bits; on one thread the norm
-    leaves them to torch."""
+    """On two torch threads, rms_norm, add_rms_norm and the rope pass (q/k norm included)
+    split rows / tokens among them from ``_PARALLEL_MIN_*`` on (a big decode batch, a
+    prefill), and give the torch ops' bits either way; on one thread the norm leaves rows
+    past ``_MAX_ELEMENTS`` to torch."""
     from kvcanary import numba_parallel
 
     calls: list[str] = []
@@ -139,7 +140,8 @@ def test_large_inputs_run_the_parallel_passes_bit_for_bit(
         total, normed = norm_cpu.add_rms_norm(x, y, weight, 1e-5)
         assert torch.equal(total, x + y)
         assert torch.equal(normed, F.rms_norm(x + y, (shape[1],), weight, 1e-5))
-        assert calls == ["_rms_rows_parallel"] * 2 + ["_add_rms_rows_parallel"]
+        split = shape[0] >= norm_cpu._PARALLEL_MIN_ROWS and x.numel() >= norm_cpu._PARALLEL_MIN_ELEMENTS
+        assert calls == (["_rms_rows_parallel"] * 2 + ["_add_rms_rows_parallel"] if split else [])
         if shape[1] % 2 == 0:  # rope: x [tokens, heads, dim] a strided view, as q / k come
             dim = 32
             wide = torch.randn(shape[0], 7, dim, generator=gen) * 4
@@ -151,7 +153,7 @@ def test_large_inputs_run_the_parallel_passes_bit_for_bit(
             want = want * cos + torch.cat((want[..., half:], want[..., :half]), dim=-1) * sin
             calls.clear()
             assert torch.equal(rope_cpu.rope(qk, cos, sin, w5, 1e-6), want)
-            assert calls == (["_rope_parallel"] if qk.numel() > rope_cpu._PARALLEL_MIN else [])
+            assert calls == (["_rope_parallel"] if shape[0] >= rope_cpu._PARALLEL_MIN_TOKENS else [])
     finally:
         torch.set_num_threads(threads)
-    assert not norm_cpu.applies(x)  # one thread: the torch ops
+    assert norm_cpu.applies(x) == (x.numel() <= norm_cpu._MAX_ELEMENTS)  # one thread

@@ -43,6 +43,10 @@ SQ_SUM_SCRATCH = (_LEVELS, _ILP * _MAX_LANES)  # sq_sum_nb's acc, for any width
 # so larger inputs take the pass on torch's threads (rows split among them; no threads to
 # split among: the torch ops).
 _MAX_ELEMENTS = 32768
+# From here the pass splits rows among torch's threads (the same row body): [64, 128] 7.4
+# -> 4.6 us, [16, 1024] 9.0 -> 6.6, [64, 1024] 33.8 -> 18.8; [16, 128] 2.1 -> 3.0 (waking
+# the threads costs more than they save).
+_PARALLEL_MIN_ROWS, _PARALLEL_MIN_ELEMENTS = 16, 8192
 
 
 @numba.njit(cache=True, inline="always")
@@ -224,12 +228,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()
 
 
+def _split(rows: torch.Tensor) -> bool:
+    """Whether the pass over ``rows`` runs on torch's threads (``_PARALLEL_MIN_*``)."""
+    return (rows.shape[0] >= _PARALLEL_MIN_ROWS and rows.numel() >= _PARALLEL_MIN_ELEMENTS
+            and parallel_threads() > 1)  # fmt: skip
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float, width: int) -> torch.Tensor:
     rows = _rows(x)
     out = torch.empty_like(rows)
     args = (rows.numpy(), _NO_WEIGHT if weight is None else _np(weight), weight is not None,
             np.float32(eps), width, out.numpy())  # fmt: skip
-    if rows.numel() > _MAX_ELEMENTS and parallel_threads() > 1:
+    if _split(rows):
         run_parallel(_rms_rows_parallel, *args)
     else:
         _rms_rows(*args)
@@ -251,7 +261,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
     total, out = torch.empty_like(rows_x), torch.empty_like(rows_x)
     args = (rows_x.numpy(), rows_y.numpy(), _np(weight), np.float32(eps), lanes(), total.numpy(),
             out.numpy())  # fmt: skip
-    if rows_x.numel() > _MAX_ELEMENTS and parallel_threads() > 1:
+    if _split(rows_x):
         run_parallel(_add_rms_rows_parallel, *args)
     else:
         _add_rms_rows(*args)

@@ -65,10 +65,11 @@ def _rope_parallel(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
         _rope_token(x, t, weight, has_weight, norm_eps, lanes, cos, sin, out, a, acc)
 
 
-# Elements (tokens x heads x dim) above which the pass runs on torch's threads (a prefill).
-# The parallel build is also faster per thread ([2048, 6, 32] with the norm: 1.3 ms serial,
-# 0.59 on one thread, 0.30 on two), but a decode batch's pass is too short to wake them.
-_PARALLEL_MIN = 32768
+# Tokens from which the pass splits them among torch's threads. The parallel build is also
+# faster per thread ([2048, 6, 32] with the norm: 1.3 ms serial, 0.59 on one thread, 0.30 on
+# two); [16, 6, 32] 8.6 -> 4.4 us, [64, 6, 32] 35.9 -> 12.0, [16, 24, 128] 52.8 -> 29.9; but
+# [4, 6, 32] 2.6 -> 2.8 and [1, 24, 128] 3.5 -> 5.0 (waking the threads costs more).
+_PARALLEL_MIN_TOKENS = 16
 
 
 def applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -96,7 +97,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     lanes = 0 if norm_eps is None else norm_cpu.lanes()
     args = (x.numpy(), w, weight is not None, np.float32(norm_eps or 0.0), lanes,
             cos.reshape(tokens, dim).numpy(), sin.reshape(tokens, dim).numpy(), out.numpy())  # fmt: skip
-    if tokens * heads * dim > _PARALLEL_MIN and parallel_threads() > 1:
+    if tokens >= _PARALLEL_MIN_TOKENS and parallel_threads() > 1:
         run_parallel(_rope_parallel, *args)
     else:
         _rope(*args)
