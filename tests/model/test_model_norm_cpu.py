@@ -140,7 +140,8 @@ def test_large_inputs_run_the_parallel_passes_bit_for_bit(
         total, normed = norm_cpu.add_rms_norm(x, y, weight, 1e-5)
         assert torch.equal(total, x + y)
         assert torch.equal(normed, F.rms_norm(x + y, (shape[1],), weight, 1e-5))
-        split = shape[0] >= norm_cpu._PARALLEL_MIN_ROWS and x.numel() >= norm_cpu._PARALLEL_MIN_ELEMENTS
+        split = x.numel() > norm_cpu._MAX_ELEMENTS or (
+            shape[0] >= norm_cpu._PARALLEL_MIN_ROWS and x.numel() >= norm_cpu._PARALLEL_MIN_ELEMENTS)
         assert calls == (["_rms_rows_parallel"] * 2 + ["_add_rms_rows_parallel"] if split else [])
         if shape[1] % 2 == 0:  # rope: x [tokens, heads, dim] a strided view, as q / k come
             dim = 32

@@ -205,9 +205,8 @@ def applies(x: torch.Tensor) -> bool:
     """Whether :func:`rms_norm` / :func:`add_rms_norm` take ``x`` (else the torch ops, the
     same bits): CPU float32 (dtypes are singletons), at least one element (more than
     ``_MAX_ELEMENTS``, a prefill's rows: only with threads to split them among; without, the
-    torch ops), not requiring grad (autograd
-    needs the torch ops), outside ``torch.compile`` tracing, and a width found. (Called per
-    norm: cheapest tests first.)"""
+    torch ops), not requiring grad (autograd needs the torch ops), outside ``torch.compile``
+    tracing, and a width found. (Called per norm: cheapest tests first.)"""
     return (
         x.dtype is torch.float32
         and x.is_cpu
@@ -229,8 +228,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _split(rows: torch.Tensor) -> bool:
-    """Whether the pass over ``rows`` runs on torch's threads (``_PARALLEL_MIN_*``)."""
-    return (rows.shape[0] >= _PARALLEL_MIN_ROWS and rows.numel() >= _PARALLEL_MIN_ELEMENTS
+    """Whether the pass over ``rows`` runs on torch's threads: from ``_PARALLEL_MIN_*``, and
+    always past ``_MAX_ELEMENTS`` (:func:`applies` takes those only with threads)."""
+    n = rows.numel()
+    return ((n > _MAX_ELEMENTS or (rows.shape[0] >= _PARALLEL_MIN_ROWS and n >= _PARALLEL_MIN_ELEMENTS))
             and parallel_threads() > 1)  # fmt: skip
 
 
