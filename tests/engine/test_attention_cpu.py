@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from device_mix import DeviceMixChecker
 from engine_utils import make_prompts, tiny_engine
 
 from kvcanary import SamplingParams
@@ -277,6 +278,17 @@ def test_additive_gqa_mask_gives_the_bool_masks_results(monkeypatch: pytest.Monk
     assert additive.dtype == torch.float32 and torch.equal(additive == 0, bool_mask)
     assert bool(torch.isneginf(additive[~bool_mask]).all())
     assert view.grouped_mask(2, torch.float32) is additive  # once per forward
+    # Off the host (a stand-in device here) a decode's mask stays a view of the key view's:
+    # a CUDA graph captured after warm-up runs must read the static buffer each replay
+    # refills, not a mask a warm-up run materialised (seen on an H100: wrong outputs).
+    with DeviceMixChecker():  # tensors made on "cpu:0" read as a device's
+        dev = _KeyView(torch.zeros(3, 5, dtype=torch.int64, device="cpu:0"),
+                       torch.rand(3, 1, 5, device="cpu:0") > 0.4,
+                       torch.zeros(3, dtype=torch.int64, device="cpu:0"), torch.full((3,), 5))  # fmt: skip
+        folded = dev.grouped_mask(2, torch.float32)
+        assert folded.dtype == torch.bool and folded.shape == (3, 1, 2, 5)
+        dev.mask.fill_(True)  # the next step's tables, copied into the same buffer
+        assert bool(folded.all())
 
     prompts = make_prompts(4, 20, 90, seed=11)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=0)

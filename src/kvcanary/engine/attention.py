@@ -40,18 +40,22 @@ class _KeyView:
     _grouped: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def grouped_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """``[bs, 1, group * max_q, max_keys]``: the mask for queries folded by GQA group, as
-        the additive ``dtype`` mask (0 seen, -inf not) SDPA would make of the bool one on
-        every call (``convert_boolean_attn_mask``: the same values, so the same results),
-        built once per forward and shared by every layer (tiny-swa's 16 x 128-token
-        prefill: 1.8 -> 1.0 ms an SDPA call)."""
+        """``[bs, 1, group * max_q, max_keys]``: the mask for queries folded by GQA group,
+        built once per forward and shared by every layer. On the host the additive ``dtype``
+        mask (0 seen, -inf not) SDPA would make of the bool one on every call
+        (``convert_boolean_attn_mask``: the same values, so the same results; tiny-swa's
+        16 x 128-token prefill: 1.8 -> 1.0 ms an SDPA call). Elsewhere the bool mask, a view
+        of the key view's for a decode: a CUDA graph captured after its warm-up runs reads
+        the static buffer each replay refills (a mask materialised by a warm-up run would be
+        reused by the capture and stay the capture step's: wrong outputs, seen on an H100)."""
         key = (group, dtype)
         if key not in self._grouped:
             bs, max_q, max_k = self.mask.shape
             m = self.mask[:, None, None].expand(bs, 1, group, max_q, max_k)
             m = m.reshape(bs, 1, group * max_q, max_k)
-            self._grouped[key] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(
-                ~m, float("-inf"))  # fmt: skip
+            if m.device == HOST:
+                m = torch.zeros(m.shape, dtype=dtype).masked_fill_(~m, float("-inf"))
+            self._grouped[key] = m
         return self._grouped[key]
 
 
