@@ -29,3 +29,11 @@ def run_parallel(kernel: Any, *args: Any) -> Any:
     with _lock:
         numba.set_num_threads(parallel_threads())
         return kernel(*args)
+
+
+def run(serial: Any, parallel: Any, split: bool, *args: Any) -> Any:
+    """``parallel(*args)`` (:func:`run_parallel`) when the caller's work is big enough to
+    ``split`` and there are threads to split it among, else ``serial(*args)``."""
+    if split and parallel_threads() > 1:
+        return run_parallel(parallel, *args)
+    return serial(*args)

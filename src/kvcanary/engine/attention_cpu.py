@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from kvcanary.numba_parallel import parallel_threads, run_parallel
+from kvcanary import numba_parallel
 
 # bs x kv heads x keys x dim below which one thread does the work.
 PARALLEL_MIN_WORK = 1 << 15
@@ -136,10 +136,8 @@ def decode_attention(
         slots.to(torch.int64).contiguous().numpy(), num_keys.to(torch.int64).contiguous().numpy()
     )  # fmt: skip
     args = (q.contiguous().numpy(), k_np, v_np, slots_np, keys_np, np.float32(scale), out.numpy())
-    if bs * k_np.shape[1] * slots_np.shape[1] * dim >= PARALLEL_MIN_WORK and parallel_threads() > 1:
-        bad_row = run_parallel(_parallel, *args)
-    else:
-        bad_row = _serial(*args)
+    split = bs * k_np.shape[1] * slots_np.shape[1] * dim >= PARALLEL_MIN_WORK
+    bad_row = numba_parallel.run(_serial, _parallel, split, *args)
     if bad_row >= 0:  # as index_select would refuse it (nothing was read)
         n = max(int(num_keys[bad_row]), 1)
         raise IndexError(

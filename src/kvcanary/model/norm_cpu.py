@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from numba import prange
 
-from kvcanary.numba_parallel import parallel_threads, run_parallel
+from kvcanary import numba_parallel
+from kvcanary.numba_parallel import parallel_threads
 
 _ILP, _LEVELS = 4, 4  # torch's row_sum ILP factor, multi_row_sum's cascade levels
 _MAX_LANES = 16
@@ -228,11 +229,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _split(rows: torch.Tensor) -> bool:
-    """Whether the pass over ``rows`` runs on torch's threads: from ``_PARALLEL_MIN_*``, and
-    always past ``_MAX_ELEMENTS`` (:func:`applies` takes those only with threads)."""
+    """Whether the pass over ``rows`` is worth splitting among torch's threads: from
+    ``_PARALLEL_MIN_*``, and always past ``_MAX_ELEMENTS`` (:func:`applies` takes those only
+    with threads)."""
     n = rows.numel()
-    return ((n > _MAX_ELEMENTS or (rows.shape[0] >= _PARALLEL_MIN_ROWS and n >= _PARALLEL_MIN_ELEMENTS))
-            and parallel_threads() > 1)  # fmt: skip
+    return n > _MAX_ELEMENTS or (rows.shape[0] >= _PARALLEL_MIN_ROWS and n >= _PARALLEL_MIN_ELEMENTS)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float, width: int) -> torch.Tensor:
@@ -240,10 +241,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float, width: int) -
     out = torch.empty_like(rows)
     args = (rows.numpy(), _NO_WEIGHT if weight is None else _np(weight), weight is not None,
             np.float32(eps), width, out.numpy())  # fmt: skip
-    if _split(rows):
-        run_parallel(_rms_rows_parallel, *args)
-    else:
-        _rms_rows(*args)
+    numba_parallel.run(_rms_rows, _rms_rows_parallel, _split(rows), *args)
     return out if x.dim() == 2 else out.view(x.shape)
 
 
@@ -262,10 +260,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
     total, out = torch.empty_like(rows_x), torch.empty_like(rows_x)
     args = (rows_x.numpy(), rows_y.numpy(), _np(weight), np.float32(eps), lanes(), total.numpy(),
             out.numpy())  # fmt: skip
-    if _split(rows_x):
-        run_parallel(_add_rms_rows_parallel, *args)
-    else:
-        _add_rms_rows(*args)
+    numba_parallel.run(_add_rms_rows, _add_rms_rows_parallel, _split(rows_x), *args)
     if x.dim() == 2:
         return total, out
     return total.view(x.shape), out.view(x.shape)

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from numba import prange
 
+from kvcanary import numba_parallel
 from kvcanary.model import norm_cpu
 from kvcanary.model.norm_cpu import SQ_SUM_SCRATCH, inv_rms_nb
-from kvcanary.numba_parallel import parallel_threads, run_parallel
 
 
 @numba.njit(cache=True, inline="always")
@@ -97,10 +97,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     lanes = 0 if norm_eps is None else norm_cpu.lanes()
     args = (x.numpy(), w, weight is not None, np.float32(norm_eps or 0.0), lanes,
             cos.reshape(tokens, dim).numpy(), sin.reshape(tokens, dim).numpy(), out.numpy())  # fmt: skip
-    if tokens >= _PARALLEL_MIN_TOKENS and parallel_threads() > 1:
-        run_parallel(_rope_parallel, *args)
-    else:
-        _rope(*args)
+    numba_parallel.run(_rope, _rope_parallel, tokens >= _PARALLEL_MIN_TOKENS, *args)
     return out
 
 
