@@ -16,6 +16,7 @@ import numba
 import torch
 
 _lock = threading.Lock()
+parallel_lock = _lock  # for compiled code that may enter a parallel region itself
 
 
 def parallel_threads() -> int:

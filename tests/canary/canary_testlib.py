@@ -9,6 +9,7 @@ import random
 from dataclasses import dataclass, field
 from types import ModuleType
 
+import pytest
 import reference_kernels
 import torch
 
@@ -21,6 +22,13 @@ IMPLS: dict[str, ModuleType] = {
     "torch": kernels_torch,
     "reference": reference_kernels,
 }
+
+
+def force_split(m: pytest.MonkeyPatch) -> None:
+    """Every row-plan verify on two threads (:func:`.kernels_numba._split_rows`), however
+    small, and however many cores the machine has (prange runs the two runs in turn on one)."""
+    m.setattr(kernels_numba, "SPLIT_MIN_WORK", 0)
+    m.setattr(kernels_numba, "parallel_threads", lambda: 2)
 
 
 def make_sources(

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from canary_testlib import force_split
 from engine_utils import make_prompts, start_decoding, tiny_engine
 
 from kvcanary.canary import fused_rows
@@ -25,11 +26,13 @@ def quiet_canary_log():
     log.setLevel(level)
 
 
-def _run(fused: bool, model: str, canary: dict[str, Any],
-         monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:  # fmt: skip
+def _run(fused: bool, model: str, canary: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+         split: bool = False) -> dict[str, Any]:  # fmt: skip
     """A decoding batch corrupted between forwards (and one store lost inside a forward);
-    everything the canary leaves behind."""
+    everything the canary leaves behind (``split``: verifies on two threads)."""
     with monkeypatch.context() as m:
+        if split:
+            force_split(m)
         if not fused:
             m.setattr(fused_rows.FusedRowLaunches, "build", staticmethod(lambda *a, **k: None))
         engine = tiny_engine(model=model, swa_full_tokens_ratio=0.5, chunked_prefill_size=24,
@@ -98,7 +101,12 @@ def test_fused_launches_leave_exactly_the_per_launch_state(
     model: str, canary: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     want = _run(False, model, canary, monkeypatch)
-    got = _run(True, model, canary, monkeypatch)
+    for split in (False, True):  # fused, then fused with its verifies split among threads
+        _check_same(want, _run(True, model, canary, monkeypatch, split), model, canary)
+
+
+def _check_same(got: dict[str, Any], want: dict[str, Any], model: str,
+                canary: dict[str, Any]) -> None:  # fmt: skip
     reasons = {reason for r in want["rows"] for reason in r.fail_reasons}
     assert "write_kv_store" in reasons  # the faults were seen
     if "verify_capacity" in canary:  # verifies skipped (too many entries), writes checked

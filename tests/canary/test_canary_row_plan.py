@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from canary_testlib import ToyKvSystem, make_sources
+from canary_testlib import ToyKvSystem, force_split, make_sources
 
 from kvcanary.canary import kernels, kernels_numba, kernels_torch
 from kvcanary.canary.config import CanaryConfig
@@ -206,7 +206,15 @@ def _forward(impl, side: Side, plans: CanaryPlans, kind: str, fresh_kv: dict[int
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("window", [None, 4])
-def test_row_plan_launches_leave_the_same_state(seed: int, window: int | None) -> None:
+@pytest.mark.parametrize("split", [False, True], ids=["one-thread", "split"])
+def test_row_plan_launches_leave_the_same_state(
+    seed: int, window: int | None, split: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Materialised plans, the torch kernels, row plans and one-call launches leave the same
+    records, ring rows and counters, batch after batch of faults (``split``: the row plans'
+    verifies on two threads, :func:`.kernels_numba._split_rows`)."""
+    if split:
+        force_split(monkeypatch)
     rng = random.Random(1000 + seed)
     num_slots = 201
     kind = "SWA" if window else "FULL"
@@ -257,6 +265,50 @@ def test_row_plan_launches_leave_the_same_state(seed: int, window: int | None) -
         assert sides["torch"].state() == want_state
         assert sides["fused"].state() == want_state
     assert sides["rows"].ring.num_recorded() > 1  # the faults were seen
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_split_verify_sees_a_fault_at_every_entry_of_one_long_row(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verify split among threads cuts one long row (a prefill's) into runs: a fault at
+    any entry, those at the cuts included (an entry checked against its predecessor in the
+    run before), gives the ring rows of the one-thread materialised verify."""
+    force_split(monkeypatch)
+    monkeypatch.setattr(kernels_numba, "parallel_threads", lambda: threads)
+    n, num_slots = 40, 64
+    slots = torch.arange(3, 3 + n)  # the row's slots, position p at slot 3 + p
+    r2t = torch.zeros(2, 64, dtype=torch.int32)
+    r2t[1, :n] = slots.to(torch.int32)
+
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
+
+    fill = PlanInputs(r2t, t([1]), t([0]), t([n]), torch.arange(100, 100 + n), torch.arange(n),
+                      slots.clone())  # fmt: skip
+    decode = PlanInputs(r2t, t([1]), t([n]), t([1]), t([7]), t([n]), t([3 + n]))
+    sources = make_sources(num_slots, random.Random(3), num_sources=1, page_size=1,
+                           bytes_per_token=32, read_bytes=32)  # fmt: skip
+    clean = alloc_canary_buffer(num_slots)
+    ring = ViolationRing(4)
+    kernels_numba.write(clean, build_plans(fill, verify_capacity=100).write, ring, 0,
+                        real_kv_sources=sources)  # fmt: skip
+    materialised = build_plans(decode, verify_capacity=100).verify
+    rows = RowPlanner(verify_capacity=100, window=None, lut=None).plan(HostInputs.of(decode))
+    assert rows.verify.num_entries == n
+    for entry in range(n):
+        for field in range(4):  # token, position, chain, real-KV fingerprint
+            got, want = [], []
+            for plan, out in ((rows.verify, got), (materialised, want)):
+                records = clean.clone()
+                as_int64_records(records)[3 + entry, field] += 1
+                ring = ViolationRing(8)
+                kernels_numba.verify(records, plan, ring, 5, real_kv_sources=sources,
+                                     check_token=True)  # fmt: skip
+                out.append(ring.rows[: ring.num_recorded()].tolist())
+            assert got == want, (entry, field)
+            # (a token is seen by the next entry's chain: the last one's by the next forward)
+            assert want[0] or (entry, field) == (n - 1, 0)
 
 
 # ------------------------------------------------------------------ errors

@@ -51,12 +51,14 @@ from kvcanary.canary.kernels_numba import (
     _record,
     entry_point,
     i64_ptr,
+    split_args,
 )
 from kvcanary.canary.real_kv import numba_source_args
 from kvcanary.canary.records import as_int64_records
 from kvcanary.canary.ring import RunCounters, ViolationRing
 from kvcanary.canary.row_plan import _NEED_SCRATCH, _OK, HostInputs, RowPlanner, _plan_rows
 from kvcanary.canary.store_check import StoreChecker, StoreWatch, _check_nb
+from kvcanary.numba_parallel import parallel_lock
 
 _NOT_RESIDENT = int(FailReason.VERIFY_NOT_RESIDENT)
 # Per-group results of HEAD's planning: status, total verify, total extend, total write,
@@ -72,7 +74,8 @@ _NO_WATCH = (np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.int64),
 # ~40 (the dispatcher types each argument it is given: ~8 us a call, cold, for the tuples).
 #   header   G, H, L (groups, HEAD launches, TAIL launches), ring [2D], ring index, verify
 #            runs, verify processed, write runs, write processed [1D each], out [2D],
-#            verify totals [1D] (the SWA divergence reporter's, or empty)
+#            verify totals [1D] (the SWA divergence reporter's, or empty), threads and
+#            min work of the verifies' split (:func:`.kernels_numba.split_args` when bound)
 #   group    window, has LUT, offset, capacity, check holes, LUT [1D], requests [2D],
 #            entries [2D], write slots [1D], holes [2D], verify totals index (-1: none)
 #   launch   group, tag, hole tag, sources, records [2D], words0..3 [2D], meta [2D],
@@ -85,7 +88,8 @@ _NO_WATCH = (np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.int64),
 # int64 C-contiguous; made once for a host's persistent batch arrays (ForwardBatch.host_arrays),
 # per forward otherwise, so a call passes 3 arrays instead of 12
 # (:meth:`FusedRowLaunches.batch_block`).
-_HEADER = 21
+_HEADER = 23
+_SPLIT = 21  # [threads, min work] (kernels_numba.split_args)
 _GROUP_W = 19
 _LAUNCH_W = 30
 
@@ -125,14 +129,16 @@ def _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inpu
     g = blk[k]
     kg = _HEADER + g * _GROUP_W
     total_verify = out[g, _TOTAL_VERIFY]
+    num_verify = total_verify if total_verify <= blk[kg + 3] else 0
+    check_table = check_token and has_table
     requests = _a2(blk, kg + 7)
-    return _launch_rows_kernel(
-        requests, bs, _a2(blk, kg + 10), total_verify if total_verify <= blk[kg + 3] else 0,
-        check_token and has_table, requests, bs, input_ids, positions, _a1(blk, kg + 13),
+    return _launch_rows_kernel(  # (<= 30 arguments: more are a call on a list, not inlined)
+        requests, bs, _a2(blk, kg + 10), num_verify, check_table, requests, bs, input_ids,
+        positions, _a1(blk, kg + 13),
         out[g, _MAX_WRITE] > 0, check_inputs, exp_ids, exp_positions, position_assert,
         blk[k + 1], _a2(blk, k + 4), _a2(blk, k + 7), _a2(blk, k + 10), _a2(blk, k + 13),
         _a2(blk, k + 16), _a2(blk, k + 19), blk[k + 3], _a2(blk, 3), _a1(blk, 6), _a1(blk, 8),
-        _a1(blk, 10), _a1(blk, 12), _a1(blk, 14),
+        _a1(blk, 10), _a1(blk, 12), _a1(blk, 14), blk[_SPLIT : _SPLIT + 2],
     )  # fmt: skip
 
 
@@ -341,6 +347,7 @@ class FusedRowLaunches:
 
         for a in (ring, index, *self.count_args, self.out, self.totals):
             arr(a)
+        words += split_args().tolist()  # the threads now: engine start, or a scratch grown
         for i, p in enumerate(ps):
             words.extend((int(self.windows[i]), int(self.has_luts[i]), int(self.offsets[i]),
                           int(self.capacities[i]), int(self.check_holes[i])))  # fmt: skip
@@ -385,7 +392,8 @@ class FusedRowLaunches:
                 self._tail_entry = entry_point(_tail_batch_nb, batch, check_token,
                                                position_assert, 0, self._block)  # fmt: skip
             while True:
-                code = head[1](r2t, batch, check_token, position_assert, self._block)
+                with parallel_lock:
+                    code = head[1](r2t, batch, check_token, position_assert, self._block)
                 if code <= _OVERFLOW or not self._retry(code, host):
                     self._tail_call, self._tail_host = (batch, check_token, position_assert), host
                     return code == _OVERFLOW
@@ -397,12 +405,13 @@ class FusedRowLaunches:
         tokens = (host.input_ids, host.positions, host.input_ids if ids is None else ids,
                   host.positions if positions is None else positions, check_inputs)  # fmt: skip
         while True:
-            code = _head_nb(
-                host.req_to_token, host.req_pool_indices, host.prefix_lens, host.extend_lens,
-                host.out_cache_loc, *tokens, table if has_table else _EMPTY_TABLE,
-                lens if has_table else _EMPTY_LENS, has_table, check_token, position_assert,
-                self._block,
-            )  # fmt: skip
+            with parallel_lock:
+                code = _head_nb(
+                    host.req_to_token, host.req_pool_indices, host.prefix_lens,
+                    host.extend_lens, host.out_cache_loc, *tokens,
+                    table if has_table else _EMPTY_TABLE, lens if has_table else _EMPTY_LENS,
+                    has_table, check_token, position_assert, self._block,
+                )  # fmt: skip
             if not self._retry(code, host):
                 self._tail_call = (host.req_pool_indices.shape[0], *tokens, has_table,
                                    check_token, position_assert)  # fmt: skip
@@ -441,11 +450,12 @@ class FusedRowLaunches:
             epoch = checker.epoch
             if checker.generation != self._watch_generation:
                 self._bind_watches()
-        if len(call) == 3:  # (HEAD resolved the entry)
-            status = self._tail_entry(*call, epoch, self._block)
-            self._tail_host = None
-        else:
-            status = _tail_nb(*(*call, epoch, self._block))
+        with parallel_lock:
+            if len(call) == 3:  # (HEAD resolved the entry)
+                status = self._tail_entry(*call, epoch, self._block)
+            else:
+                status = _tail_nb(*(*call, epoch, self._block))
+        self._tail_host = None
         if status:
             raise IndexError("kv-canary: plan slot out of range of the canary buffer")
 

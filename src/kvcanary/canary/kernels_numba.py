@@ -8,8 +8,12 @@ All tensors must be on the CPU; numba sees them through shared-memory numpy view
 Plans are materialised (:mod:`.plan`) or row plans (:mod:`.row_plan`, the per-forward
 path). A row plan's verify first checks every row with a branch-free pass that vectorises,
 and computes the exact fail bits (and ring rows, in entry order) only for the rows that may
-violate; the real-KV fold gathers words across slots so that it vectorises too. Run counters
-are bumped inside the kernels (one Python call less per launch).
+violate; the real-KV fold gathers words across slots so that it vectorises too. From
+:data:`SPLIT_MIN_WORK` on, a row plan's fingerprints and fast checks are split among torch's
+threads (:func:`_split_rows`, one ``prange`` region; the cores are idle between forwards,
+and here one libgomp runs both numba's and torch's threads); the ring rows are then recorded
+on one thread, in entry order, so every result is the serial path's. Run counters are
+bumped inside the kernels (one Python call less per launch).
 """
 
 from __future__ import annotations
@@ -26,9 +30,15 @@ from numba.extending import intrinsic
 from kvcanary.canary.constants import NUM_LAUNCH_TAGS, FailReason
 from kvcanary.canary.hashing import ANCHOR_HASH_I64, chain_hash_nb
 from kvcanary.canary.plan_types import HostWritePlan, RowVerifyPlan, VerifyPlan, WritePlan
-from kvcanary.canary.real_kv import RealKvSource, numba_source_args, real_kv_hashes_nb
+from kvcanary.canary.real_kv import (
+    RealKvSource,
+    check_source_ranges,
+    numba_source_args,
+    real_kv_hashes_nb,
+)
 from kvcanary.canary.records import as_int64_records
 from kvcanary.canary.ring import RunCounters, ViolationRing
+from kvcanary.numba_parallel import parallel_lock, parallel_threads
 
 _CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
 _POSITION = int(FailReason.VERIFY_POSITION_MISMATCH)
@@ -183,21 +193,117 @@ def _row_may_violate(rec, slots, tokens, real, first, count, first_position, che
 
 _ERR_SLOT = 1
 
+# A row plan's verify splits its rows among threads from this much work (entries, plus an
+# eighth of an entry per fingerprinted word): a parallel region costs ~3 us to start, about
+# what ~1000 entries of checks take on one core. Read by the callers at each call (tests
+# set it to 0 to split every verify).
+SPLIT_MIN_WORK = 1024
+# prange loops only: no array expression or allocation becomes a parallel region of its own.
+_PRANGE_ONLY = {"prange": True, "comprehension": False, "numpy": False, "reduction": False,
+                "setitem": False, "stencil": False, "fusion": False, "inplace_binop": False}
+
+
+def split_args() -> np.ndarray:
+    """The row-plan verifies' ``split`` argument: ``[threads, SPLIT_MIN_WORK]`` now."""
+    return np.array((parallel_threads(), SPLIT_MIN_WORK), dtype=np.int64)
+
+
+@numba.njit(cache=True, inline="always")
+def _splits(split, n, meta, num_sources):
+    """Whether work on ``n`` entries is split among threads (``split``: :func:`split_args`'s
+    ``[threads, min work]``; the work: entries plus an eighth per fingerprinted word)."""
+    work = n
+    for i in range(num_sources):
+        work += n * meta[i, 2] // 8
+    return split[0] > 1 and work >= split[1]
+
+
+@numba.njit(cache=True, parallel=_PRANGE_ONLY)
+def _split_hashes(slots, words0, words1, words2, words3, meta, num_sources, threads):
+    """:func:`.real_kv.real_kv_hashes_nb` on ``threads`` threads, one run of slots each (the
+    same values; slots range-checked before)."""
+    n = slots.shape[0]
+    real = np.zeros(n, dtype=np.int64)
+    for c in numba.prange(threads):
+        e0, e1 = c * n // threads, (c + 1) * n // threads
+        if e0 < e1:
+            real[e0:e1] = real_kv_hashes_nb(slots[e0:e1], words0, words1, words2, words3, meta,
+                                            num_sources)  # fmt: skip
+    return real
+
+
+@numba.njit(cache=True, inline="always")
+def _part_clean(rec, slots, tokens, real, requests, r, a, b, check_token, num_sources, block):
+    """Whether entries ``[a, b)`` of row ``r`` of a row plan surely have no violation (the
+    fast check: the row's first entry's exact bits, when ``a`` is it, then
+    :func:`_row_may_violate` on the others, each against the entry before it)."""
+    if a >= b:
+        return True
+    first, first_position = requests[0, r], requests[1, r]
+    if a > first:  # entries a .. b - 1 after their predecessors a - 1 .. b - 2
+        return not _row_may_violate(rec, slots, tokens, real, a - 1, b - a + 1,
+                                    first_position + (a - 1 - first), check_token, block)  # fmt: skip
+    slot = slots[first]
+    return not (
+        (slot != 0 and _entry_bits(rec, slot, requests[3, r], first_position,
+                                   tokens[first] if check_token else np.int64(-1),
+                                   real[first] if num_sources else 0)[0])
+        or _row_may_violate(rec, slots, tokens, real, first, b - first, first_position,
+                            check_token, block)
+    )  # fmt: skip
+
+
+@numba.njit(cache=True, parallel=_PRANGE_ONLY)
+def _split_rows(requests, num_rows, slots, tokens, check_token, rec,
+                words0, words1, words2, words3, meta, num_sources, threads):  # fmt: skip
+    """The fast checks of :func:`_verify_rows_kernel` on ``threads`` threads: ``(real,
+    clean)``, each entry's fingerprint and whether each row is surely clean. The entries
+    are split into ``threads`` runs of equal length (a long prefill row too: each entry's
+    check reads only its own and its predecessor's records); each run fingerprints its
+    entries, then checks the parts of the rows it holds (:func:`_part_clean`). The same
+    values as one thread computes, so the records, ring rows (written afterwards, in entry
+    order, by the caller) and counters are those of the serial path. Slots must be
+    range-checked (records and sources) before."""
+    n = slots.shape[0]
+    real = np.zeros(n if num_sources else 0, dtype=np.int64)
+    bad = np.zeros((threads, num_rows), dtype=np.bool_)  # per run: no two threads share a byte
+    for c in numba.prange(threads):
+        e0, e1 = c * n // threads, (c + 1) * n // threads
+        if e0 < e1:
+            if num_sources:
+                real[e0:e1] = real_kv_hashes_nb(slots[e0:e1], words0, words1, words2, words3,
+                                                meta, num_sources)  # fmt: skip
+            block = np.empty((4, _VERIFY_BLOCK + 1), dtype=np.int64)
+            for r in range(num_rows):
+                first = requests[0, r]
+                a, b = max(first, e0), min(first + requests[2, r], e1)
+                bad[c, r] = not _part_clean(rec, slots, tokens, real, requests, r, a, b,
+                                            check_token, num_sources, block)  # fmt: skip
+    clean = np.ones(num_rows, dtype=np.bool_)
+    for c in range(threads):
+        for r in range(num_rows):
+            clean[r] &= not bad[c, r]
+    return real, clean
+
 
 @numba.njit(cache=True, inline="always")
 def _verify_rows_kernel(
     requests, num_rows, entries, num_entries, check_token, tag,
     rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index, runs, processed,
+    split,
 ):  # fmt: skip
     """:func:`_verify_kernel` over rows ``[0, num_rows)`` of a row plan (:mod:`.row_plan`)
     holding ``num_entries``; returns an error status (0: ok), checked before any row is
-    recorded."""
+    recorded. ``split`` (int64 ``[threads, min work]``, :func:`split_args`): the fast checks
+    on that many threads (:func:`_split_rows`; the same results) when there are more than
+    one and the work (``SPLIT_MIN_WORK``'s measure) is at least the min work."""
     _check_tag(tag, runs)
     num_slots = rec.shape[0]
     slots, tokens = entries[0, :num_entries], entries[1, :num_entries]
     lo, hi = np.int64(0), np.int64(0)
     for e in range(num_entries):
         lo, hi = min(lo, slots[e]), max(hi, slots[e])
+    entries_hi = hi
     for r in range(num_rows):  # a row's first predecessor matters only under a live slot
         if requests[2, r] > 0 and slots[requests[0, r]] != 0:
             hi = max(hi, requests[3, r])  # (< 0: the anchor)
@@ -205,23 +311,22 @@ def _verify_rows_kernel(
         return _ERR_SLOT
     # Raises on slots outside a source, before any row (as _verify_kernel does).
     real = np.empty(0, dtype=np.int64)  # no fingerprint: every record must hold 0
-    if num_sources:
+    threads = split[0]
+    split = _splits(split, num_entries, meta, num_sources)
+    clean = np.zeros(0, dtype=np.bool_)
+    if split:
+        check_source_ranges(entries_hi, words0, words1, words2, words3, meta, num_sources)
+        real, clean = _split_rows(requests, num_rows, slots, tokens, check_token, rec,
+                                  words0, words1, words2, words3, meta, num_sources, threads)  # fmt: skip
+    elif num_sources:
         real = real_kv_hashes_nb(slots, words0, words1, words2, words3, meta, num_sources)
     no_token = np.int64(-1)
     block = np.empty((4, _VERIFY_BLOCK + 1), dtype=np.int64)
     for r in range(num_rows):
         first, first_position = requests[0, r], requests[1, r]
         count, prev = requests[2, r], requests[3, r]
-        if count == 0:
-            continue
-        slot = slots[first]
-        if not (
-            (slot != 0 and _entry_bits(rec, slot, prev, first_position,
-                                       tokens[first] if check_token else no_token,
-                                       real[first] if num_sources else 0)[0])
-            or _row_may_violate(rec, slots, tokens, real, first, count, first_position,
-                                check_token, block)
-        ):  # fmt: skip
+        if clean[r] if split else _part_clean(rec, slots, tokens, real, requests, r, first,
+                                              first + count, check_token, num_sources, block):  # fmt: skip
             continue
         for e in range(first, first + count):  # the slow path, in entry order
             slot = slots[e]
@@ -244,9 +349,11 @@ def _write_kernel(
     requests, num_reqs, token_ids, positions, slots,
     check_inputs, expected_token_ids, expected_positions, position_assert, tag,
     rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index, runs, processed,
+    split,
 ):  # fmt: skip
     """Requests ``[0, num_reqs)``: ``requests[-3:]`` = seed slots, token starts, token
-    counts (:mod:`.row_plan` scratch or a stacked WritePlan)."""
+    counts (:mod:`.row_plan` scratch or a stacked WritePlan). ``split``: as
+    :func:`_verify_rows_kernel`'s, for the fingerprints of the written slots."""
     _check_tag(tag, runs)
     num_slots = rec.shape[0]
     seed_slots, token_starts = requests[-3, :num_reqs], requests[-2, :num_reqs]
@@ -258,7 +365,16 @@ def _write_kernel(
         if num_tokens[r] > 0 and (token_starts[r] < 0 or end > token_ids.shape[0]):
             raise IndexError("kv-canary: write plan token range out of the flat token arrays")
         written_slots[token_starts[r] : end] = slots[token_starts[r] : end]
-    real = real_kv_hashes_nb(written_slots, words0, words1, words2, words3, meta, num_sources)
+    if num_sources and _splits(split, written_slots.shape[0], meta, num_sources):
+        hi = np.int64(-1)
+        for i in range(written_slots.shape[0]):
+            hi = max(hi, written_slots[i])
+        check_source_ranges(hi, words0, words1, words2, words3, meta, num_sources)
+        real = _split_hashes(written_slots, words0, words1, words2, words3, meta, num_sources,
+                             split[0])  # fmt: skip
+    else:
+        real = real_kv_hashes_nb(written_slots, words0, words1, words2, words3, meta,
+                                 num_sources)  # fmt: skip
     for r in range(num_reqs):  # every seed is range-checked before any store
         if seed_slots[r] >= 0:
             _check_slot(seed_slots[r], num_slots)
@@ -309,7 +425,7 @@ def _launch_rows_kernel(
     w_requests, w_reqs, token_ids, positions, w_slots, do_write, check_inputs,
     expected_token_ids, expected_positions, position_assert, tag,
     rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
-    v_runs, v_processed, w_runs, w_processed,
+    v_runs, v_processed, w_runs, w_processed, split,
 ):  # fmt: skip
     """One launch of a row plan: :func:`_verify_rows_kernel` then :func:`_write_kernel` on
     the same records, sources and ring, in one call (returns the verify's error status;
@@ -317,7 +433,7 @@ def _launch_rows_kernel(
     status = _verify_rows_kernel(
         v_requests, v_rows, v_entries, v_num_entries, check_token, tag,
         rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
-        v_runs, v_processed,
+        v_runs, v_processed, split,
     )  # fmt: skip
     if status:
         return status
@@ -326,7 +442,7 @@ def _launch_rows_kernel(
             w_requests, w_reqs, token_ids, positions, w_slots, check_inputs, expected_token_ids,
             expected_positions, position_assert, tag,
             rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
-            w_runs, w_processed,
+            w_runs, w_processed, split,
         )  # fmt: skip
     else:  # a write without tokens counts its launch, as write() does
         _check_tag(tag, w_runs)
@@ -412,11 +528,14 @@ def verify_rows(
 ) -> None:
     """:func:`verify` of a row plan (positional: the per-forward path, where every Python
     operation costs microseconds once the forward has evicted the interpreter's caches)."""
-    if _verify_rows_kernel(
-        plan.requests, plan.bs, plan.entries,
-        plan.num_requested_entries if plan.enabled else 0, check_token and plan.has_tokens,
-        int(launch_tag), *_launch_args(records, real_kv_sources, ring, counters),
-    ):  # fmt: skip
+    args = _launch_args(records, real_kv_sources, ring, counters)
+    with parallel_lock:
+        status = _verify_rows_kernel(
+            plan.requests, plan.bs, plan.entries,
+            plan.num_requested_entries if plan.enabled else 0, check_token and plan.has_tokens,
+            int(launch_tag), *args, split_args(),
+        )  # fmt: skip
+    if status:
         raise IndexError("kv-canary: plan slot out of range of the canary buffer")
 
 
@@ -442,14 +561,17 @@ def launch_rows(
     check_inputs = expected_ids is not None and expected_positions is not None
     if not check_inputs:  # typed dummies: numba compiles one signature either way
         expected_ids, expected_positions = ids, positions
-    if _launch_rows_kernel(
-        verify_plan.requests, verify_plan.bs, verify_plan.entries,
-        verify_plan.num_requested_entries if verify_plan.enabled else 0,
-        check_token and verify_plan.has_tokens,
-        write_plan.requests, write_plan.bs, ids, positions, write_plan.slots,
-        write_plan.max_num_tokens > 0, check_inputs, expected_ids, expected_positions,
-        bool(chain_position_assert), int(launch_tag), *args, *write_counts,
-    ):  # fmt: skip
+    with parallel_lock:
+        status = _launch_rows_kernel(
+            verify_plan.requests, verify_plan.bs, verify_plan.entries,
+            verify_plan.num_requested_entries if verify_plan.enabled else 0,
+            check_token and verify_plan.has_tokens,
+            write_plan.requests, write_plan.bs, ids, positions, write_plan.slots,
+            write_plan.max_num_tokens > 0, check_inputs, expected_ids, expected_positions,
+            bool(chain_position_assert), int(launch_tag), *args, *write_counts,
+            split_args(),
+        )  # fmt: skip
+    if status:
         raise IndexError("kv-canary: plan slot out of range of the canary buffer")
 
 
@@ -482,8 +604,10 @@ def write(
     check_inputs = expected_ids is not None and expected_positions is not None
     if not check_inputs:  # typed dummies: numba compiles one signature either way
         expected_ids, expected_positions = ids, positions
-    _write_kernel(
-        requests, num_reqs, ids, positions, slots, check_inputs, expected_ids,
-        expected_positions, bool(chain_position_assert), int(launch_tag),
-        *_launch_args(records, real_kv_sources, ring, counters),
-    )  # fmt: skip
+    args = _launch_args(records, real_kv_sources, ring, counters)
+    with parallel_lock:
+        _write_kernel(
+            requests, num_reqs, ids, positions, slots, check_inputs, expected_ids,
+            expected_positions, bool(chain_position_assert), int(launch_tag), *args,
+            split_args(),
+        )  # fmt: skip

@@ -167,8 +167,7 @@ def _fold_source(acc, slots, words, page_size, words_per_token, read_words):
     hi = np.int64(-1)
     for i in range(n):
         hi = max(hi, slots[i])
-    if hi >= 0 and hi // page_size >= words.shape[0]:
-        raise IndexError("kv-canary: slot out of range of a real-KV source")
+    _check_range(hi, words, page_size)
     if read_words <= _DIRECT_WORDS:
         lo_words = np.empty(n, dtype=np.uint64)
         hi_words = np.empty(n, dtype=np.uint64)
@@ -202,6 +201,26 @@ def _fold_source(acc, slots, words, page_size, words_per_token, read_words):
             for i in range(m):
                 h[i] = splitmix64_nb(splitmix64_nb(h[i] ^ tile[i, w]) ^ tile[i, w + 1])
         _fold_into(acc, slots, h, b0, m)
+
+
+@numba.njit(cache=True, inline="always")
+def _check_range(hi, words, page_size):
+    if hi >= 0 and hi // page_size >= words.shape[0]:
+        raise IndexError("kv-canary: slot out of range of a real-KV source")
+
+
+@numba.njit(cache=True, inline="always")
+def check_source_ranges(hi, words0, words1, words2, words3, meta, num_sources):
+    """Raise :func:`real_kv_hashes_nb`'s error when slot ``hi`` (the largest to fold) is
+    outside a source, before any work (for callers that fold on several threads)."""
+    if num_sources > 0:
+        _check_range(hi, words0, meta[0, 0])
+    if num_sources > 1:
+        _check_range(hi, words1, meta[1, 0])
+    if num_sources > 2:
+        _check_range(hi, words2, meta[2, 0])
+    if num_sources > 3:
+        _check_range(hi, words3, meta[3, 0])
 
 
 @numba.njit(cache=True, inline="always")
