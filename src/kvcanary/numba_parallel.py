@@ -19,6 +19,24 @@ _lock = threading.Lock()
 parallel_lock = _lock  # for compiled code that may enter a parallel region itself
 
 
+def launch_threads() -> None:
+    """Start numba's threading layer (once; later calls return at once), keeping torch's
+    thread count. Compiled code that calls a ``parallel=True`` function (the canary's fused
+    HEAD / TAIL) needs the layer's symbols linked before it loads from the on-disk cache,
+    which a parallel dispatcher of its own does only at its first call: without it a fresh
+    process fails with ``LLVM ERROR: Symbol not found: allocate_sched``. And the OpenMP
+    layer's start sets the process's OpenMP thread count to numba's pool size, which is
+    torch's count too when both use one libgomp: ``torch.set_num_threads(1)`` would be
+    undone by the first parallel kernel."""
+    threads = torch.get_num_threads()
+    numba.get_num_threads()
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+launch_threads()  # at import: before any kernel runs or loads
+
+
 def parallel_threads() -> int:
     """The threads a parallel kernel would run on (1: call the serial one instead)."""
     return min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]

@@ -199,7 +199,7 @@ _ERR_SLOT = 1
 # set it to 0 to split every verify).
 SPLIT_MIN_WORK = 1024
 # prange loops only: no array expression or allocation becomes a parallel region of its own.
-_PRANGE_ONLY = {"prange": True, "comprehension": False, "numpy": False, "reduction": False,
+_PRANGE_ONLY: Any = {"prange": True, "comprehension": False, "numpy": False, "reduction": False,
                 "setitem": False, "stencil": False, "fusion": False, "inplace_binop": False}
 
 
@@ -528,12 +528,12 @@ def verify_rows(
 ) -> None:
     """:func:`verify` of a row plan (positional: the per-forward path, where every Python
     operation costs microseconds once the forward has evicted the interpreter's caches)."""
-    args = _launch_args(records, real_kv_sources, ring, counters)
+    args = (*_launch_args(records, real_kv_sources, ring, counters), split_args())
     with parallel_lock:
         status = _verify_rows_kernel(
             plan.requests, plan.bs, plan.entries,
             plan.num_requested_entries if plan.enabled else 0, check_token and plan.has_tokens,
-            int(launch_tag), *args, split_args(),
+            int(launch_tag), *args,
         )  # fmt: skip
     if status:
         raise IndexError("kv-canary: plan slot out of range of the canary buffer")
@@ -556,6 +556,7 @@ def launch_rows(
     args = _launch_args(records, real_kv_sources, ring, verify_counters)
     write_counts = args[-2:] if write_counters is verify_counters else (
         _launch_args(records, real_kv_sources, ring, write_counters)[-2:])  # fmt: skip
+    tail = (*args, *write_counts, split_args())
     ids, positions = write_plan.token_ids, write_plan.positions
     expected_ids, expected_positions = write_plan.expected_token_ids, write_plan.expected_positions
     check_inputs = expected_ids is not None and expected_positions is not None
@@ -568,8 +569,7 @@ def launch_rows(
             check_token and verify_plan.has_tokens,
             write_plan.requests, write_plan.bs, ids, positions, write_plan.slots,
             write_plan.max_num_tokens > 0, check_inputs, expected_ids, expected_positions,
-            bool(chain_position_assert), int(launch_tag), *args, *write_counts,
-            split_args(),
+            bool(chain_position_assert), int(launch_tag), *tail,
         )  # fmt: skip
     if status:
         raise IndexError("kv-canary: plan slot out of range of the canary buffer")
@@ -604,10 +604,9 @@ def write(
     check_inputs = expected_ids is not None and expected_positions is not None
     if not check_inputs:  # typed dummies: numba compiles one signature either way
         expected_ids, expected_positions = ids, positions
-    args = _launch_args(records, real_kv_sources, ring, counters)
+    args = (*_launch_args(records, real_kv_sources, ring, counters), split_args())
     with parallel_lock:
         _write_kernel(
             requests, num_reqs, ids, positions, slots, check_inputs, expected_ids,
             expected_positions, bool(chain_position_assert), int(launch_tag), *args,
-            split_args(),
         )  # fmt: skip
