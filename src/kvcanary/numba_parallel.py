@@ -2,7 +2,8 @@
 run on and the one lock every call into them takes.
 
 The threads are torch's (``torch.get_num_threads()``, capped by numba's pool): the CPU
-passes run between torch's ops, on the same cores. A call holds :data:`_lock`: numba's
+passes run between torch's ops, on the same cores. A call holds :data:`parallel_lock` (so
+do the canary's compiled HEAD / TAIL, which enter parallel regions themselves): numba's
 ``workqueue`` threading layer (its fallback when no OpenMP / TBB is found) must not be
 entered by two Python threads at once, and ``numba.set_num_threads`` is per thread.
 """
@@ -15,8 +16,7 @@ from typing import Any
 import numba
 import torch
 
-_lock = threading.Lock()
-parallel_lock = _lock  # for compiled code that may enter a parallel region itself
+parallel_lock = threading.Lock()
 
 
 def launch_threads() -> None:
@@ -45,7 +45,7 @@ def parallel_threads() -> int:
 def run_parallel(kernel: Any, *args: Any) -> Any:
     """``kernel(*args)`` (a ``parallel=True`` dispatcher) on :func:`parallel_threads`
     threads, under the lock."""
-    with _lock:
+    with parallel_lock:
         numba.set_num_threads(parallel_threads())
         return kernel(*args)
 

@@ -195,12 +195,14 @@ _ERR_SLOT = 1
 
 # A row plan's verify splits its rows among threads from this much work (entries, plus an
 # eighth of an entry per fingerprinted word): a parallel region costs ~3 us to start, about
-# what ~1000 entries of checks take on one core. Read by the callers at each call (tests
-# set it to 0 to split every verify).
+# what ~1000 entries of checks take on one core. Read by split_args (tests set it to 0 to
+# split every verify).
 SPLIT_MIN_WORK = 1024
 # prange loops only: no array expression or allocation becomes a parallel region of its own.
-_PRANGE_ONLY: Any = {"prange": True, "comprehension": False, "numpy": False, "reduction": False,
-                "setitem": False, "stencil": False, "fusion": False, "inplace_binop": False}
+_PRANGE_ONLY: Any = {
+    "prange": True, "comprehension": False, "numpy": False, "reduction": False,
+    "setitem": False, "stencil": False, "fusion": False, "inplace_binop": False,
+}  # fmt: skip
 
 
 def split_args() -> np.ndarray:
@@ -311,13 +313,12 @@ def _verify_rows_kernel(
         return _ERR_SLOT
     # Raises on slots outside a source, before any row (as _verify_kernel does).
     real = np.empty(0, dtype=np.int64)  # no fingerprint: every record must hold 0
-    threads = split[0]
-    split = _splits(split, num_entries, meta, num_sources)
+    parts = _splits(split, num_entries, meta, num_sources)
     clean = np.zeros(0, dtype=np.bool_)
-    if split:
+    if parts:
         check_source_ranges(entries_hi, words0, words1, words2, words3, meta, num_sources)
         real, clean = _split_rows(requests, num_rows, slots, tokens, check_token, rec,
-                                  words0, words1, words2, words3, meta, num_sources, threads)  # fmt: skip
+                                  words0, words1, words2, words3, meta, num_sources, split[0])  # fmt: skip
     elif num_sources:
         real = real_kv_hashes_nb(slots, words0, words1, words2, words3, meta, num_sources)
     no_token = np.int64(-1)
@@ -325,7 +326,7 @@ def _verify_rows_kernel(
     for r in range(num_rows):
         first, first_position = requests[0, r], requests[1, r]
         count, prev = requests[2, r], requests[3, r]
-        if clean[r] if split else _part_clean(rec, slots, tokens, real, requests, r, first,
+        if clean[r] if parts else _part_clean(rec, slots, tokens, real, requests, r, first,
                                               first + count, check_token, num_sources, block):  # fmt: skip
             continue
         for e in range(first, first + count):  # the slow path, in entry order
