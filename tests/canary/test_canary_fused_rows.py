@@ -102,7 +102,7 @@ def test_fused_launches_leave_exactly_the_per_launch_state(
 ) -> None:
     want = _run(False, model, canary, monkeypatch)
     for split in (False, True):  # fused, then fused with its verifies split among threads
-        _check_same(want, _run(True, model, canary, monkeypatch, split), model, canary)
+        _check_same(_run(True, model, canary, monkeypatch, split), want, model, canary)
 
 
 def _check_same(got: dict[str, Any], want: dict[str, Any], model: str,
