@@ -75,7 +75,8 @@ _NO_WATCH = (np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.int64),
 #   header   G, H, L (groups, HEAD launches, TAIL launches), ring [2D], ring index, verify
 #            runs, verify processed, write runs, write processed [1D each], out [2D],
 #            verify totals [1D] (the SWA divergence reporter's, or empty), threads and
-#            min work of the verifies' split (:func:`.kernels_numba.split_args` when bound)
+#            min work of the verifies' split (:func:`.kernels_numba.split_args` when bound:
+#            the first forward, or a scratch grown)
 #   group    window, has LUT, offset, capacity, check holes, LUT [1D], requests [2D],
 #            entries [2D], write slots [1D], holes [2D], verify totals index (-1: none)
 #   launch   group, tag, hole tag, sources, records [2D], words0..3 [2D], meta [2D],
