@@ -348,7 +348,7 @@ class FusedRowLaunches:
 
         for a in (ring, index, *self.count_args, self.out, self.totals):
             arr(a)
-        words += split_args().tolist()  # the threads now: engine start, or a scratch grown
+        words += split_args().tolist()  # the threads now: the first forward, or a scratch grown
         for i, p in enumerate(ps):
             words.extend((int(self.windows[i]), int(self.has_luts[i]), int(self.offsets[i]),
                           int(self.capacities[i]), int(self.check_holes[i])))  # fmt: skip
