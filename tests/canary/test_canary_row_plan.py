@@ -267,6 +267,10 @@ def test_row_plan_launches_leave_the_same_state(
     assert sides["rows"].ring.num_recorded() > 1  # the faults were seen
 
 
+def _i64(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 def test_split_verify_sees_a_fault_at_every_entry_of_one_long_row(
     threads: int, monkeypatch: pytest.MonkeyPatch
@@ -281,12 +285,9 @@ def test_split_verify_sees_a_fault_at_every_entry_of_one_long_row(
     r2t = torch.zeros(2, 64, dtype=torch.int32)
     r2t[1, :n] = slots.to(torch.int32)
 
-    def t(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64)
-
-    fill = PlanInputs(r2t, t([1]), t([0]), t([n]), torch.arange(100, 100 + n), torch.arange(n),
-                      slots.clone())  # fmt: skip
-    decode = PlanInputs(r2t, t([1]), t([n]), t([1]), t([7]), t([n]), t([3 + n]))
+    fill = PlanInputs(r2t, _i64([1]), _i64([0]), _i64([n]), torch.arange(100, 100 + n),
+                      torch.arange(n), slots.clone())  # fmt: skip
+    decode = PlanInputs(r2t, _i64([1]), _i64([n]), _i64([1]), _i64([7]), _i64([n]), _i64([3 + n]))
     sources = make_sources(num_slots, random.Random(3), num_sources=1, page_size=1,
                            bytes_per_token=32, read_bytes=32)  # fmt: skip
     clean = alloc_canary_buffer(num_slots)
@@ -315,14 +316,11 @@ def test_split_verify_sees_a_fault_at_every_entry_of_one_long_row(
 
 
 def _inputs(**overrides: torch.Tensor) -> HostInputs:
-    def t(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64)
-
     r2t = torch.zeros(3, 8, dtype=torch.int32)
     r2t[1, :4] = torch.tensor([5, 6, 7, 8])
-    fields = dict(req_to_token=r2t, req_pool_indices=t([1, 0]), prefix_lens=t([3, 0]),
-                  extend_lens=t([1, 1]), input_ids=t([9, 0]), positions=t([3, 0]),
-                  out_cache_loc=t([8, 0]))  # fmt: skip
+    fields = dict(req_to_token=r2t, req_pool_indices=_i64([1, 0]), prefix_lens=_i64([3, 0]),
+                  extend_lens=_i64([1, 1]), input_ids=_i64([9, 0]), positions=_i64([3, 0]),
+                  out_cache_loc=_i64([8, 0]))  # fmt: skip
     fields.update(overrides)
     return HostInputs(**{k: v.numpy() for k, v in fields.items()})
 
