@@ -449,3 +449,42 @@ def test_random_ops_keep_invariants(page_size: int, ops: list[tuple[str, int]]) 
         if r:
             a.free(t(r))
     assert a.num_free_pages() == a.num_pages and a.num_used_pages() == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 2, 4]),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["alloc", "free", "quarantine"]),
+                  st.lists(st.integers(-2, 26), min_size=0, max_size=6)),
+        min_size=1, max_size=12,
+    ),
+)  # fmt: skip
+def test_free_host_path_equals_the_torch_path(page_size: int, ops: list[tuple[str, list[int]]]) -> None:
+    """A host pool frees in numpy; the stand-in device ("cpu:0") keeps the torch ops: the same
+    pages freed in the same free-list order, the same errors (double frees, the sink page,
+    out of range, negative slots), nothing mutated by a refused free."""
+    host, torch_path = PagedAllocator(6 * page_size, page_size), PagedAllocator(6 * page_size, page_size, "cpu:0")
+    for a in (host, torch_path):  # pages 1..4 allocated, 2 of them quarantined while held
+        a.alloc(4 * page_size)
+        a.quarantine(t([page_size, 3 * page_size]))
+    for op, values in ops:
+        if op == "alloc":
+            n = len(values) % 3 * page_size
+            a, b = host.alloc(n), torch_path.alloc(n)
+            assert (a is None) == (b is None)
+            if a is not None and b is not None:
+                assert a.tolist() == b.tolist()
+        elif op == "quarantine":
+            assert host.quarantine(t(values)) == torch_path.quarantine(t(values))
+        else:
+            outcome = []
+            for a in (host, torch_path):
+                try:
+                    a.free(t(values).to(a.device))
+                    outcome.append(None)
+                except (ValueError, IndexError, DoubleFreeError) as err:
+                    outcome.append((type(err), str(err)))
+            assert outcome[0] == outcome[1]
+        assert snapshot(host) == snapshot(torch_path)
+        assert host.page_quarantined.tolist() == torch_path.page_quarantined.tolist()

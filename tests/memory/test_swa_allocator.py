@@ -443,3 +443,38 @@ def test_random_ops_keep_invariants(page_size: int, ops: list[tuple[str, int]]) 
     assert a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
     assert not bool(a.full_to_swa_index_mapping[:-1].any())
     assert a.check_integrity()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 2, 4]),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["extend", "free_swa", "free"]), st.integers(0, 9),
+                  st.lists(st.integers(-1, 40), min_size=0, max_size=6)),
+        min_size=1, max_size=10,
+    ),
+)  # fmt: skip
+def test_free_swa_host_path_equals_the_torch_path(page_size: int, ops: list[tuple[str, int, list[int]]]) -> None:
+    """``free_swa`` / ``free`` on a host pool (numpy) and on the stand-in device "cpu:0" (the
+    torch ops) from the same state: the same SWA pages freed, the same mapping, the same
+    errors, repeat frees skipped."""
+    host = SWAAllocator(40, 24, page_size)
+    torch_path = SWAAllocator(40, 24, page_size, device="cpu:0")
+    for op, n, values in ops:
+        if op == "extend":
+            a = host.alloc_extend([0], [n], t([-1]))
+            b = torch_path.alloc_extend([0], [n], t([-1]).to(torch_path.device))
+            assert (a is None) == (b is None)
+            if a is not None and b is not None:
+                assert a.tolist() == b.tolist()
+        else:
+            outcome = []
+            for alloc in (host, torch_path):
+                try:
+                    getattr(alloc, op)(t(values).to(alloc.device))
+                    outcome.append(None)
+                except (ValueError, IndexError, DoubleFreeError) as err:
+                    outcome.append(type(err))
+            assert outcome[0] == outcome[1]
+        assert snapshot(host) == snapshot(torch_path)
+        assert host.mapping.version == torch_path.mapping.version

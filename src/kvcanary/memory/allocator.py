@@ -224,6 +224,9 @@ class PagedAllocator:
         if self._free_group_depth:
             self._pending_free.append(slots.reshape(-1).to(self.device))
             return
+        if self.device == HOST and slots.device == HOST:
+            self._free_host(slots)
+            return
         slot_ids = slots.reshape(-1).to(self.device, torch.int64)
         pages: torch.Tensor = torch.unique(slot_ids // self.page_size)
         if bool((pages <= 0).any()) or bool((pages > self.num_pages).any()):
@@ -236,6 +239,24 @@ class PagedAllocator:
             raise DoubleFreeError(f"free: pages {bad.tolist()[:16]} are already free")
         self.page_allocated[pages] = False
         self.free_pages = torch.cat([self.free_pages, pages[~self.page_quarantined[pages]]])
+
+    def _free_host(self, slots: torch.Tensor) -> None:
+        """:meth:`free` on a host pool, in numpy: the same pages freed in the same order and
+        the same errors (a decode step frees the pages that left a window: ~8 torch ops on
+        tiny tensors, ~5 us each, where these cost ~1 us)."""
+        pages = np.unique(slots.reshape(-1).to(torch.int64).numpy() // self.page_size)
+        if pages.size and (pages[0] <= 0 or pages[-1] > self.num_pages):  # (sorted)
+            raise ValueError(
+                f"free: slots {slots.tolist()[:16]} fall outside pages [1, {self.num_pages}] "
+                "(page 0 is the reserved sink)"
+            )
+        allocated = self.page_allocated.numpy()
+        if not allocated[pages].all():
+            bad = pages[~allocated[pages]]
+            raise DoubleFreeError(f"free: pages {bad.tolist()[:16]} are already free")
+        allocated[pages] = False
+        kept = pages[~self.page_quarantined.numpy()[pages]]
+        self.free_pages = torch.cat([self.free_pages, torch.from_numpy(kept)])
 
     def quarantine(self, slots: torch.Tensor) -> int:
         """Take the pages holding ``slots`` out of circulation for good: free ones leave the

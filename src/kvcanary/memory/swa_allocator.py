@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvcanary.memory.allocator import PagedAllocator, _as_cpu_lens, make_allocator
-from kvcanary.memory.base import Lens, WindowedAllocator, WindowedKVPool
+from kvcanary.memory.base import HOST, Lens, WindowedAllocator, WindowedKVPool
 from kvcanary.memory.errors import raise_if_problems
 from kvcanary.memory.swa_mapping import SwaIndexMapping
 
@@ -209,12 +210,26 @@ class SWAAllocator:
         """
         if full_slots.numel() == 0:
             return
+        if self.device == HOST and full_slots.device == HOST:
+            self._free_swa_host(full_slots.reshape(-1).to(torch.int64).numpy())
+            return
         slots = self._expand_to_pages(full_slots.to(self.device))
         swa = self.mapping.translate(slots)
         live = swa > 0
         if bool(live.any()):
             self.swa_attn_allocator.free(swa[live])
             self.mapping.write(slots[live], 0)
+
+    def _free_swa_host(self, full_slots: np.ndarray) -> None:
+        """:meth:`free_swa` on a host pool, in numpy (the same slots freed and unmapped: a
+        decode step evicts the pages that left the window, ~10 torch ops on tiny tensors)."""
+        p = self.page_size
+        slots = full_slots if p == 1 else (np.unique(full_slots // p)[:, None] * p + np.arange(p)).reshape(-1)
+        swa = self.mapping.tensor.numpy()[slots]
+        live = swa > 0
+        if live.any():
+            self.swa_attn_allocator.free(torch.from_numpy(swa[live]))
+            self.mapping.write_host(slots[live], 0)
 
     def free(self, full_slots: torch.Tensor) -> None:
         """Free full slots (page granular) and their SWA slots."""

@@ -16,6 +16,7 @@ importing the allocator.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -36,6 +37,12 @@ class SwaIndexMapping:
         self.tensor[full_slots] = (
             swa_slots if isinstance(swa_slots, int) else swa_slots.to(self.tensor.device, torch.int64)
         )
+        self.version += 1
+
+    def write_host(self, full_slots: np.ndarray, swa_slots: int) -> None:
+        """:meth:`write` of one value at host indices into a host mapping (numpy's write on
+        the tensor's own memory: ~1 us where torch's advanced-index write costs ~5)."""
+        self.tensor.numpy()[full_slots] = swa_slots
         self.version += 1
 
     def clear(self) -> None:
