@@ -449,24 +449,33 @@ def test_random_ops_keep_invariants(page_size: int, ops: list[tuple[str, int]]) 
 @given(
     page_size=st.sampled_from([1, 2, 4]),
     ops=st.lists(
-        st.tuples(st.sampled_from(["extend", "free_swa", "free"]), st.integers(0, 9),
+        st.tuples(st.sampled_from(["extend", "decode", "free_swa", "free"]), st.integers(0, 9),
                   st.lists(st.integers(-1, 40), min_size=0, max_size=6)),
         min_size=1, max_size=10,
     ),
 )  # fmt: skip
-def test_free_swa_host_path_equals_the_torch_path(page_size: int, ops: list[tuple[str, int, list[int]]]) -> None:
-    """``free_swa`` / ``free`` on a host pool (numpy) and on the stand-in device "cpu:0" (the
-    torch ops) from the same state: the same SWA pages freed, the same mapping, the same
-    errors, repeat frees skipped."""
+def test_host_paths_equal_the_torch_path(page_size: int, ops: list[tuple[str, int, list[int]]]) -> None:
+    """Allocation and frees on a host pool (numpy: the mapping's reads and writes, page
+    flags, ``free_swa`` / ``free``) and on the stand-in device "cpu:0" (the torch ops) from
+    the same state: the same slots, SWA pages freed, mapping and errors, repeat frees
+    skipped."""
     host = SWAAllocator(40, 24, page_size)
     torch_path = SWAAllocator(40, 24, page_size, device="cpu:0")
+    held: list[int] = []  # the last extend's slots: a decode continues them
     for op, n, values in ops:
-        if op == "extend":
-            a = host.alloc_extend([0], [n], t([-1]))
-            b = torch_path.alloc_extend([0], [n], t([-1]).to(torch_path.device))
-            assert (a is None) == (b is None)
-            if a is not None and b is not None:
-                assert a.tolist() == b.tolist()
+        if op in ("extend", "decode"):
+            outcome = []
+            for alloc in (host, torch_path):
+                last = t([held[-1] if held else -1]).to(alloc.device)
+                try:
+                    out = (alloc.alloc_extend([0], [n], last) if op == "extend"
+                           else alloc.alloc_decode([len(held) + 1], last))  # fmt: skip
+                    outcome.append(None if out is None else out.tolist())
+                except ValueError as err:
+                    outcome.append(str(err))
+            assert outcome[0] == outcome[1]
+            if isinstance(outcome[0], list):
+                held = outcome[0] if op == "extend" else held + outcome[0]
         else:
             outcome = []
             for alloc in (host, torch_path):

@@ -70,7 +70,10 @@ class PagedAllocator:
     def _take_pages(self, num_pages: int) -> torch.Tensor:
         pages = self.free_pages[:num_pages]
         self.free_pages = self.free_pages[num_pages:]
-        self.page_allocated[pages] = True
+        if self.device == HOST:  # numpy's write on the flags' memory: ~1 us, torch's ~5
+            self.page_allocated.numpy()[pages.numpy()] = True
+        else:
+            self.page_allocated[pages] = True
         return pages
 
     # ------------------------------------------------------------------ alloc

@@ -19,6 +19,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# memory.base.HOST (not imported: base names this module): the host, not "cpu:0".
+HOST = torch.device("cpu")
+
 
 class SwaIndexMapping:
     """The full→SWA mapping tensor plus its mutation counter."""
@@ -31,18 +34,28 @@ class SwaIndexMapping:
             ]
         )
         self.version = 0
+        # On the host (not "cpu:0", the stand-in device that keeps the torch paths): its numpy
+        # view; a decode step's few reads and writes go through it (~1 us where torch's
+        # advanced indexing costs ~5 an op).
+        self._host = self.tensor.numpy() if self.tensor.device == HOST else None
 
     def write(self, full_slots: torch.Tensor, swa_slots: torch.Tensor | int) -> None:
+        if self._host is not None and full_slots.device == HOST and (
+            isinstance(swa_slots, int) or swa_slots.device == HOST
+        ):
+            self.write_host(full_slots.numpy(),
+                            swa_slots if isinstance(swa_slots, int) else swa_slots.to(torch.int64).numpy())  # fmt: skip
+            return
         # An advanced-index write: the values must be on the mapping's device (indices may not).
         self.tensor[full_slots] = (
             swa_slots if isinstance(swa_slots, int) else swa_slots.to(self.tensor.device, torch.int64)
         )
         self.version += 1
 
-    def write_host(self, full_slots: np.ndarray, swa_slots: int) -> None:
-        """:meth:`write` of one value at host indices into a host mapping (numpy's write on
-        the tensor's own memory: ~1 us where torch's advanced-index write costs ~5)."""
-        self.tensor.numpy()[full_slots] = swa_slots
+    def write_host(self, full_slots: np.ndarray, swa_slots: np.ndarray | int) -> None:
+        """:meth:`write` at host indices into a host mapping (numpy's write on the tensor's
+        own memory)."""
+        (self._host if self._host is not None else self.tensor.numpy())[full_slots] = swa_slots
         self.version += 1
 
     def clear(self) -> None:
@@ -50,4 +63,6 @@ class SwaIndexMapping:
         self.version += 1
 
     def translate(self, full_slots: torch.Tensor) -> torch.Tensor:
+        if self._host is not None and full_slots.device == HOST:
+            return torch.from_numpy(self._host[full_slots.to(torch.int64).numpy()])
         return self.tensor[full_slots.to(torch.int64)]

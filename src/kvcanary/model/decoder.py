@@ -66,7 +66,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qk, weight, norm_eps = self._qk_norm(qk)
         qk = apply_rope(qk, cos, sin, weight, norm_eps)
-        q, k = qk.split((spec.num_heads, spec.num_kv_heads), dim=1)
+        q, k = qk.split_with_sizes((spec.num_heads, spec.num_kv_heads), dim=1)  # (not Tensor.split's Python)
         out = forward_batch.attn_backend.forward(q, k, v, spec, forward_batch)
         return self._o(out.reshape(num_tokens, -1), self.o_proj.weight, self.o_proj.bias)
 
