@@ -42,11 +42,22 @@ def parallel_threads() -> int:
     return min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
 
 
+# The count this thread last gave numba.set_num_threads (numba keeps it per thread): set
+# again only when it changes (the call costs ~1 us warm, ~5 us right after a forward, and a
+# decode step makes a dozen of these calls). Another caller of numba.set_num_threads on the
+# same thread can only change how many threads a kernel gets, never its results (the kernels
+# here split independent rows; the canary's verify split takes its thread count as an argument).
+_threads_set = threading.local()
+
+
 def run_parallel(kernel: Any, *args: Any) -> Any:
     """``kernel(*args)`` (a ``parallel=True`` dispatcher) on :func:`parallel_threads`
     threads, under the lock."""
     with parallel_lock:
-        numba.set_num_threads(parallel_threads())
+        threads = parallel_threads()
+        if getattr(_threads_set, "count", 0) != threads:
+            numba.set_num_threads(threads)
+            _threads_set.count = threads
         return kernel(*args)
 
 
