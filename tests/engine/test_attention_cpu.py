@@ -57,6 +57,9 @@ def test_kernel_matches_gathered_attention(
         monkeypatch.setattr(attention_cpu, "PARALLEL_MIN_WORK", parallel_min)
         got = attention_cpu.decode_attention(q, k_buf, v_buf, slots, num_keys, scale)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # The view read in place: the very bits of a contiguous copy's.
+        dense = attention_cpu.decode_attention(q.contiguous(), k_buf, v_buf, slots, num_keys, scale)
+        assert torch.equal(got, dense)
 
 
 def test_applies_only_to_cpu_float32() -> None:

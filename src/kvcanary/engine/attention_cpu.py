@@ -56,14 +56,17 @@ def _decode_attention(q, k_buf, v_buf, slots, num_keys, scale, out):  # type: ig
         n = max(num_keys[b], 1)
         scores = np.empty(n, dtype=np.float32)
         acc_out = np.zeros(dim, dtype=np.float32)
+        q_row = np.empty(dim, dtype=np.float32)  # (q may be a strided view: read once)
         for g in range(group):
             qh = h * group + g
+            for e in range(dim):
+                q_row[e] = q[b, qh, e]
             peak = np.float32(-np.inf)
             for j in range(n):
                 s = slots[b, j]
                 acc = np.float32(0.0)
                 for e in range(dim):
-                    acc += q[b, qh, e] * k_buf[s, h, e]
+                    acc += q_row[e] * k_buf[s, h, e]
                 acc *= scale
                 scores[j] = acc
                 peak = max(peak, acc)
@@ -135,7 +138,9 @@ def decode_attention(
     slots_np, keys_np = tables if tables is not None else (
         slots.to(torch.int64).contiguous().numpy(), num_keys.to(torch.int64).contiguous().numpy()
     )  # fmt: skip
-    args = (q.contiguous().numpy(), k_np, v_np, slots_np, keys_np, np.float32(scale), out.numpy())
+    # q as it is (a decode step's is a view of the q/k projection): the kernel copies each
+    # query row once, where a contiguous() copy of all of q cost a torch op per layer.
+    args = (q.numpy(), k_np, v_np, slots_np, keys_np, np.float32(scale), out.numpy())
     split = bs * k_np.shape[1] * slots_np.shape[1] * dim >= PARALLEL_MIN_WORK
     bad_row = numba_parallel.run(_serial, _parallel, split, *args)
     if bad_row >= 0:  # as index_select would refuse it (nothing was read)

@@ -47,11 +47,14 @@ class BaseSWAKVPool(BaseKVPool):
 
     @property
     def full_to_swa_index_mapping(self) -> torch.Tensor:
+        return self._registered().tensor
+
+    def _registered(self) -> SwaIndexMapping:
         if self._mapping is None:
             raise RuntimeError(
                 f"{type(self).__name__}: no mapping registered (build the SWAAllocator first)"
             )
-        return self._mapping.tensor
+        return self._mapping
 
     @property
     def mapping_version(self) -> int:
@@ -75,7 +78,7 @@ class BaseSWAKVPool(BaseKVPool):
             return self._cache_val
         self.translation_stats["misses"] += 1
         self.translation_stats["gathers"] += 1
-        out = self.full_to_swa_index_mapping[loc.to(torch.int64)]
+        out = self._registered().translate(loc)  # (on the host: numpy's gather)
         self._cache_key, self._cache_loc, self._cache_val = key, loc, out
         return out
 
