@@ -106,6 +106,28 @@ def test_rope_pass_norms_first_bit_for_bit(dim: int) -> None:
         assert torch.equal(got, want)
 
 
+def test_rope_pass_rereads_tables_that_changed() -> None:
+    """The pass keeps the last (cos, sin) views for the next layer of a forward: the same
+    tensors again give the same rotation, the same tensors written in place or new ones (in
+    inference mode too, a forward's) the new one, each time the torch ops' bits."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 3, 16, generator=gen)
+    cos, sin = torch.randn(6, 1, 16, generator=gen), torch.randn(6, 1, 16, generator=gen)
+
+    def want(c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return x * c + torch.cat((x[..., 8:], x[..., :8]), dim=-1) * s
+
+    assert torch.equal(rope_cpu.rope(x, cos, sin), want(cos, sin))
+    assert torch.equal(rope_cpu.rope(x, cos, sin), want(cos, sin))
+    cos.mul_(-0.5)  # the same tensor, new contents
+    assert torch.equal(rope_cpu.rope(x, cos, sin), want(cos, sin))
+    with torch.inference_mode():
+        for scale in (2.0, 3.0):  # a forward's new tables each time
+            c, s = cos * scale, sin * scale
+            assert torch.equal(rope_cpu.rope(x, c, s), want(c, s))
+            assert torch.equal(rope_cpu.rope(x, c, s), want(c, s))
+
+
 @pytest.mark.parametrize("shape", [(300, 128), (2048, 96), (64, 1031), (5, 40000), (64, 128),
                                    (16, 128), (20, 6)])  # fmt: skip
 def test_large_inputs_run_the_parallel_passes_bit_for_bit(

@@ -336,7 +336,10 @@ class KVManager:
                     raise RuntimeError("kv manager: a prefix lock without a prefix cache")
                 req.prefix = PrefixLock(held.node, self.prefix_cache.dec_swa_lock_only(held.node, held.lock))
             start = max(req.swa_evicted_seqlen, req.cache_protected_len)
-            frontier = floor_page(max(start, req.kv_len - window - p), p)
+            edge = req.kv_len - window - p
+            if edge <= start:  # frontier = floor_page(start) <= start: nothing left the window
+                continue
+            frontier = floor_page(edge, p)
             if frontier > start:
                 spans.append((req.req_pool_idx, start, frontier))
                 req.swa_evicted_seqlen = frontier

@@ -95,10 +95,27 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     out = torch.empty((tokens, heads, dim), dtype=torch.float32, device=x.device)
     w = _NO_WEIGHT if weight is None else weight.numpy()
     lanes = 0 if norm_eps is None else norm_cpu.lanes()
-    args = (x.numpy(), w, weight is not None, np.float32(norm_eps or 0.0), lanes,
-            cos.reshape(tokens, dim).numpy(), sin.reshape(tokens, dim).numpy(), out.numpy())  # fmt: skip
+    cos_np, sin_np = _tables(cos, sin, tokens, dim)
+    args = (x.numpy(), w, weight is not None, np.float32(norm_eps or 0.0), lanes, cos_np, sin_np,
+            out.numpy())  # fmt: skip
     numba_parallel.run(_rope, _rope_parallel, tokens >= _PARALLEL_MIN_TOKENS, *args)
     return out
 
 
 _NO_WEIGHT = np.ones((1, 1), dtype=np.float32)
+# The last (cos, sin) tensors seen and their [tokens, dim] numpy views: every layer of a
+# forward rotates with the same two tensors (one rope, made per forward), so the views are
+# made once a forward instead of per layer (four small ops each time). A view shares its
+# tensor's memory ([tokens, 1, dim] -> [tokens, dim] never copies), so a write into the
+# tensors shows through it; holding the tensors keeps their identities from being reused.
+_last_tables: tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray] | None = None
+
+
+def _tables(cos: torch.Tensor, sin: torch.Tensor, tokens: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    global _last_tables
+    last = _last_tables
+    if last is not None and last[0] is cos and last[1] is sin:
+        return last[2], last[3]
+    cos_np, sin_np = cos.reshape(tokens, dim).numpy(), sin.reshape(tokens, dim).numpy()
+    _last_tables = (cos, sin, cos_np, sin_np)
+    return cos_np, sin_np
