@@ -112,3 +112,29 @@ def test_graph_replay_path_with_the_canary(monkeypatch: pytest.MonkeyPatch) -> N
                           health_check_interval=0)  # fmt: skip
     engine = _run(BASE | dict(model="builtin:tiny-swa", graph_batch_sizes=(1, 2, 4), canary=canary), PROMPTS)
     assert engine.runner.canary is not None and engine.stats.graph_replays > 0
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_host_bookkeeping_equals_the_device_paths(prefix_cache: bool) -> None:
+    """The engine on the host ("cpu": a decode step's allocation, window eviction, frees and
+    SWA mapping in numpy) and on the stand-in device ("cpu:0": the torch ops), one workload
+    whose windows slide (prompts and outputs past the 32-token window), with and without the
+    prefix cache: the same tokens, SWA slots evicted / tombstoned, free lists and mapping."""
+    config = dict(model="builtin:tiny-swa", page_size=4, max_total_tokens=480, max_context_len=1024,
+                  swa_full_tokens_ratio=0.5, chunked_prefill_size=64,
+                  enable_prefix_cache=prefix_cache)  # fmt: skip
+    prompts = make_prompts(6, 40, 100, shared=24, seed=11)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    runs = []
+    for device in ("cpu", "cpu:0"):
+        engine = Engine(EngineConfig(device=device, **config))
+        outputs = [o.output_ids for o in engine.generate(prompts, params)]
+        swa = engine.kv.swa()
+        runs.append((
+            outputs, engine.stats.num_swa_slots_evicted, engine.stats.num_swa_slots_tombstoned,
+            swa.full_attn_allocator.free_pages.tolist(), swa.swa_attn_allocator.free_pages.tolist(),
+            swa.full_to_swa_index_mapping.tolist(),
+        ))  # fmt: skip
+        engine.check_integrity()
+    assert runs[0][2 if prefix_cache else 1] > 0  # windows slid: SWA slots left them
+    assert runs[0] == runs[1]
