@@ -346,15 +346,15 @@ class KVManager:
         if not spans:
             return
         swa = self.swa()
-        mapping = swa.full_to_swa_index_mapping
-        if self._table_np is not None and mapping.device == HOST:  # numpy: ~1 us an op, not ~5
+        mapping = swa.mapping
+        if self._table_np is not None and mapping.tensor.device == HOST:  # numpy: ~1 us an op, not ~5
             table = self._table_np
             flat = np.concatenate([table[row, a:b] for row, a, b in spans]).astype(np.int64)
-            self.stats.num_swa_slots_evicted += int((mapping.numpy()[flat] > 0).sum())
+            self.stats.num_swa_slots_evicted += int((mapping.translate_host(flat) > 0).sum())
             swa.free_swa(torch.from_numpy(flat))
             return
         slots = torch.cat([self.req_to_token[row, a:b] for row, a, b in spans]).to(torch.int64)
-        self.stats.num_swa_slots_evicted += int((mapping[slots] > 0).sum())
+        self.stats.num_swa_slots_evicted += int((mapping.translate(slots) > 0).sum())
         swa.free_swa(slots)
 
     # ------------------------------------------------------------------ release

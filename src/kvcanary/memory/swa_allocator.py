@@ -225,7 +225,7 @@ class SWAAllocator:
         decode step evicts the pages that left the window, ~10 torch ops on tiny tensors)."""
         p = self.page_size
         slots = full_slots if p == 1 else (np.unique(full_slots // p)[:, None] * p + np.arange(p)).reshape(-1)
-        swa = self.mapping.tensor.numpy()[slots]
+        swa = self.mapping.translate_host(slots)
         live = swa > 0
         if live.any():
             self.swa_attn_allocator.free(torch.from_numpy(swa[live]))

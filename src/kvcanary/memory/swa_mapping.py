@@ -55,8 +55,16 @@ class SwaIndexMapping:
     def write_host(self, full_slots: np.ndarray, swa_slots: np.ndarray | int) -> None:
         """:meth:`write` at host indices into a host mapping (numpy's write on the tensor's
         own memory)."""
-        (self._host if self._host is not None else self.tensor.numpy())[full_slots] = swa_slots
+        self._host_array()[full_slots] = swa_slots
         self.version += 1
+
+    def translate_host(self, full_slots: np.ndarray) -> np.ndarray:
+        """:meth:`translate` of host indices on a host mapping, as a numpy array."""
+        swa: np.ndarray = self._host_array()[full_slots]
+        return swa
+
+    def _host_array(self) -> np.ndarray:
+        return self._host if self._host is not None else self.tensor.numpy()
 
     def clear(self) -> None:
         self.tensor[:-1] = 0
@@ -64,5 +72,5 @@ class SwaIndexMapping:
 
     def translate(self, full_slots: torch.Tensor) -> torch.Tensor:
         if self._host is not None and full_slots.device == HOST:
-            return torch.from_numpy(self._host[full_slots.to(torch.int64).numpy()])
+            return torch.from_numpy(self.translate_host(full_slots.to(torch.int64).numpy()))
         return self.tensor[full_slots.to(torch.int64)]
