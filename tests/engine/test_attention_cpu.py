@@ -72,13 +72,18 @@ def test_applies_only_to_cpu_float32() -> None:
 
 def _decode(monkeypatch: pytest.MonkeyPatch, use_kernel: bool, **overrides):  # type: ignore[no-untyped-def]
     calls = {"n": 0}
-    real = attention_cpu.decode_attention
 
-    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        return real(*args, **kwargs)
+    def counting(real):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            out = real(*args, **kwargs)
+            calls["n"] += out is not None
+            return out
 
-    monkeypatch.setattr(attention_cpu, "decode_attention", counting)
+        return call
+
+    # The kernel runs fused with rope and the store (decode_layer) or alone.
+    for name in ("decode_attention", "decode_layer"):
+        monkeypatch.setattr(attention_cpu, name, counting(getattr(attention_cpu, name)))
     if not use_kernel:
         monkeypatch.setattr(attention_cpu, "applies", lambda *a: False)
     engine = tiny_engine(**overrides)
@@ -305,3 +310,120 @@ def test_additive_gqa_mask_gives_the_bool_masks_results(monkeypatch: pytest.Monk
         assert new.output_ids == old.output_ids
         lp = [torch.tensor([t.logprob for t in o.logprobs or []]) for o in (new, old)]
         assert lp[0].numel() == 6 and torch.equal(lp[0], lp[1])
+
+
+@pytest.mark.parametrize("norm", ["none", "weight", "norm+weight"])
+@pytest.mark.parametrize("heads,kv_heads,dim,bs,max_keys", [
+    (4, 2, 32, 1, 9), (4, 2, 32, 16, 120), (16, 8, 128, 5, 40), (8, 8, 16, 33, 70),
+])  # fmt: skip
+def test_decode_layer_is_rope_store_and_attention(
+    monkeypatch: pytest.MonkeyPatch, norm, heads, kv_heads, dim, bs, max_keys
+) -> None:
+    """decode_layer == rope_cpu.rope, index_copy_ of k / v into the buffers, decode_attention:
+    the same output bits and the same buffers after (one thread and split), from strided
+    views of a projection as the model hands them."""
+    from kvcanary.model import norm_cpu, rope_cpu
+    from kvcanary.model.rope import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(bs * 7 + heads + dim + len(norm))
+    num_slots = 3 * bs * max_keys + 2
+    k0 = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    v0 = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    perm = torch.randperm(num_slots - 1, generator=gen) + 1
+    loc = perm[:bs]  # this step's new slots, each the last key of its request
+    slots = perm[bs : bs + bs * max_keys].view(bs, max_keys).clone()
+    num_keys = torch.randint(1, max_keys + 1, (bs,), generator=gen)
+    slots[torch.arange(bs), num_keys - 1] = loc
+    qkv = torch.randn(bs, (heads + 2 * kv_heads) * dim, generator=gen)
+    qk = qkv[:, : (heads + kv_heads) * dim].view(bs, heads + kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(bs, kv_heads, dim)
+    cos, sin = RotaryEmbedding(dim, 10000.0, None, 4096, None, torch.float32).cos_sin(
+        torch.randint(0, 4000, (bs,), generator=gen))  # fmt: skip
+    weight = None if norm == "none" else torch.rand(heads + kv_heads, dim, generator=gen) + 0.5
+    eps = 1e-6 if norm == "norm+weight" and norm_cpu.lanes() else None
+    scale = 1 / math.sqrt(dim)
+    rot = rope_cpu.rope(qk, cos, sin, weight, eps)
+    k_want, v_want = k0.clone(), v0.clone()
+    k_want.index_copy_(0, loc, rot[:, heads:])
+    v_want.index_copy_(0, loc, v)
+    want = attention_cpu.decode_attention(rot[:, :heads], k_want, v_want, slots, num_keys, scale)
+    for parallel_min in (1 << 62, 1):
+        monkeypatch.setattr(attention_cpu, "PARALLEL_MIN_WORK", parallel_min)
+        k_buf, v_buf = k0.clone(), v0.clone()
+        got = attention_cpu.decode_layer(
+            qk, v, heads, cos, sin, weight, eps, k_buf.numpy(), v_buf.numpy(), loc.numpy(),
+            slots.numpy(), num_keys.numpy(), scale,
+        )  # fmt: skip
+        assert got is not None
+        assert torch.equal(got, want)
+        assert torch.equal(k_buf, k_want) and torch.equal(v_buf, v_want)
+
+
+@pytest.mark.parametrize("case", ["loc", "slot", "keys"])
+def test_decode_layer_refuses_what_it_cannot_read(case: str) -> None:
+    """A write slot or a key outside the buffers, or more keys than the table holds: None,
+    nothing written (the caller's unfused calls raise their own errors)."""
+    bs, heads, kv_heads, dim = 3, 4, 2, 8
+    k_buf, v_buf = torch.randn(20, kv_heads, dim), torch.randn(20, kv_heads, dim)
+    k0, v0 = k_buf.clone(), v_buf.clone()
+    qk, v = torch.randn(bs, heads + kv_heads, dim), torch.randn(bs, kv_heads, dim)
+    loc = torch.tensor([3, 4, 5])
+    slots = torch.tensor([[1, 3], [2, 4], [6, 5]])
+    num_keys = torch.tensor([2, 2, 2])
+    if case == "loc":
+        loc[1] = 20
+    elif case == "slot":
+        slots[2, 0] = -1
+    else:
+        num_keys[0] = 3
+    cos, sin = torch.ones(bs, 1, dim), torch.zeros(bs, 1, dim)
+    got = attention_cpu.decode_layer(qk, v, heads, cos, sin, None, None, k_buf.numpy(),
+                                     v_buf.numpy(), loc.numpy(), slots.numpy(), num_keys.numpy(),
+                                     0.5)  # fmt: skip
+    assert got is None
+    assert torch.equal(k_buf, k0) and torch.equal(v_buf, v0)
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny-swa", "builtin:tiny-mha", "builtin:tiny-swa-all"])
+def test_engine_fused_decode_layer_equals_unfused(monkeypatch: pytest.MonkeyPatch, model: str) -> None:
+    """The engine's decode with rope, the K/V store and attention fused
+    (PagedAttentionBackend.rope_forward) gives the unfused calls' tokens and logprobs bit for
+    bit, and the same KV cache; it runs on every decode layer, and not where set_kv_buffer
+    is wrapped (the store must be seen)."""
+    from kvcanary.engine.attention import PagedAttentionBackend
+
+    fused = {"n": 0, "refused": 0}
+    real = PagedAttentionBackend.rope_forward
+
+    def counting(self, *args):  # type: ignore[no-untyped-def]
+        out = real(self, *args)
+        fused["n" if out is not None else "refused"] += 1
+        return out
+
+    def run(fuse: bool):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(PagedAttentionBackend, "rope_forward", counting if fuse else lambda *a: None)
+        engine = tiny_engine(model=model)
+        prompts = make_prompts(11, 3, 70, seed=5)
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=0))
+        return outs, engine
+
+    ref, ref_engine = run(False)
+    got, engine = run(True)
+    layers = len(engine.runner.model.layers)
+    assert fused["n"] == layers * engine.stats.num_decode_forwards > 0
+    assert [o.output_ids for o in got] == [o.output_ids for o in ref]
+    for g, r in zip(got, ref, strict=True):
+        assert [t.logprob for t in g.logprobs or []] == [t.logprob for t in r.logprobs or []]
+    def subs(engine):  # type: ignore[no-untyped-def]
+        pool = engine.runner.token_to_kv_pool
+        return [pool.full_kv_pool, pool.swa_kv_pool] if hasattr(pool, "swa_kv_pool") else [pool]
+
+    for sub, ref_sub in zip(subs(engine), subs(ref_engine), strict=True):
+        for a, b in zip(sub.all_buffers(), ref_sub.all_buffers(), strict=True):
+            assert torch.equal(a, b)
+    # A wrapped store (the canary's store check, a lost-store fault): the unfused calls.
+    for sub in subs(engine):
+        sub.set_kv_buffer = sub.set_kv_buffer  # an instance attribute: as a wrapper is
+    before = dict(fused)
+    engine.generate(make_prompts(2, 3, 20, seed=6), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert fused["n"] == before["n"] and fused["refused"] > before["refused"]

@@ -26,6 +26,7 @@ from kvcanary.memory.base import HOST
 from kvcanary.memory.mha_pool import MHAKVPool
 from kvcanary.memory.req_to_token import ReqToTokenPool
 from kvcanary.memory.swa_pool import SWAKVPool
+from kvcanary.model import rope_cpu
 from kvcanary.model.base import AttentionLayerSpec
 
 
@@ -311,6 +312,45 @@ class PagedAttentionBackend:
         out = out.reshape(bs, max_q, kvh * group, dim)
         out = out.reshape(-1, kvh * group, dim) if self._dense_q else out[self._q_valid]
         return out.to(q.dtype)
+
+    def rope_forward(
+        self,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        weight: torch.Tensor | None,
+        norm_eps: float | None,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor | None:
+        """A CPU decode layer's rope, K/V store and attention in one compiled call
+        (:func:`.attention_cpu.decode_layer`: the bits of ``apply_rope(qk, cos, sin, weight,
+        norm_eps)`` then :meth:`forward`), when this forward's key tables are on the host and
+        the layer's sub-pool stores through :class:`MHAKVPool`'s own ``set_kv_buffer``
+        (nothing patched on it: the canary's store check and the lost-store fault wrap it,
+        and must see every store); None otherwise, nothing done (the model rotates and
+        calls :meth:`forward`)."""
+        view = self._sliding if layer.is_sliding else self._full
+        if view is None or view.host is None:  # (host tables: a CPU decode forward's)
+            return None
+        sub: MHAKVPool | SWAKVPool
+        if self.swa_pool is not None:
+            sub, local = self.swa_pool._sub(layer.layer_id)
+        else:
+            sub, local = self.pool, layer.layer_id
+        if "set_kv_buffer" in vars(sub) or type(sub).set_kv_buffer is not MHAKVPool.set_kv_buffer:
+            return None
+        k_buf, v_buf = sub.get_key_buffer(local), sub.get_value_buffer(local)
+        if not (attention_cpu.applies(qk, k_buf, v_buf) and rope_cpu.applies(qk, cos)):
+            return None
+        kv_np = self._kv_np.get(layer.layer_id)
+        if kv_np is None or kv_np[0] is not k_buf or kv_np[1] is not v_buf:
+            kv_np = self._kv_np[layer.layer_id] = (k_buf, v_buf, k_buf.numpy(), v_buf.numpy())
+        return attention_cpu.decode_layer(
+            qk, v, layer.num_heads, cos, sin, weight, norm_eps, kv_np[2], kv_np[3], view.host[2],
+            view.host[0], view.host[3], layer.scaling,
+        )  # fmt: skip
 
     def _write(
         self, layer: AttentionLayerSpec, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -43,3 +43,10 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store k/v for this forward's tokens, attend over the cached sequence, return output."""
         ...
+
+    # Optional (looked up with getattr; a backend without it gets forward only):
+    #     rope_forward(qk, v, cos, sin, weight, norm_eps, layer, forward_batch) -> Tensor | None
+    # qk [num_tokens, num_heads + num_kv_heads, head_dim] before RoPE (q heads, then k heads),
+    # cos / sin / weight / norm_eps as ``kvcanary.model.rope.apply_rope`` takes them: the
+    # result of apply_rope then forward, bit for bit, or None with nothing done (the model
+    # then calls apply_rope and forward).

@@ -65,9 +65,16 @@ class Attention(nn.Module):
         weight, norm_eps = None, None
         if self.q_norm is not None and self.k_norm is not None:
             qk, weight, norm_eps = self._qk_norm(qk)
-        qk = apply_rope(qk, cos, sin, weight, norm_eps)
-        q, k = qk.split_with_sizes((spec.num_heads, spec.num_kv_heads), dim=1)  # (not Tensor.split's Python)
-        out = forward_batch.attn_backend.forward(q, k, v, spec, forward_batch)
+        backend = forward_batch.attn_backend
+        # A backend may rotate, store and attend in one call (optional; base.AttentionBackend).
+        rope_forward = getattr(backend, "rope_forward", None)
+        out = None
+        if rope_forward is not None:
+            out = rope_forward(qk, v, cos, sin, weight, norm_eps, spec, forward_batch)
+        if out is None:
+            qk = apply_rope(qk, cos, sin, weight, norm_eps)
+            q, k = qk.split_with_sizes((spec.num_heads, spec.num_kv_heads), dim=1)  # (not Tensor.split's Python)
+            out = backend.forward(q, k, v, spec, forward_batch)
         return self._o(out.reshape(num_tokens, -1), self.o_proj.weight, self.o_proj.bias)
 
     def _qk_norm(self, qk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:

@@ -31,22 +31,38 @@ from kvcanary.model.norm_cpu import SQ_SUM_SCRATCH, inv_rms_nb
 
 
 @numba.njit(cache=True, inline="always")
-def _rope_token(x, t, weight, has_weight, norm_eps, lanes, cos, sin, out, a, acc):
-    heads, dim = x.shape[1], x.shape[2]
+def _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, dst, a, acc):
+    """Head ``h`` of token ``t`` of ``x``, normed, weighted and rotated, into the row ``dst``
+    (``a``, ``acc``: scratch)."""
+    dim = x.shape[2]
     half = dim // 2
-    for h in range(heads):
+    for d in range(dim):
+        a[d] = x[t, h, d]
+    if lanes:  # rms_norm first (norm_cpu: the same bits as F.rms_norm)
+        r = inv_rms_nb(a, norm_eps, lanes, acc)
         for d in range(dim):
-            a[d] = x[t, h, d]
-        if lanes:  # rms_norm first (norm_cpu: the same bits as F.rms_norm)
-            r = inv_rms_nb(a, norm_eps, lanes, acc)
-            for d in range(dim):
-                a[d] = a[d] * r
-        if has_weight:
-            for d in range(dim):
-                a[d] = a[d] * weight[h, d]
-        for d in range(half):
-            out[t, h, d] = a[d] * cos[t, d] + a[d + half] * sin[t, d]
-            out[t, h, d + half] = a[d + half] * cos[t, d + half] + a[d] * sin[t, d + half]
+            a[d] = a[d] * r
+    if has_weight:
+        for d in range(dim):
+            a[d] = a[d] * weight[h, d]
+    for d in range(half):
+        dst[d] = a[d] * cos[t, d] + a[d + half] * sin[t, d]
+        dst[d + half] = a[d + half] * cos[t, d + half] + a[d] * sin[t, d + half]
+
+
+@numba.njit(cache=True, inline="always")
+def _rope_token(x, t, weight, has_weight, norm_eps, lanes, cos, sin, out, a, acc):
+    for h in range(x.shape[1]):
+        _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, out[t, h], a, acc)
+
+
+@numba.njit(cache=True, boundscheck=False, nogil=True, fastmath=False)
+def rope_head_nb(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, dst, a, acc):
+    """:func:`_rope_head` as a function of its own, for compiled callers built with
+    ``fastmath`` (the decode layer pass, :mod:`kvcanary.engine.attention_cpu`): its float
+    operations keep their IEEE rounding (``fastmath=False`` set here, so not inherited from
+    the caller; fast-math flags are per instruction), the same bits as :func:`rope`."""
+    _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, dst, a, acc)
 
 
 @numba.njit(cache=True, boundscheck=False, nogil=True)
@@ -95,7 +111,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     out = torch.empty((tokens, heads, dim), dtype=torch.float32, device=x.device)
     w = _NO_WEIGHT if weight is None else weight.numpy()
     lanes = 0 if norm_eps is None else norm_cpu.lanes()
-    cos_np, sin_np = _tables(cos, sin, tokens, dim)
+    cos_np, sin_np = tables(cos, sin, tokens, dim)
     args = (x.numpy(), w, weight is not None, np.float32(norm_eps or 0.0), lanes, cos_np, sin_np,
             out.numpy())  # fmt: skip
     numba_parallel.run(_rope, _rope_parallel, tokens >= _PARALLEL_MIN_TOKENS, *args)
@@ -111,7 +127,9 @@ _NO_WEIGHT = np.ones((1, 1), dtype=np.float32)
 _last_tables: tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray] | None = None
 
 
-def _tables(cos: torch.Tensor, sin: torch.Tensor, tokens: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+def tables(cos: torch.Tensor, sin: torch.Tensor, tokens: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """``cos`` / ``sin`` (``[tokens, 1, dim]``) as ``[tokens, dim]`` numpy views, made once for
+    the two tensors the layers of a forward share (above)."""
     global _last_tables
     last = _last_tables
     if last is not None and last[0] is cos and last[1] is sin:
