@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from device_mix import DeviceMixChecker
@@ -76,7 +77,7 @@ def _decode(monkeypatch: pytest.MonkeyPatch, use_kernel: bool, **overrides):  # 
     def counting(real):  # type: ignore[no-untyped-def]
         def call(*args, **kwargs):  # type: ignore[no-untyped-def]
             out = real(*args, **kwargs)
-            calls["n"] += out is not None
+            calls["n"] += out is not None and out is not False
             return out
 
         return call
@@ -84,8 +85,9 @@ def _decode(monkeypatch: pytest.MonkeyPatch, use_kernel: bool, **overrides):  # 
     # The kernel runs fused with rope and the store (decode_layer) or alone.
     for name in ("decode_attention", "decode_layer"):
         monkeypatch.setattr(attention_cpu, name, counting(getattr(attention_cpu, name)))
-    if not use_kernel:
+    if not use_kernel:  # the torch path: neither kernel
         monkeypatch.setattr(attention_cpu, "applies", lambda *a: False)
+        monkeypatch.setattr(attention_cpu, "decode_layer", lambda *a: False)
     engine = tiny_engine(**overrides)
     prompts = make_prompts(11, 3, 70, seed=5)  # past the 32-token window on sliding layers
     params = SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=0)
@@ -347,14 +349,16 @@ def test_decode_layer_is_rope_store_and_attention(
     k_want.index_copy_(0, loc, rot[:, heads:])
     v_want.index_copy_(0, loc, v)
     want = attention_cpu.decode_attention(rot[:, :heads], k_want, v_want, slots, num_keys, scale)
+    cos_np, sin_np = rope_cpu.tables(cos, sin, bs, dim)
     for parallel_min in (1 << 62, 1):
         monkeypatch.setattr(attention_cpu, "PARALLEL_MIN_WORK", parallel_min)
         k_buf, v_buf = k0.clone(), v0.clone()
-        got = attention_cpu.decode_layer(
-            qk, v, heads, cos, sin, weight, eps, k_buf.numpy(), v_buf.numpy(), loc.numpy(),
-            slots.numpy(), num_keys.numpy(), scale,
+        got = torch.full((bs, heads, dim), float("nan"))
+        assert attention_cpu.decode_layer(
+            qkv.numpy().reshape(bs, -1, dim), heads, cos_np, sin_np,
+            None if weight is None else weight.numpy(), eps, k_buf.numpy(), v_buf.numpy(),
+            loc.numpy(), slots.numpy(), num_keys.numpy(), scale, got.numpy(),
         )  # fmt: skip
-        assert got is not None
         assert torch.equal(got, want)
         assert torch.equal(k_buf, k_want) and torch.equal(v_buf, v_want)
 
@@ -366,7 +370,7 @@ def test_decode_layer_refuses_what_it_cannot_read(case: str) -> None:
     bs, heads, kv_heads, dim = 3, 4, 2, 8
     k_buf, v_buf = torch.randn(20, kv_heads, dim), torch.randn(20, kv_heads, dim)
     k0, v0 = k_buf.clone(), v_buf.clone()
-    qk, v = torch.randn(bs, heads + kv_heads, dim), torch.randn(bs, kv_heads, dim)
+    qkv = torch.randn(bs, heads + 2 * kv_heads, dim)
     loc = torch.tensor([3, 4, 5])
     slots = torch.tensor([[1, 3], [2, 4], [6, 5]])
     num_keys = torch.tensor([2, 2, 2])
@@ -376,12 +380,12 @@ def test_decode_layer_refuses_what_it_cannot_read(case: str) -> None:
         slots[2, 0] = -1
     else:
         num_keys[0] = 3
-    cos, sin = torch.ones(bs, 1, dim), torch.zeros(bs, 1, dim)
-    got = attention_cpu.decode_layer(qk, v, heads, cos, sin, None, None, k_buf.numpy(),
-                                     v_buf.numpy(), loc.numpy(), slots.numpy(), num_keys.numpy(),
-                                     0.5)  # fmt: skip
-    assert got is None
-    assert torch.equal(k_buf, k0) and torch.equal(v_buf, v0)
+    cos, sin = np.ones((bs, dim), np.float32), np.zeros((bs, dim), np.float32)
+    out = torch.zeros(bs, heads, dim)
+    assert not attention_cpu.decode_layer(qkv.numpy(), heads, cos, sin, None, None, k_buf.numpy(),
+                                          v_buf.numpy(), loc.numpy(), slots.numpy(),
+                                          num_keys.numpy(), 0.5, out.numpy())  # fmt: skip
+    assert torch.equal(k_buf, k0) and torch.equal(v_buf, v0) and not out.any()
 
 
 @pytest.mark.parametrize("model", ["builtin:tiny-swa", "builtin:tiny-mha", "builtin:tiny-swa-all"])

@@ -15,7 +15,7 @@ before ``key_start`` may already be evicted from the SWA pool; they are never re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -182,6 +182,7 @@ class PagedAttentionBackend:
         self._decode_query: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> index, valid
         # layer -> (its K, V buffers, their numpy views): the CPU decode kernel's arguments.
         self._kv_np: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]] = {}
+        self._fused_layers: dict[int, tuple[Any, ...]] = {}  # layer -> rope_forward's entry
 
     # ----------------------------------------------------------- metadata
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -315,42 +316,62 @@ class PagedAttentionBackend:
 
     def rope_forward(
         self,
-        qk: torch.Tensor,
-        v: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        qkv: torch.Tensor,
         weight: torch.Tensor | None,
         norm_eps: float | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         layer: AttentionLayerSpec,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor | None:
-        """A CPU decode layer's rope, K/V store and attention in one compiled call
-        (:func:`.attention_cpu.decode_layer`: the bits of ``apply_rope(qk, cos, sin, weight,
-        norm_eps)`` then :meth:`forward`), when this forward's key tables are on the host and
-        the layer's sub-pool stores through :class:`MHAKVPool`'s own ``set_kv_buffer``
-        (nothing patched on it: the canary's store check and the lost-store fault wrap it,
-        and must see every store); None otherwise, nothing done (the model rotates and
-        calls :meth:`forward`)."""
+        """A CPU decode layer's RoPE, K/V store and attention in one compiled call
+        (:func:`.attention_cpu.decode_layer`), from the QKV projection ``qkv [tokens, (heads +
+        2 kv heads) * head_dim]`` (q, k, v side by side, before RoPE): the bits of the q/k
+        views through ``apply_rope(qk, cos, sin, weight, norm_eps)`` then :meth:`forward`.
+        Taken when this forward's key tables are on the host, ``qkv`` and the layer's K/V
+        buffers are contiguous CPU float32, and the layer's sub-pool stores through
+        :class:`MHAKVPool`'s own ``set_kv_buffer`` (nothing patched on it: the canary's store
+        check and the lost-store fault wrap it, and must see every store); None otherwise,
+        nothing done (the model rotates and calls :meth:`forward`)."""
         view = self._sliding if layer.is_sliding else self._full
         if view is None or view.host is None:  # (host tables: a CPU decode forward's)
             return None
+        entry = self._fused_layers.get(layer.layer_id)
+        if entry is None or (entry and (entry[0].k_buffer[entry[1]] is not entry[2]
+                                        or entry[0].v_buffer[entry[1]] is not entry[3])):  # fmt: skip
+            entry = self._fused_layers[layer.layer_id] = self._fused_entry(layer)  # (new buffers)
+        if not entry or "set_kv_buffer" in vars(entry[0]):  # (a wrapper is an instance attribute)
+            return None
+        k_np, v_np = entry[4], entry[5]
+        if (qkv.dtype is not torch.float32 or cos.dtype is not torch.float32 or not qkv.is_cpu
+                or not qkv.is_contiguous() or torch.compiler.is_compiling()):  # fmt: skip
+            return None
+        bs, dim = qkv.shape[0], layer.head_dim
+        out = torch.empty((bs, layer.num_heads, dim), dtype=torch.float32, device=qkv.device)
+        cos_np, sin_np = rope_cpu.tables(cos, sin, bs, dim)
+        done = attention_cpu.decode_layer(
+            qkv.numpy().reshape(bs, -1, dim), layer.num_heads, cos_np, sin_np,
+            None if weight is None else weight.numpy(), norm_eps, k_np, v_np, view.host[2],
+            view.host[0], view.host[3], layer.scaling, out.numpy(),
+        )  # fmt: skip
+        return out if done else None
+
+    def _fused_entry(self, layer: AttentionLayerSpec) -> tuple[Any, ...] | tuple[()]:
+        """Layer ``layer``'s (sub-pool, its layer index, K, V buffers and their numpy views)
+        for :meth:`rope_forward`; () where it cannot fuse (a sub-pool of another store, or
+        buffers that are not contiguous CPU float32 ``[slots, kv heads, dim]``)."""
         sub: MHAKVPool | SWAKVPool
         if self.swa_pool is not None:
             sub, local = self.swa_pool._sub(layer.layer_id)
         else:
             sub, local = self.pool, layer.layer_id
-        if "set_kv_buffer" in vars(sub) or type(sub).set_kv_buffer is not MHAKVPool.set_kv_buffer:
-            return None
-        k_buf, v_buf = sub.get_key_buffer(local), sub.get_value_buffer(local)
-        if not (attention_cpu.applies(qk, k_buf, v_buf) and rope_cpu.applies(qk, cos)):
-            return None
-        kv_np = self._kv_np.get(layer.layer_id)
-        if kv_np is None or kv_np[0] is not k_buf or kv_np[1] is not v_buf:
-            kv_np = self._kv_np[layer.layer_id] = (k_buf, v_buf, k_buf.numpy(), v_buf.numpy())
-        return attention_cpu.decode_layer(
-            qk, v, layer.num_heads, cos, sin, weight, norm_eps, kv_np[2], kv_np[3], view.host[2],
-            view.host[0], view.host[3], layer.scaling,
-        )  # fmt: skip
+        if not isinstance(sub, MHAKVPool) or type(sub).set_kv_buffer is not MHAKVPool.set_kv_buffer:
+            return ()
+        k_buf, v_buf = sub.k_buffer[local], sub.v_buffer[local]
+        if not all(b.dtype is torch.float32 and b.is_cpu and b.is_contiguous() and b.dim() == 3
+                   and b.shape[1:] == (layer.num_kv_heads, layer.head_dim) for b in (k_buf, v_buf)):  # fmt: skip
+            return ()
+        return sub, local, k_buf, v_buf, k_buf.numpy(), v_buf.numpy()
 
     def _write(
         self, layer: AttentionLayerSpec, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor

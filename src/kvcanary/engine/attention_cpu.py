@@ -24,12 +24,14 @@ numba threads (a parallel launch costs ~10 us; smaller work runs on one), under
 :mod:`kvcanary.numba_parallel`'s lock.
 
 :func:`decode_layer` runs a decode layer's RoPE (with Qwen3's q/k norm), the K/V store and
-this attention as one compiled call, from the QKV projection's views: one call a layer
-instead of three (rope, two ``index_copy_``, attention) and their Python, the same bits
+this attention as one compiled call, from the QKV projection as the GEMM leaves it (no
+q / k / v views made): one call a layer instead of three (rope, two ``index_copy_``,
+attention) and their Python, the same bits
 (the rotation is :mod:`kvcanary.model.rope_cpu`'s, compiled apart so that this kernel's
 ``fastmath`` never reaches it). The backend takes it only where the store is the pool's own
 (:meth:`~kvcanary.engine.attention.PagedAttentionBackend.rope_forward`). tiny-swa shapes,
-batch 16 x 100 keys, warm: 46 us against 60 for the three calls.
+batch 16 x 100 random keys, warm: 45 us against 62 for the three calls (batch 64 x 150:
+338 against 374: attention itself is most of it there).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 from numba import prange
 
 from kvcanary import numba_parallel
-from kvcanary.model import norm_cpu, rope_cpu
+from kvcanary.model import norm_cpu
 from kvcanary.model.norm_cpu import SQ_SUM_SCRATCH
 from kvcanary.model.rope_cpu import rope_head_nb
 
@@ -117,14 +119,17 @@ def _decode_attention(q, k_buf, v_buf, slots, num_keys, scale, out):  # type: ig
     return -1
 
 
-def _decode_layer(qk, v, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,  # type: ignore[no-untyped-def]
+def _decode_layer(qkv, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,  # type: ignore[no-untyped-def]
                   k_buf, v_buf, loc, slots, num_keys, scale, out):  # fmt: skip
-    bs, dim = qk.shape[0], qk.shape[2]
+    bs, dim = qkv.shape[0], qkv.shape[2]
     kv_heads, num_slots = k_buf.shape[1], k_buf.shape[0]
-    if (loc.shape[0] != bs or qk.shape[1] != num_heads + kv_heads or v.shape[0] != bs
-            or v.shape[1] != kv_heads or v.shape[2] != dim or k_buf.shape[2] != dim
-            or out.shape[0] != bs or out.shape[1] != num_heads or num_keys.shape[0] < bs
-            or slots.shape[0] < bs or cos.shape[0] < bs or num_heads % kv_heads):  # fmt: skip
+    first_v = num_heads + kv_heads  # qkv's heads: q, then k, then v
+    if (loc.shape[0] != bs or qkv.shape[1] != first_v + kv_heads or k_buf.shape[2] != dim
+            or out.shape[0] != bs or out.shape[1] != num_heads or out.shape[2] != dim
+            or num_keys.shape[0] < bs or slots.shape[0] < bs or cos.shape[0] < bs
+            or cos.shape[1] != dim or sin.shape[0] < bs or sin.shape[1] != dim
+            or (has_weight and (weight.shape[0] < first_v or weight.shape[1] != dim))
+            or num_heads % kv_heads or dim % 2):  # fmt: skip
         return _LAYER_REFUSED
     for t in range(bs):
         if loc[t] < 0 or loc[t] >= num_slots:
@@ -137,13 +142,14 @@ def _decode_layer(qk, v, num_heads, weight, has_weight, norm_eps, lanes, cos, si
         a = np.empty(dim, dtype=np.float32)
         acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
         for h in range(num_heads):
-            rope_head_nb(qk, t, h, weight, has_weight, norm_eps, lanes, cos, sin, q[t, h], a, acc)
+            rope_head_nb(qkv, t, h, weight, has_weight, norm_eps, lanes, cos, sin, q[t, h], a,
+                         acc)  # fmt: skip
         s = loc[t]
         for h in range(kv_heads):
-            rope_head_nb(qk, t, num_heads + h, weight, has_weight, norm_eps, lanes, cos, sin,
+            rope_head_nb(qkv, t, num_heads + h, weight, has_weight, norm_eps, lanes, cos, sin,
                          k_buf[s, h], a, acc)  # fmt: skip
             for e in range(dim):
-                v_buf[s, h, e] = v[t, h, e]
+                v_buf[s, h, e] = qkv[t, first_v + h, e]
     for task in prange(bs * kv_heads):  # 2. attention, as _decode_attention
         _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task)
     return -1
@@ -221,35 +227,33 @@ _NO_WEIGHT = np.ones((1, 1), dtype=np.float32)
 
 
 def decode_layer(
-    qk: torch.Tensor, v: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-    weight: torch.Tensor | None, norm_eps: float | None, k_np: np.ndarray, v_np: np.ndarray,
-    loc: np.ndarray, slots: np.ndarray, num_keys: np.ndarray, scale: float,
-) -> torch.Tensor | None:
-    """A decode layer's attention from its projected ``qk [bs, heads + kv heads, dim]`` and
-    ``v [bs, kv heads, dim]`` (views of the QKV projection are read where they lie), in one
+    qkv: np.ndarray, num_heads: int, cos: np.ndarray, sin: np.ndarray,
+    weight: np.ndarray | None, norm_eps: float | None, k_np: np.ndarray, v_np: np.ndarray,
+    loc: np.ndarray, slots: np.ndarray, num_keys: np.ndarray, scale: float, out: np.ndarray,
+) -> bool:
+    """A decode layer's attention from its QKV projection ``qkv [bs, heads + 2 kv heads,
+    dim]`` (float32; its heads q, then k, then v) into ``out [bs, heads, dim]``, in one
     compiled call: per token the q and k heads normed / weighted / rotated as
-    :func:`.rope_cpu.rope` does (``weight``, ``norm_eps``: as its; ``cos`` / ``sin``
-    ``[bs, 1, dim]``), k and v stored at slot ``loc[t]`` of the layer's K / V buffers
-    (``k_np`` / ``v_np``, ``[slots, kv heads, dim]`` float32, as ``index_copy_`` would),
-    then :func:`decode_attention` over ``slots`` / ``num_keys`` (int64, as its host tables).
-    The same bits as those three calls. None, with nothing done (the caller takes the three
-    calls, which raise their own errors), when a shape, a slot or the norm is not one it
-    takes. Call only where :func:`applies` to q and the buffers and
-    :func:`.rope_cpu.applies` to ``qk``."""
-    bs, _, dim = qk.shape
+    :func:`.rope_cpu.rope` does (``weight [heads + kv heads, dim]``, ``norm_eps``: as its;
+    ``cos`` / ``sin`` ``[>= bs, dim]``, :func:`.rope_cpu.tables`), k and v stored at slot
+    ``loc[t]`` of the layer's K / V buffers (``k_np`` / ``v_np``, ``[slots, kv heads, dim]``
+    float32, as ``index_copy_`` would), then :func:`decode_attention` over ``slots`` /
+    ``num_keys`` (int64, as its host tables). The same bits as those three calls. False, with
+    nothing done (the caller takes the three calls, which raise their own errors), when a
+    shape or a slot is not one it takes, or the norm has no width here
+    (:func:`.norm_cpu.lanes`)."""
     lanes = 0
-    if norm_eps is not None and not (norm_cpu.applies(qk) and (lanes := norm_cpu.lanes())):
-        return None
-    out = torch.empty((bs, num_heads, dim), dtype=torch.float32, device=qk.device)
-    cos_np, sin_np = rope_cpu.tables(cos, sin, bs, dim)
+    if norm_eps is not None and not (lanes := norm_cpu.lanes()):
+        return False
+    bs, _, dim = qkv.shape
     split = bs * k_np.shape[1] * slots.shape[1] * dim >= PARALLEL_MIN_WORK
     status = numba_parallel.run(
-        _layer_serial, _layer_parallel, split, qk.numpy(), v.numpy(), num_heads,
-        _NO_WEIGHT if weight is None else weight.numpy(), weight is not None,
-        np.float32(norm_eps or 0.0), lanes, cos_np, sin_np, k_np, v_np, loc, slots, num_keys,
-        np.float32(scale), out.numpy(),
+        _layer_serial, _layer_parallel, split, qkv, num_heads,
+        _NO_WEIGHT if weight is None else weight, weight is not None,
+        np.float32(norm_eps or 0.0), lanes, cos, sin, k_np, v_np, loc, slots, num_keys,
+        np.float32(scale), out,
     )  # fmt: skip
-    return None if status == _LAYER_REFUSED else out
+    return bool(status != _LAYER_REFUSED)
 
 
 # ----------------------------------------------------------------- decode key tables

@@ -45,8 +45,9 @@ class AttentionBackend(Protocol):
         ...
 
     # Optional (looked up with getattr; a backend without it gets forward only):
-    #     rope_forward(qk, v, cos, sin, weight, norm_eps, layer, forward_batch) -> Tensor | None
-    # qk [num_tokens, num_heads + num_kv_heads, head_dim] before RoPE (q heads, then k heads),
-    # cos / sin / weight / norm_eps as ``kvcanary.model.rope.apply_rope`` takes them: the
-    # result of apply_rope then forward, bit for bit, or None with nothing done (the model
-    # then calls apply_rope and forward).
+    #     rope_forward(qkv, weight, norm_eps, cos, sin, layer, forward_batch) -> Tensor | None
+    # qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]: the q, k and v projections
+    # side by side, before RoPE; weight / norm_eps / cos / sin as
+    # ``kvcanary.model.rope.apply_rope`` takes them for the q and k heads. Returns what
+    # apply_rope on q and k then forward would, bit for bit, or None with nothing done (the
+    # model then calls apply_rope and forward).

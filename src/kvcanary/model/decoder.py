@@ -23,6 +23,7 @@ from kvcanary.model.layers import GatedMLP, RMSNorm, fuse_linears
 from kvcanary.model.rope import RotaryEmbedding, apply_rope
 
 Device = torch.device | str | None
+_NO_QK_NORM: tuple[None, None] = (None, None)
 
 
 class Attention(nn.Module):
@@ -48,6 +49,13 @@ class Attention(nn.Module):
             norm_args = (head_dim, config.rms_norm_eps, config.norm_weight_offset, device, dtype)
             self.q_norm, self.k_norm = RMSNorm(*norm_args), RMSNorm(*norm_args)
         self._qk_weight: tuple[tuple[Any, ...], torch.Tensor] | None = None  # _qk_norm_weight
+        # _folded_qk_norm: None without q/k norms; else whether they fold into the rotation
+        # in float32 (no weight offset, one eps: what _qk_norm checks, fixed at construction).
+        self._qk_fold: bool | None = None
+        if self.q_norm is not None and self.k_norm is not None:
+            self._qk_fold = not (self.q_norm.weight_offset or self.k_norm.weight_offset) and (
+                self.q_norm.eps == self.k_norm.eps
+            )
         self._qkv, self._o = PackedLinear(), PackedLinear()
 
     def forward(
@@ -56,6 +64,13 @@ class Attention(nn.Module):
         """``cos`` / ``sin``: :meth:`RotaryEmbedding.cos_sin`'s (``sin`` sign-folded)."""
         spec, num_tokens = self.spec, hidden.shape[0]
         qkv = self._qkv(hidden, self.qkv_weight, self.qkv_bias)
+        backend = forward_batch.attn_backend
+        # A backend may rotate, store and attend in one call (optional; base.AttentionBackend).
+        rope_forward = getattr(backend, "rope_forward", None)
+        if rope_forward is not None and (norm := self._folded_qk_norm(qkv.dtype)) is not None:
+            out = rope_forward(qkv, *norm, cos, sin, spec, forward_batch)
+            if out is not None:
+                return self._o(out.view(num_tokens, -1), self.o_proj.weight, self.o_proj.bias)
         num_q, num_k = self.qkv_split[0], self.qkv_split[1]
         # q and k side by side (a view of the projection: the first num_q + num_k columns),
         # normed and rotated together: per element the same ops as q and k apart, so the
@@ -65,17 +80,20 @@ class Attention(nn.Module):
         weight, norm_eps = None, None
         if self.q_norm is not None and self.k_norm is not None:
             qk, weight, norm_eps = self._qk_norm(qk)
-        backend = forward_batch.attn_backend
-        # A backend may rotate, store and attend in one call (optional; base.AttentionBackend).
-        rope_forward = getattr(backend, "rope_forward", None)
-        out = None
-        if rope_forward is not None:
-            out = rope_forward(qk, v, cos, sin, weight, norm_eps, spec, forward_batch)
-        if out is None:
-            qk = apply_rope(qk, cos, sin, weight, norm_eps)
-            q, k = qk.split_with_sizes((spec.num_heads, spec.num_kv_heads), dim=1)  # (not Tensor.split's Python)
-            out = backend.forward(q, k, v, spec, forward_batch)
+        qk = apply_rope(qk, cos, sin, weight, norm_eps)
+        q, k = qk.split_with_sizes((spec.num_heads, spec.num_kv_heads), dim=1)  # (not Tensor.split's Python)
+        out = backend.forward(q, k, v, spec, forward_batch)
         return self._o(out.reshape(num_tokens, -1), self.o_proj.weight, self.o_proj.bias)
+
+    def _folded_qk_norm(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, float | None] | None:
+        """``(weight, eps)`` as :meth:`_qk_norm` gives them to ``apply_rope`` when it folds the
+        q/k norms into the rotation, ``(None, None)`` without q/k norms, or None when the
+        norms must run apart (weight offset, two eps, not float32)."""
+        if self._qk_fold is None:
+            return _NO_QK_NORM
+        if not self._qk_fold or dtype != torch.float32:
+            return None
+        return self._qk_norm_weight(dtype), cast(RMSNorm, self.q_norm).eps
 
     def _qk_norm(self, qk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
         """q_norm on the q heads and k_norm on the k heads of ``qk [tokens, q + k heads, dim]``,
