@@ -425,9 +425,83 @@ def test_engine_fused_decode_layer_equals_unfused(monkeypatch: pytest.MonkeyPatc
     for sub, ref_sub in zip(subs(engine), subs(ref_engine), strict=True):
         for a, b in zip(sub.all_buffers(), ref_sub.all_buffers(), strict=True):
             assert torch.equal(a, b)
-    # A wrapped store (the canary's store check, a lost-store fault): the unfused calls.
+    # A wrapped store (the canary's store check, a lost-store fault): the unfused calls, so
+    # the wrapper sees every decode layer's store; the method put back: fused again.
+    stores = {"n": 0}
+    originals = []
     for sub in subs(engine):
-        sub.set_kv_buffer = sub.set_kv_buffer  # an instance attribute: as a wrapper is
+        original = sub.set_kv_buffer
+        originals.append((sub, original))
+
+        def seen(*args, _original=original):  # type: ignore[no-untyped-def]
+            stores["n"] += 1
+            return _original(*args)
+
+        sub.set_kv_buffer = seen
     before = dict(fused)
+    decode_forwards = engine.stats.num_decode_forwards
     engine.generate(make_prompts(2, 3, 20, seed=6), SamplingParams(max_new_tokens=4, ignore_eos=True))
-    assert fused["n"] == before["n"] and fused["refused"] > before["refused"]
+    decodes = engine.stats.num_decode_forwards - decode_forwards
+    assert fused["n"] == before["n"] and fused["refused"] >= before["refused"] + layers * decodes
+    assert stores["n"] >= layers * (decodes + 1)  # every decode layer's store, and the prefill's
+    for sub, original in originals:
+        sub.set_kv_buffer = original  # the bound method put back, as a fault's undo does
+    engine.generate(make_prompts(2, 3, 20, seed=6), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert fused["n"] > before["n"]
+
+
+@pytest.mark.parametrize("real_data", ["partial", "all"])
+def test_fused_decode_layer_beside_the_store_check(monkeypatch: pytest.MonkeyPatch, real_data: str) -> None:
+    """With the canary's store check on (real-data modes) every decode layer still fuses:
+    on the layers it observes the backend hands it what the kernel stored (its watches arm,
+    a clean run has no violation, the tokens are the no-canary engine's), and a row the
+    kernel stored that changes before TAIL is reported (write_kv_store). A wrapper over the
+    check's (as the lost-store fault makes) turns fusion off for its sub-pool's layers."""
+    from kvcanary.config import CanaryConfig
+    from kvcanary.engine.attention import PagedAttentionBackend
+
+    fused = {"n": 0}
+    real = PagedAttentionBackend.rope_forward
+
+    def counting(self, *args):  # type: ignore[no-untyped-def]
+        out = real(self, *args)
+        fused["n"] += out is not None
+        return out
+
+    monkeypatch.setattr(PagedAttentionBackend, "rope_forward", counting)
+    prompts = make_prompts(6, 3, 70, seed=7)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    want = [o.output_ids for o in tiny_engine().generate(prompts, params)]
+    engine = tiny_engine(canary=CanaryConfig(mode="log", real_data=real_data))
+    checker = engine.canary.runtime.store_checker
+    assert checker is not None
+    pool = engine.runner.token_to_kv_pool
+    subs = [pool.full_kv_pool, pool.swa_kv_pool]
+    layers = len(engine.runner.model.layers)
+    assert 0 < sum(len(checker.targets(sub) or {}) for sub in subs) < layers
+    fused["n"] = 0
+    assert [o.output_ids for o in engine.generate(prompts, params)] == want
+    decodes = engine.stats.num_decode_forwards
+    assert fused["n"] == decodes * layers
+    assert all(w.armed for w in checker.watches) and engine.canary.stats()["violations"] == 0
+
+    # An observed layer's stored k row changed after the fused store, before TAIL: reported.
+    full_sub = pool.full_kv_pool
+    observed = next(iter(checker.targets(full_sub) or {}))
+    real_layer = attention_cpu.decode_layer
+
+    def overwritten(qkv, num_heads, cos, sin, weight, eps, k_np, v_np, loc, *rest):  # type: ignore[no-untyped-def]
+        done = real_layer(qkv, num_heads, cos, sin, weight, eps, k_np, v_np, loc, *rest)
+        if done and k_np.ctypes.data == full_sub.k_buffer[observed].data_ptr() and not hits:
+            hits.append(int(loc[0]))
+            k_np[loc[0]] += 1.0  # the first token's stored k row
+        return done
+
+    hits: list[int] = []
+    monkeypatch.setattr(attention_cpu, "decode_layer", overwritten)
+    before = len(engine.canary.violations)
+    engine.generate(prompts[:3], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert len(hits) == 1
+    rows = engine.canary.violations[before:]
+    assert rows and rows[0].launch_tag == "TAIL_K_FULL" and rows[0].slot_idx == hits[0]
+    assert "write_kv_store" in rows[0].fail_reasons

@@ -244,15 +244,23 @@ class StoreChecker:
             for layer, ts in targets.items()
         }  # fmt: skip
 
-        @functools.wraps(original)
-        def set_kv_buffer(layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: Any,
-                          *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        def observe(layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: Any) -> None:
             watched = layers.get(layer_id)
             if watched is not None:
                 for watch, j, is_k in watched[0]:
                     self.observe(watch, j, loc, k if is_k else v, watched[1])
+
+        @functools.wraps(original)
+        def set_kv_buffer(layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: Any,
+                          *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+            observe(layer_id, loc, k, v)
             return original(layer_id, loc, k, v, *args, **kwargs)
 
+        # For a backend that stores itself (our CPU decode layer,
+        # PagedAttentionBackend.rope_forward): the layers this wrapper observes, and the
+        # observation alone, which it makes with what it stored at ``loc``.
+        set_kv_buffer.kv_canary_observed_layers = frozenset(layers)  # type: ignore[attr-defined]
+        set_kv_buffer.kv_canary_observe = observe  # type: ignore[attr-defined]
         sub.set_kv_buffer = set_kv_buffer
 
     def begin_forward(self, num_tokens: int) -> None:

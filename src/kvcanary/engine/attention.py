@@ -14,6 +14,7 @@ before ``key_start`` may already be evicted from the SWA pool; they are never re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -160,6 +161,35 @@ def key_view(
         vis &= k_pos[:, None, :] > q_pos[:, :, None] - window
     vis[:, :, 0] |= ~layout.valid_cpu
     return slots, vis.to(device), num_keys
+
+
+_NOT_WRAPPED = object()
+
+
+def _direct_store(sub: MHAKVPool, layer: int) -> tuple[Callable[..., None], ...] | None:
+    """Whether a backend may store ``sub``'s layer ``layer`` itself, skipping nothing that
+    ``sub.set_kv_buffer`` would do: the observers it must then call with what it stored
+    (``observe(layer, loc, k, v)``), or None where it may not. It may where the store is
+    :class:`MHAKVPool`'s own method (nothing on the instance, or that very bound method put
+    back, as a fault's undo does), or the canary store check's wrapper of such (marked with
+    the layers it observes; on those layers its observer comes back); not under any other
+    wrapper (a lost-store fault must see the store it loses)."""
+    store = vars(sub).get("set_kv_buffer")
+    observers: tuple[Callable[..., None], ...] = ()
+    for _ in range(4):  # (wrappers over wrappers)
+        if store is None or (getattr(store, "__func__", None) is MHAKVPool.set_kv_buffer
+                             and getattr(store, "__self__", None) is sub):  # fmt: skip
+            return observers
+        observed = getattr(store, "kv_canary_observed_layers", None)
+        observe = getattr(store, "kv_canary_observe", None)
+        if observed is None or observe is None:
+            return None
+        if layer in observed:
+            observers += (observe,)
+        store = getattr(store, "__wrapped__", _NOT_WRAPPED)
+        if store is _NOT_WRAPPED:
+            return None
+    return None
 
 
 class PagedAttentionBackend:
@@ -330,9 +360,9 @@ class PagedAttentionBackend:
         views through ``apply_rope(qk, cos, sin, weight, norm_eps)`` then :meth:`forward`.
         Taken when this forward's key tables are on the host, ``qkv`` and the layer's K/V
         buffers are contiguous CPU float32, and the layer's sub-pool stores through
-        :class:`MHAKVPool`'s own ``set_kv_buffer`` (nothing patched on it: the canary's store
-        check and the lost-store fault wrap it, and must see every store); None otherwise,
-        nothing done (the model rotates and calls :meth:`forward`)."""
+        :class:`MHAKVPool`'s own ``set_kv_buffer`` or the canary store check's wrapper of it
+        (:func:`_direct_store`; the check then observes what was stored, as its wrapper
+        would); None otherwise, nothing done (the model rotates and calls :meth:`forward`)."""
         view = self._sliding if layer.is_sliding else self._full
         if view is None or view.host is None:  # (host tables: a CPU decode forward's)
             return None
@@ -340,7 +370,7 @@ class PagedAttentionBackend:
         if entry is None or (entry and (entry[0].k_buffer[entry[1]] is not entry[2]
                                         or entry[0].v_buffer[entry[1]] is not entry[3])):  # fmt: skip
             entry = self._fused_layers[layer.layer_id] = self._fused_entry(layer)  # (new buffers)
-        if not entry or "set_kv_buffer" in vars(entry[0]):  # (a wrapper is an instance attribute)
+        if not entry or (observers := _direct_store(entry[0], entry[1])) is None:
             return None
         k_np, v_np = entry[4], entry[5]
         if (qkv.dtype is not torch.float32 or cos.dtype is not torch.float32 or not qkv.is_cpu
@@ -349,12 +379,22 @@ class PagedAttentionBackend:
         bs, dim = qkv.shape[0], layer.head_dim
         out = torch.empty((bs, layer.num_heads, dim), dtype=torch.float32, device=qkv.device)
         cos_np, sin_np = rope_cpu.tables(cos, sin, bs, dim)
-        done = attention_cpu.decode_layer(
+        k_out = None  # the stored k rows, for the observers
+        if observers:
+            k_out = torch.empty((bs, layer.num_kv_heads, dim), dtype=torch.float32)
+        if not attention_cpu.decode_layer(
             qkv.numpy().reshape(bs, -1, dim), layer.num_heads, cos_np, sin_np,
             None if weight is None else weight.numpy(), norm_eps, k_np, v_np, view.host[2],
             view.host[0], view.host[3], layer.scaling, out.numpy(),
-        )  # fmt: skip
-        return out if done else None
+            None if k_out is None else k_out.numpy(),
+        ):  # fmt: skip
+            return None
+        if k_out is not None:
+            first_v = (layer.num_heads + layer.num_kv_heads) * dim
+            v = qkv[:, first_v:].view(bs, layer.num_kv_heads, dim)
+            for observe in observers:
+                observe(entry[1], view.write_loc, k_out, v)
+        return out
 
     def _fused_entry(self, layer: AttentionLayerSpec) -> tuple[Any, ...] | tuple[()]:
         """Layer ``layer``'s (sub-pool, its layer index, K, V buffers and their numpy views)

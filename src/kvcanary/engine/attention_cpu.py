@@ -120,7 +120,7 @@ def _decode_attention(q, k_buf, v_buf, slots, num_keys, scale, out):  # type: ig
 
 
 def _decode_layer(qkv, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,  # type: ignore[no-untyped-def]
-                  k_buf, v_buf, loc, slots, num_keys, scale, out):  # fmt: skip
+                  k_buf, v_buf, loc, slots, num_keys, scale, out, k_out):  # fmt: skip
     bs, dim = qkv.shape[0], qkv.shape[2]
     kv_heads, num_slots = k_buf.shape[1], k_buf.shape[0]
     first_v = num_heads + kv_heads  # qkv's heads: q, then k, then v
@@ -129,7 +129,9 @@ def _decode_layer(qkv, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,
             or num_keys.shape[0] < bs or slots.shape[0] < bs or cos.shape[0] < bs
             or cos.shape[1] != dim or sin.shape[0] < bs or sin.shape[1] != dim
             or (has_weight and (weight.shape[0] < first_v or weight.shape[1] != dim))
-            or num_heads % kv_heads or dim % 2):  # fmt: skip
+            or num_heads % kv_heads or dim % 2
+            or (k_out.shape[0] and (k_out.shape[0] != bs or k_out.shape[1] != kv_heads
+                                    or k_out.shape[2] != dim))):  # fmt: skip
         return _LAYER_REFUSED
     for t in range(bs):
         if loc[t] < 0 or loc[t] >= num_slots:
@@ -150,6 +152,8 @@ def _decode_layer(qkv, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,
                          k_buf[s, h], a, acc)  # fmt: skip
             for e in range(dim):
                 v_buf[s, h, e] = qkv[t, first_v + h, e]
+                if k_out.shape[0]:  # the stored k rows, for the caller too
+                    k_out[t, h, e] = k_buf[s, h, e]
     for task in prange(bs * kv_heads):  # 2. attention, as _decode_attention
         _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task)
     return -1
@@ -224,12 +228,14 @@ def decode_attention(
 
 
 _NO_WEIGHT = np.ones((1, 1), dtype=np.float32)
+_NO_K_OUT = np.zeros((0, 1, 1), dtype=np.float32)
 
 
 def decode_layer(
     qkv: np.ndarray, num_heads: int, cos: np.ndarray, sin: np.ndarray,
     weight: np.ndarray | None, norm_eps: float | None, k_np: np.ndarray, v_np: np.ndarray,
     loc: np.ndarray, slots: np.ndarray, num_keys: np.ndarray, scale: float, out: np.ndarray,
+    k_out: np.ndarray | None = None,
 ) -> bool:
     """A decode layer's attention from its QKV projection ``qkv [bs, heads + 2 kv heads,
     dim]`` (float32; its heads q, then k, then v) into ``out [bs, heads, dim]``, in one
@@ -238,7 +244,9 @@ def decode_layer(
     ``cos`` / ``sin`` ``[>= bs, dim]``, :func:`.rope_cpu.tables`), k and v stored at slot
     ``loc[t]`` of the layer's K / V buffers (``k_np`` / ``v_np``, ``[slots, kv heads, dim]``
     float32, as ``index_copy_`` would), then :func:`decode_attention` over ``slots`` /
-    ``num_keys`` (int64, as its host tables). The same bits as those three calls. False, with
+    ``num_keys`` (int64, as its host tables). The same bits as those three calls.
+    ``k_out [bs, kv heads, dim]``, when given: the rotated k rows stored, also written there
+    (for a store check to see what was stored, :meth:`PagedAttentionBackend.rope_forward`). False, with
     nothing done (the caller takes the three calls, which raise their own errors), when a
     shape or a slot is not one it takes, or the norm has no width here
     (:func:`.norm_cpu.lanes`)."""
@@ -251,7 +259,7 @@ def decode_layer(
         _layer_serial, _layer_parallel, split, qkv, num_heads,
         _NO_WEIGHT if weight is None else weight, weight is not None,
         np.float32(norm_eps or 0.0), lanes, cos, sin, k_np, v_np, loc, slots, num_keys,
-        np.float32(scale), out,
+        np.float32(scale), out, _NO_K_OUT if k_out is None else k_out,
     )  # fmt: skip
     return bool(status != _LAYER_REFUSED)
 
