@@ -322,8 +322,8 @@ def test_decode_layer_is_rope_store_and_attention(
     monkeypatch: pytest.MonkeyPatch, norm, heads, kv_heads, dim, bs, max_keys
 ) -> None:
     """decode_layer == rope_cpu.rope, index_copy_ of k / v into the buffers, decode_attention:
-    the same output bits and the same buffers after (one thread and split), from strided
-    views of a projection as the model hands them."""
+    the same output bits and the same buffers after (one thread and split), from the
+    projection as the GEMM leaves it (the three calls take strided views of it)."""
     from kvcanary.model import norm_cpu, rope_cpu
     from kvcanary.model.rope import RotaryEmbedding
 
@@ -365,7 +365,7 @@ def test_decode_layer_is_rope_store_and_attention(
 
 @pytest.mark.parametrize("case", ["loc", "slot", "keys"])
 def test_decode_layer_refuses_what_it_cannot_read(case: str) -> None:
-    """A write slot or a key outside the buffers, or more keys than the table holds: None,
+    """A write slot or a key outside the buffers, or more keys than the table holds: False,
     nothing written (the caller's unfused calls raise their own errors)."""
     bs, heads, kv_heads, dim = 3, 4, 2, 8
     k_buf, v_buf = torch.randn(20, kv_heads, dim), torch.randn(20, kv_heads, dim)
@@ -392,8 +392,8 @@ def test_decode_layer_refuses_what_it_cannot_read(case: str) -> None:
 def test_engine_fused_decode_layer_equals_unfused(monkeypatch: pytest.MonkeyPatch, model: str) -> None:
     """The engine's decode with rope, the K/V store and attention fused
     (PagedAttentionBackend.rope_forward) gives the unfused calls' tokens and logprobs bit for
-    bit, and the same KV cache; it runs on every decode layer, and not where set_kv_buffer
-    is wrapped (the store must be seen)."""
+    bit, and the same KV cache; it runs on every decode layer, and not where a wrapper other
+    than the store check's wraps set_kv_buffer (it must see the store)."""
     from kvcanary.engine.attention import PagedAttentionBackend
 
     fused = {"n": 0, "refused": 0}
@@ -418,6 +418,7 @@ def test_engine_fused_decode_layer_equals_unfused(monkeypatch: pytest.MonkeyPatc
     assert [o.output_ids for o in got] == [o.output_ids for o in ref]
     for g, r in zip(got, ref, strict=True):
         assert [t.logprob for t in g.logprobs or []] == [t.logprob for t in r.logprobs or []]
+
     def subs(engine):  # type: ignore[no-untyped-def]
         pool = engine.runner.token_to_kv_pool
         return [pool.full_kv_pool, pool.swa_kv_pool] if hasattr(pool, "swa_kv_pool") else [pool]
@@ -425,8 +426,8 @@ def test_engine_fused_decode_layer_equals_unfused(monkeypatch: pytest.MonkeyPatc
     for sub, ref_sub in zip(subs(engine), subs(ref_engine), strict=True):
         for a, b in zip(sub.all_buffers(), ref_sub.all_buffers(), strict=True):
             assert torch.equal(a, b)
-    # A wrapped store (the canary's store check, a lost-store fault): the unfused calls, so
-    # the wrapper sees every decode layer's store; the method put back: fused again.
+    # A wrapped store (as a lost-store fault wraps it): the unfused calls, so the wrapper
+    # sees every decode layer's store; the method put back: fused again.
     stores = {"n": 0}
     originals = []
     for sub in subs(engine):
