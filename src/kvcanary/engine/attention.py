@@ -400,11 +400,7 @@ class PagedAttentionBackend:
         """Layer ``layer``'s (sub-pool, its layer index, K, V buffers and their numpy views)
         for :meth:`rope_forward`; () where it cannot fuse (a sub-pool of another store, or
         buffers that are not contiguous CPU float32 ``[slots, kv heads, dim]``)."""
-        sub: MHAKVPool | SWAKVPool
-        if self.swa_pool is not None:
-            sub, local = self.swa_pool._sub(layer.layer_id)
-        else:
-            sub, local = self.pool, layer.layer_id
+        sub, local = self._store_of(layer.layer_id)
         if not isinstance(sub, MHAKVPool) or type(sub).set_kv_buffer is not MHAKVPool.set_kv_buffer:
             return ()
         k_buf, v_buf = sub.k_buffer[local], sub.v_buffer[local]
@@ -416,10 +412,13 @@ class PagedAttentionBackend:
     def _write(
         self, layer: AttentionLayerSpec, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        lid = layer.layer_id
+        sub, local = self._store_of(layer.layer_id)
+        sub.set_kv_buffer(local, loc, k, v)  # loc is pre-translated for SWA layers
+        return sub.get_key_buffer(local), sub.get_value_buffer(local)
+
+    def _store_of(self, layer_id: int) -> tuple[MHAKVPool | SWAKVPool, int]:
+        """The pool that stores layer ``layer_id`` (an SWA pool's full or SWA sub-pool) and
+        the layer's index there."""
         if self.swa_pool is not None:
-            sub, local = self.swa_pool._sub(lid)
-            sub.set_kv_buffer(local, loc, k, v)  # loc is pre-translated for SWA layers
-            return sub.get_key_buffer(local), sub.get_value_buffer(local)
-        self.pool.set_kv_buffer(lid, loc, k, v)
-        return self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid)
+            return self.swa_pool._sub(layer_id)
+        return self.pool, layer_id

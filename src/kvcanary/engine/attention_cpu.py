@@ -177,6 +177,12 @@ _layer_serial = _compile(_decode_layer, False)
 _layer_parallel = _compile(_decode_layer, True)
 
 
+def _split(bs: int, k_buf: np.ndarray, slots: np.ndarray) -> bool:
+    """Whether attention over ``bs`` requests reading ``k_buf [slots, kv heads, dim]`` through
+    a ``slots`` table this wide is worth the threads (:data:`PARALLEL_MIN_WORK`)."""
+    return bool(bs * k_buf.shape[1] * slots.shape[1] * k_buf.shape[2] >= PARALLEL_MIN_WORK)
+
+
 def applies(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
     """Whether :func:`decode_attention` takes these (else the torch path): CPU float32 query
     and K/V buffers ``[slots, kv heads, dim]``, outside ``torch.compile`` tracing."""
@@ -216,8 +222,7 @@ def decode_attention(
     # q as it is (a decode step's is a view of the q/k projection): the kernel copies each
     # query row once, where a contiguous() copy of all of q cost a torch op per layer.
     args = (q.numpy(), k_np, v_np, slots_np, keys_np, np.float32(scale), out.numpy())
-    split = bs * k_np.shape[1] * slots_np.shape[1] * dim >= PARALLEL_MIN_WORK
-    bad_row = numba_parallel.run(_serial, _parallel, split, *args)
+    bad_row = numba_parallel.run(_serial, _parallel, _split(bs, k_np, slots_np), *args)
     if bad_row >= 0:  # as index_select would refuse it (nothing was read)
         n = max(int(num_keys[bad_row]), 1)
         raise IndexError(
@@ -254,10 +259,8 @@ def decode_layer(
     lanes = 0
     if norm_eps is not None and not (lanes := norm_cpu.lanes()):
         return False
-    bs, _, dim = qkv.shape
-    split = bs * k_np.shape[1] * slots.shape[1] * dim >= PARALLEL_MIN_WORK
     status = numba_parallel.run(
-        _layer_serial, _layer_parallel, split, qkv, num_heads,
+        _layer_serial, _layer_parallel, _split(qkv.shape[0], k_np, slots), qkv, num_heads,
         _NO_WEIGHT if weight is None else weight, weight is not None,
         np.float32(norm_eps or 0.0), lanes, cos, sin, k_np, v_np, loc, slots, num_keys,
         np.float32(scale), out, _NO_K_OUT if k_out is None else k_out,

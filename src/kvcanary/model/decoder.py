@@ -102,13 +102,12 @@ class Attention(nn.Module):
         Float32 without weight offset (one eps): ``apply_rope`` norms q and k together and
         applies the weights (``rms_norm(x, w) == rms_norm(x) * w`` bit for bit; on the CPU in
         its one pass, :mod:`.rope_cpu`); else each norm on its heads here."""
+        folded = self._folded_qk_norm(qk.dtype)
+        if folded is not None:
+            return qk, *folded
         q_norm, k_norm = cast(RMSNorm, self.q_norm), cast(RMSNorm, self.k_norm)
         num_q = self.spec.num_heads
-        if q_norm.weight_offset or k_norm.weight_offset or qk.dtype != torch.float32 or (
-            q_norm.eps != k_norm.eps
-        ):
-            return torch.cat((q_norm(qk[:, :num_q]), k_norm(qk[:, num_q:])), dim=1), None, None
-        return qk, self._qk_norm_weight(qk.dtype), q_norm.eps
+        return torch.cat((q_norm(qk[:, :num_q]), k_norm(qk[:, num_q:])), dim=1), None, None
 
     def _qk_norm_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """``[q heads + k heads, head_dim]``: q_norm's weight per q head, then k_norm's per k
