@@ -63,6 +63,34 @@ def test_kernel_matches_gathered_attention(
         assert torch.equal(got, dense)
 
 
+def test_softmax_exp_within_a_few_ulps() -> None:
+    """The kernels' exp of shifted scores: within 5 float32 ulps of the exact value down to
+    -87, exactly 1 for the peak's score, and no more than e^-87 below (never negative)."""
+    x = np.concatenate([np.linspace(-120, 0, 200_001), [0.0, -1e-30, -87.0, -87.5]]).astype(np.float32)
+    got = x.copy()
+    attention_cpu._exp_nonpositive(got, np.empty(x.shape[0], dtype=np.int32), x.shape[0])
+    exact = np.exp(x.astype(np.float64))
+    live = x >= -87
+    assert (np.abs(got[live] - exact[live]) <= 5 * 2.0**-23 * exact[live]).all()
+    assert got[x == 0].tolist() == [1.0, 1.0]
+    assert ((got[~live] >= 0) & (got[~live] <= math.exp(-87) * 1.000001)).all()
+
+
+def test_kernel_matches_attention_with_peaked_scores() -> None:
+    """Scores hundreds apart (a query aligned with one key): the other weights underflow in
+    both, the kernel's result is still SDPA's."""
+    gen = torch.Generator().manual_seed(7)
+    bs, heads, kv_heads, dim, keys = 3, 4, 2, 32, 50
+    k_buf = torch.randn(bs * keys + 1, kv_heads, dim, generator=gen)
+    v_buf = torch.randn(bs * keys + 1, kv_heads, dim, generator=gen)
+    slots = torch.arange(1, bs * keys + 1).view(bs, keys)
+    num_keys = torch.full((bs,), keys)
+    q = 60 * torch.randn(bs, heads, dim, generator=gen)
+    want = _reference(q, k_buf, v_buf, slots, num_keys, 1 / math.sqrt(dim))
+    got = attention_cpu.decode_attention(q, k_buf, v_buf, slots, num_keys, 1 / math.sqrt(dim))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_applies_only_to_cpu_float32() -> None:
     q, kv = torch.zeros(2, 4, 8), torch.zeros(10, 2, 8)
     assert attention_cpu.applies(q, kv, kv)
