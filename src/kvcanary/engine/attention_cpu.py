@@ -3,9 +3,10 @@
 The torch path (:class:`~kvcanary.engine.attention.PagedAttentionBackend`) gathers every
 request's keys and values into a padded ``[bs, kv heads, max_keys, dim]`` copy per layer
 (``index_select``) and runs masked SDPA on it: per decode step it writes and reads the whole
-visible KV twice more than attention needs. Here one compiled loop per (request, KV head)
-reads each key and value row where it lies in the pool, once, through the request's slot
-row: scores for the ``group`` query heads that share the KV head, softmax, weighted sum.
+visible KV twice more than attention needs. Here one compiled loop per request (per group of
+its KV heads when the batch is smaller than twice the threads) reads each key and value row
+where it lies in the pool, once, through the request's slot row: scores for the query
+heads, softmax, weighted sum.
 Measured (microbenchmark, this repo's 2-core machine, random slots, us per layer; torch =
 gather + SDPA, whose time varies run to run): Qwen3-0.6B shapes (16 q / 8 kv heads, dim
 128) batch 16 x 64 keys 690 vs 365, batch 64 x 80 keys 2957..15061 vs 1281; tiny-swa shapes
@@ -93,61 +94,73 @@ def _exp_nonpositive(x, bits, n):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, inline="always")
-def _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task):  # type: ignore[no-untyped-def]
-    """Request ``b`` and KV head ``h`` of ``task = b * kv heads + h``: its query heads'
-    scores, softmax and weighted sum into ``out[b]``."""
-    num_heads, dim = q.shape[1], q.shape[2]
+def _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts):  # type: ignore[no-untyped-def]
+    """Part ``c`` of request ``b``, ``task = b * parts + c``: the query heads of KV heads
+    ``[c * kv heads // parts, (c + 1) * kv heads // parts)``, their scores, softmax and
+    weighted sum into ``out[b]``. Keys are the outer loops: a key's K (then V) rows of the
+    part's heads are read together, one stream through the pool per request (a task per KV
+    head read every other run of a slot's lines: ~30 % slower with the K/V out of the
+    caches, as a decode step finds them). Each head's sums run in the same order whatever
+    ``parts``: the same bits."""
+    dim = q.shape[2]
     kv_heads = k_buf.shape[1]
-    group = num_heads // kv_heads
-    b = task // kv_heads
-    h = task - b * kv_heads
+    group = q.shape[1] // kv_heads
+    b = task // parts
+    c = task - b * parts
+    h0 = c * kv_heads // parts
+    nq = ((c + 1) * kv_heads // parts - h0) * group  # query heads q0.. of this part
+    q0 = h0 * group
     n = max(num_keys[b], 1)
-    scores = np.empty(n, dtype=np.float32)
+    scores = np.empty((nq, n), dtype=np.float32)
     bits = np.empty(n, dtype=np.int32)  # (_exp_nonpositive's scratch)
-    acc_out = np.zeros(dim, dtype=np.float32)
-    q_row = np.empty(dim, dtype=np.float32)  # (q may be a strided view: read once)
-    for g in range(group):
-        qh = h * group + g
+    acc_out = np.zeros((nq, dim), dtype=np.float32)
+    q_rows = np.empty((nq, dim), dtype=np.float32)  # (q may be a strided view: read once)
+    for i in range(nq):
         for e in range(dim):
-            q_row[e] = q[b, qh, e]
-        peak = np.float32(-np.inf)
-        for j in range(n):
-            s = slots[b, j]
+            q_rows[i, e] = q[b, q0 + i, e]
+    for j in range(n):
+        s = slots[b, j]
+        for i in range(nq):
+            h = h0 + i // group
             acc = np.float32(0.0)
             for e in range(dim):
-                acc += q_row[e] * k_buf[s, h, e]
-            acc *= scale
-            scores[j] = acc
-            peak = max(peak, acc)
+                acc += q_rows[i, e] * k_buf[s, h, e]
+            scores[i, j] = acc * scale
+    for i in range(nq):
+        peak = np.float32(-np.inf)
         for j in range(n):
-            scores[j] -= peak
-        _exp_nonpositive(scores, bits, n)
+            peak = max(peak, scores[i, j])
+        for j in range(n):
+            scores[i, j] -= peak
+        _exp_nonpositive(scores[i], bits, n)
+    for j in range(n):
+        s = slots[b, j]
+        for i in range(nq):
+            h = h0 + i // group
+            p = scores[i, j]
+            for e in range(dim):
+                acc_out[i, e] += p * v_buf[s, h, e]
+    for i in range(nq):
         total = np.float32(0.0)
         for j in range(n):
-            total += scores[j]
-        acc_out[:] = 0.0
-        for j in range(n):
-            s = slots[b, j]
-            p = scores[j]
-            for e in range(dim):
-                acc_out[e] += p * v_buf[s, h, e]
+            total += scores[i, j]
         inv = np.float32(1.0) / total
         for e in range(dim):
-            out[b, qh, e] = acc_out[e] * inv
+            out[b, q0 + i, e] = acc_out[i, e] * inv
 
 
-def _decode_attention(q, k_buf, v_buf, slots, num_keys, scale, out):  # type: ignore[no-untyped-def]
+def _decode_attention(q, k_buf, v_buf, slots, num_keys, scale, out, parts):  # type: ignore[no-untyped-def]
     bs = q.shape[0]  # every slot read is in the buffer (the caller raises otherwise)
     bad = _check_reads(slots, num_keys, k_buf.shape[0], bs)
     if bad >= 0:
         return bad
-    for task in prange(bs * k_buf.shape[1]):
-        _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task)
+    for task in prange(bs * parts):
+        _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts)
     return -1
 
 
 def _decode_layer(qkv, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,  # type: ignore[no-untyped-def]
-                  k_buf, v_buf, loc, slots, num_keys, scale, out, k_out):  # fmt: skip
+                  k_buf, v_buf, loc, slots, num_keys, scale, out, k_out, parts):  # fmt: skip
     bs, dim = qkv.shape[0], qkv.shape[2]
     kv_heads, num_slots = k_buf.shape[1], k_buf.shape[0]
     first_v = num_heads + kv_heads  # qkv's heads: q, then k, then v
@@ -181,8 +194,8 @@ def _decode_layer(qkv, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,
                 v_buf[s, h, e] = qkv[t, first_v + h, e]
                 if k_out.shape[0]:  # the stored k rows, for the caller too
                     k_out[t, h, e] = k_buf[s, h, e]
-    for task in prange(bs * kv_heads):  # 2. attention, as _decode_attention
-        _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task)
+    for task in prange(bs * parts):  # 2. attention, as _decode_attention
+        _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts)
     return -1
 
 
@@ -207,6 +220,14 @@ def _split(bs: int, k_buf: np.ndarray, slots: np.ndarray) -> bool:
     """Whether attention over ``bs`` requests reading ``k_buf [slots, kv heads, dim]`` through
     a ``slots`` table this wide is worth the threads (:data:`PARALLEL_MIN_WORK`)."""
     return bool(bs * k_buf.shape[1] * slots.shape[1] * k_buf.shape[2] >= PARALLEL_MIN_WORK)
+
+
+def _parts(bs: int, kv_heads: int, split: bool) -> int:
+    """Tasks per request (:func:`_attend`): one, all its heads, unless the batch is too small
+    to keep the threads busy; then its KV heads split so that each thread gets two tasks."""
+    if not split:
+        return 1
+    return max(1, min(kv_heads, -(-2 * numba_parallel.parallel_threads() // bs)))
 
 
 def applies(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
@@ -247,8 +268,10 @@ def decode_attention(
     )  # fmt: skip
     # q as it is (a decode step's is a view of the q/k projection): the kernel copies each
     # query row once, where a contiguous() copy of all of q cost a torch op per layer.
-    args = (q.numpy(), k_np, v_np, slots_np, keys_np, np.float32(scale), out.numpy())
-    bad_row = numba_parallel.run(_serial, _parallel, _split(bs, k_np, slots_np), *args)
+    split = _split(bs, k_np, slots_np)
+    args = (q.numpy(), k_np, v_np, slots_np, keys_np, np.float32(scale), out.numpy(),
+            _parts(bs, k_np.shape[1], split))  # fmt: skip
+    bad_row = numba_parallel.run(_serial, _parallel, split, *args)
     if bad_row >= 0:  # as index_select would refuse it (nothing was read)
         n = max(int(num_keys[bad_row]), 1)
         raise IndexError(
@@ -285,11 +308,13 @@ def decode_layer(
     lanes = 0
     if norm_eps is not None and not (lanes := norm_cpu.lanes()):
         return False
+    split = _split(qkv.shape[0], k_np, slots)
     status = numba_parallel.run(
-        _layer_serial, _layer_parallel, _split(qkv.shape[0], k_np, slots), qkv, num_heads,
+        _layer_serial, _layer_parallel, split, qkv, num_heads,
         _NO_WEIGHT if weight is None else weight, weight is not None,
         np.float32(norm_eps or 0.0), lanes, cos, sin, k_np, v_np, loc, slots, num_keys,
         np.float32(scale), out, _NO_K_OUT if k_out is None else k_out,
+        _parts(qkv.shape[0], k_np.shape[1], split),
     )  # fmt: skip
     return bool(status != _LAYER_REFUSED)
 
