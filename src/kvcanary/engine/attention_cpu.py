@@ -4,7 +4,7 @@ The torch path (:class:`~kvcanary.engine.attention.PagedAttentionBackend`) gathe
 request's keys and values into a padded ``[bs, kv heads, max_keys, dim]`` copy per layer
 (``index_select``) and runs masked SDPA on it: per decode step it writes and reads the whole
 visible KV twice more than attention needs. Here one compiled loop per request (per group of
-its KV heads when the batch is smaller than twice the threads) reads each key and value row
+its KV heads when the batch is smaller than four times the threads) reads each key and value row
 where it lies in the pool, once, through the request's slot row: scores for the query
 heads, softmax, weighted sum.
 Measured (microbenchmark, this repo's 2-core machine, random slots, us per layer; torch =
@@ -223,11 +223,12 @@ def _split(bs: int, k_buf: np.ndarray, slots: np.ndarray) -> bool:
 
 
 def _parts(bs: int, kv_heads: int, split: bool) -> int:
-    """Tasks per request (:func:`_attend`): one, all its heads, unless the batch is too small
-    to keep the threads busy; then its KV heads split so that each thread gets two tasks."""
+    """Tasks per request (:func:`_attend`): one, all its heads, unless the batch is below four
+    tasks a thread; then its KV heads split so that each thread gets four (Qwen3-0.6B shapes,
+    batch 1: a task per KV head, 232 us a full layer against 255 with two heads a task)."""
     if not split:
         return 1
-    return max(1, min(kv_heads, -(-2 * numba_parallel.parallel_threads() // bs)))
+    return max(1, min(kv_heads, -(-4 * numba_parallel.parallel_threads() // bs)))
 
 
 def applies(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
