@@ -216,19 +216,16 @@ _layer_serial = _compile(_decode_layer, False)
 _layer_parallel = _compile(_decode_layer, True)
 
 
-def _split(bs: int, k_buf: np.ndarray, slots: np.ndarray) -> bool:
-    """Whether attention over ``bs`` requests reading ``k_buf [slots, kv heads, dim]`` through
-    a ``slots`` table this wide is worth the threads (:data:`PARALLEL_MIN_WORK`)."""
-    return bool(bs * k_buf.shape[1] * slots.shape[1] * k_buf.shape[2] >= PARALLEL_MIN_WORK)
-
-
-def _parts(bs: int, kv_heads: int, split: bool) -> int:
-    """Tasks per request (:func:`_attend`): one, all its heads, unless the batch is below four
-    tasks a thread; then its KV heads split so that each thread gets four (Qwen3-0.6B shapes,
-    batch 1: a task per KV head, 232 us a full layer against 255 with two heads a task)."""
-    if not split:
-        return 1
-    return max(1, min(kv_heads, -(-4 * numba_parallel.parallel_threads() // bs)))
+def _split(bs: int, k_buf: np.ndarray, slots: np.ndarray) -> tuple[bool, int]:
+    """How attention over ``bs`` requests reading ``k_buf [slots, kv heads, dim]`` through a
+    ``slots`` table this wide runs: whether it is worth the threads
+    (:data:`PARALLEL_MIN_WORK`), and its tasks per request (:func:`_attend`): one, all its
+    heads, unless the threads would get fewer than four tasks each; then its KV heads split
+    so that each gets four (Qwen3-0.6B shapes, batch 1: a task per KV head, 232 us a full
+    layer against 255 with two heads a task)."""
+    if bs * k_buf.shape[1] * slots.shape[1] * k_buf.shape[2] < PARALLEL_MIN_WORK:
+        return False, 1
+    return True, max(1, min(k_buf.shape[1], -(-4 * numba_parallel.parallel_threads() // bs)))
 
 
 def applies(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
@@ -269,9 +266,8 @@ def decode_attention(
     )  # fmt: skip
     # q as it is (a decode step's is a view of the q/k projection): the kernel copies each
     # query row once, where a contiguous() copy of all of q cost a torch op per layer.
-    split = _split(bs, k_np, slots_np)
-    args = (q.numpy(), k_np, v_np, slots_np, keys_np, np.float32(scale), out.numpy(),
-            _parts(bs, k_np.shape[1], split))  # fmt: skip
+    split, parts = _split(bs, k_np, slots_np)
+    args = (q.numpy(), k_np, v_np, slots_np, keys_np, np.float32(scale), out.numpy(), parts)
     bad_row = numba_parallel.run(_serial, _parallel, split, *args)
     if bad_row >= 0:  # as index_select would refuse it (nothing was read)
         n = max(int(num_keys[bad_row]), 1)
@@ -309,13 +305,12 @@ def decode_layer(
     lanes = 0
     if norm_eps is not None and not (lanes := norm_cpu.lanes()):
         return False
-    split = _split(qkv.shape[0], k_np, slots)
+    split, parts = _split(qkv.shape[0], k_np, slots)
     status = numba_parallel.run(
         _layer_serial, _layer_parallel, split, qkv, num_heads,
         _NO_WEIGHT if weight is None else weight, weight is not None,
         np.float32(norm_eps or 0.0), lanes, cos, sin, k_np, v_np, loc, slots, num_keys,
-        np.float32(scale), out, _NO_K_OUT if k_out is None else k_out,
-        _parts(qkv.shape[0], k_np.shape[1], split),
+        np.float32(scale), out, _NO_K_OUT if k_out is None else k_out, parts,
     )  # fmt: skip
     return bool(status != _LAYER_REFUSED)
 
