@@ -1,6 +1,7 @@
-"""Software prefetch for numba kernels: ``prefetch(a, i, j, k)`` asks the CPU to start
-loading the cache line that holds ``a[i, j, k]`` (a 3-D array, any layout), and returns at
-once.
+"""Software prefetch for numba kernels: ``prefetch(a, i)`` / ``prefetch(a, (i, j, ...))``
+asks the CPU to start loading the cache line that holds ``a[i, 0, ...]`` /
+``a[i, j, ..., 0, ...]`` (any array, any layout; missing trailing indices are 0), and
+returns at once.
 
 For kernels whose reads jump: a decode step's attention reads each key's K and V rows
 through a slot table, a few hundred bytes a key from pages scattered over the pool, and the
@@ -24,20 +25,33 @@ from numba.extending import intrinsic
 
 
 @intrinsic
-def prefetch(typingctx: Any, a: Any, i: Any, j: Any, k: Any) -> Any:
-    """Hint: ``a[i, j, k]``'s cache line will be read soon (``a`` 3-D, indices integers)."""
-    if not (isinstance(a, types.Array) and a.ndim == 3
-            and all(isinstance(x, types.Integer) for x in (i, j, k))):  # fmt: skip
+def prefetch(typingctx: Any, a: Any, index: Any) -> Any:
+    """Hint: the cache line of ``a[index]`` (an integer, or a tuple of at most ``a.ndim``
+    integers; the rest 0) will be read soon."""
+    if not isinstance(a, types.Array):
         return None
-    sig = types.void(a, i, j, k)
+    if isinstance(index, types.Integer):
+        count = 1
+    elif isinstance(index, types.BaseTuple) and all(isinstance(t, types.Integer) for t in index):
+        count = len(index)
+    else:
+        return None
+    if not 1 <= count <= a.ndim:
+        return None
+    sig = types.void(a, index)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        index = [context.cast(builder, v, t, types.intp)
-                 for v, t in zip(args[1:], signature.args[1:], strict=True)]  # fmt: skip
+        aty, ity = signature.args
+        array = context.make_array(aty)(context, builder, args[0])
+        if count == 1 and isinstance(ity, types.Integer):
+            values, kinds = [args[1]], [ity]
+        else:
+            values, kinds = cgutils.unpack_tuple(builder, args[1], count), list(ity)
+        idx = [context.cast(builder, v, t, types.intp) for v, t in zip(values, kinds, strict=True)]
+        idx += [context.get_constant(types.intp, 0)] * (aty.ndim - count)
         ptr = cgutils.get_item_pointer2(
             context, builder, array.data, cgutils.unpack_tuple(builder, array.shape),
-            cgutils.unpack_tuple(builder, array.strides), signature.args[0].layout, index,
+            cgutils.unpack_tuple(builder, array.strides), aty.layout, idx,
             wraparound=False, boundscheck=False,
         )  # fmt: skip
         i32 = ir.IntType(32)

@@ -1,5 +1,5 @@
 """kvcanary.numba_prefetch: a hint that never faults, reads nothing into the program and
-types only 3-D arrays with integer indices."""
+types only arrays with at most ndim integer indices."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from kvcanary.numba_prefetch import prefetch
 def _sum_with_hints(a, far):  # type: ignore[no-untyped-def]
     total = 0.0
     for i in range(a.shape[0]):
-        prefetch(a, i + far, 0, 0)  # past the end when far is large: a hint, not a read
+        prefetch(a, (i + far, 1, 2))  # past the end when far is large: a hint, not a read
+        prefetch(a, i - far)
         for j in range(a.shape[1]):
             for k in range(a.shape[2]):
                 total += a[i, j, k]
-    prefetch(a, -(1 << 40), 3, 7)
+    prefetch(a, (-(1 << 40), 3))
     return total
 
 
@@ -32,16 +33,22 @@ def test_prefetch_past_the_array_neither_faults_nor_changes_results(layout: str)
     assert np.array_equal(a, before)
 
 
-def test_prefetch_types_only_3d_arrays_with_integer_indices() -> None:
+def test_prefetch_types_only_arrays_with_at_most_ndim_integer_indices() -> None:
     @numba.njit(cache=False)
-    def hint_2d(a):  # type: ignore[no-untyped-def]
-        prefetch(a, 0, 0, 0)
+    def too_many(a):  # type: ignore[no-untyped-def]
+        prefetch(a, (0, 0, 0))
 
     @numba.njit(cache=False)
-    def hint_float_index(a):  # type: ignore[no-untyped-def]
-        prefetch(a, 0.5, 0, 0)
+    def float_index(a):  # type: ignore[no-untyped-def]
+        prefetch(a, (0, 0.5))
+
+    @numba.njit(cache=False)
+    def not_an_array(a):  # type: ignore[no-untyped-def]
+        prefetch(a, 0)
 
     with pytest.raises(numba.core.errors.TypingError, match="prefetch"):
-        hint_2d(np.zeros((2, 2), dtype=np.float32))
+        too_many(np.zeros((2, 2), dtype=np.float32))
     with pytest.raises(numba.core.errors.TypingError, match="prefetch"):
-        hint_float_index(np.zeros((2, 2, 2), dtype=np.float32))
+        float_index(np.zeros((2, 2, 2), dtype=np.float32))
+    with pytest.raises(numba.core.errors.TypingError, match="prefetch"):
+        not_an_array(3)

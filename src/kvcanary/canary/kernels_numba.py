@@ -39,6 +39,7 @@ from kvcanary.canary.real_kv import (
 from kvcanary.canary.records import as_int64_records
 from kvcanary.canary.ring import RunCounters, ViolationRing
 from kvcanary.numba_parallel import parallel_lock, parallel_threads
+from kvcanary.numba_prefetch import prefetch
 
 _CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
 _POSITION = int(FailReason.VERIFY_POSITION_MISMATCH)
@@ -161,6 +162,11 @@ def _verify_kernel(
 _VERIFY_BLOCK = 256  # row-plan entries whose records are gathered together
 
 
+# _row_may_violate asks for an entry's record this many entries before it reads it
+# (records sit in slot order, a row's slots in pages scattered over the pool).
+_PREFETCH_ENTRIES = 16
+
+
 @numba.njit(cache=True, inline="always")
 def _row_may_violate(rec, slots, tokens, real, first, count, first_position, check_token,
                      block):  # fmt: skip
@@ -175,6 +181,8 @@ def _row_may_violate(rec, slots, tokens, real, first, count, first_position, che
     while e0 < last:  # block covers entries e0 + 1 .. e0 + m, preceded by e0 .. e0 + m - 1
         m = min(_VERIFY_BLOCK, last - e0)
         for k in range(m + 1):
+            if e0 + k + _PREFETCH_ENTRIES < slots.shape[0]:
+                prefetch(rec, slots[e0 + k + _PREFETCH_ENTRIES])
             slot = slots[e0 + k]
             token[k], position[k] = rec[slot, 0], rec[slot, 1]
             chain[k], real_kv[k] = rec[slot, 2], rec[slot, 3]

@@ -110,7 +110,7 @@ def _prefetch_rows(buf, s, h0, h1, dim):  # type: ignore[no-untyped-def]
     """Prefetch slot ``s``'s rows of heads ``[h0, h1)`` (every 64-byte line of each)."""
     for h in range(h0, h1):
         for e in range(0, dim, _LINE_FLOATS):
-            prefetch(buf, s, h, e)
+            prefetch(buf, (s, h, e))
 
 
 @numba.njit(cache=True, inline="always")
