@@ -17,7 +17,8 @@ cache levels, data cache).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from llvmlite import ir
 from numba.core import cgutils, types
@@ -25,14 +26,16 @@ from numba.extending import intrinsic
 
 
 @intrinsic
-def prefetch(typingctx: Any, a: Any, index: Any) -> Any:
+def _prefetch(typingctx: Any, a: Any, index: Any) -> Any:
     """Hint: the cache line of ``a[index]`` (an integer, or a tuple of at most ``a.ndim``
     integers; the rest 0) will be read soon."""
     if not isinstance(a, types.Array):
         return None
     if isinstance(index, types.Integer):
         count = 1
-    elif isinstance(index, types.BaseTuple) and all(isinstance(t, types.Integer) for t in index):
+    elif isinstance(index, types.BaseTuple) and all(
+        isinstance(t, types.Integer) for t in getattr(index, "types", ())  # (untyped in numba)
+    ):
         count = len(index)
     else:
         return None
@@ -66,3 +69,8 @@ def prefetch(typingctx: Any, a: Any, index: Any) -> Any:
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+# The intrinsic as its callers see it (``prefetch(a, index)`` inside a jitted function; the
+# decorator's own type has the typing context as a first parameter).
+prefetch = cast(Callable[[Any, Any], None], _prefetch)
