@@ -142,6 +142,41 @@ def test_engine_decode_equals_torch_path(
         torch.testing.assert_close(got_lp, ref_lp, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("model", ["builtin:tiny-swa", "builtin:tiny-mha"])
+@pytest.mark.parametrize("chunk", [4096, 24])
+def test_engine_extend_equals_torch_path(monkeypatch: pytest.MonkeyPatch, model: str, chunk: int) -> None:
+    """Prefills through attention_cpu.extend_attention (whole prompts, or chunks of 24 tokens:
+    queries whose keys start in earlier chunks and, on sliding layers, past the window) give
+    the torch path's tokens and log-probabilities (the first token's comes from the prefill)."""
+    def run(use_kernel: bool):  # type: ignore[no-untyped-def]
+        calls = {"n": 0}
+        real = attention_cpu.extend_attention
+
+        def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls["n"] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(attention_cpu, "extend_attention", counting)
+        if not use_kernel:
+            monkeypatch.setattr(attention_cpu, "applies", lambda *a: False)
+            monkeypatch.setattr(attention_cpu, "decode_layer", lambda *a: False)
+        engine = tiny_engine(model=model, chunked_prefill_size=chunk, enable_prefix_cache=False)
+        prompts = make_prompts(7, 20, 90, seed=11)
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=0))
+        monkeypatch.undo()
+        return outs, calls["n"]
+
+    ref, ref_calls = run(False)
+    got, calls = run(True)
+    assert ref_calls == 0 and calls > 0
+    assert [o.output_ids for o in got] == [o.output_ids for o in ref]
+    for g, r in zip(got, ref, strict=True):
+        got_lp = torch.tensor([t.logprob for t in g.logprobs or []])
+        ref_lp = torch.tensor([t.logprob for t in r.logprobs or []])
+        assert got_lp.numel() == 6
+        torch.testing.assert_close(got_lp, ref_lp, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("bad", [-1, 10])
 def test_slot_outside_the_buffer_raises_before_reading(bad: int) -> None:
     q, kv = torch.zeros(2, 4, 8), torch.zeros(10, 2, 8)
@@ -534,3 +569,68 @@ def test_fused_decode_layer_beside_the_store_check(monkeypatch: pytest.MonkeyPat
     rows = engine.canary.violations[before:]
     assert rows and rows[0].launch_tag == "TAIL_K_FULL" and rows[0].slot_idx == hits[0]
     assert "write_kv_store" in rows[0].fail_reasons
+
+
+def _extend_reference(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, window, scale):  # type: ignore[no-untyped-def]
+    """Query by query: softmax over the keys the mask rule lets it see (full: columns up to
+    its own; sliding: the last ``window`` of those)."""
+    heads = q.shape[1]
+    group = heads // k_buf.shape[1]
+    out = torch.zeros_like(q)
+    for b in range(len(ext)):
+        for i in range(int(ext[b])):
+            c = int(first_col[b]) + i
+            lo = max(c - window + 1, 0) if window else 0
+            rows = torch.as_tensor(slots[b, lo : c + 1])
+            for hq in range(heads):
+                keys, values = k_buf[rows, hq // group], v_buf[rows, hq // group]
+                probs = torch.softmax((keys @ q[int(starts[b]) + i, hq]) * scale, dim=-1)
+                out[int(starts[b]) + i, hq] = probs @ values
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 32), (16, 8, 64)])
+@pytest.mark.parametrize("window", [0, 5, 32])
+def test_extend_kernel_matches_masked_attention(monkeypatch: pytest.MonkeyPatch, heads, kv_heads, dim,
+                                                window) -> None:  # fmt: skip
+    """Requests with cached prefixes and new tokens of every length (one is a whole prompt,
+    one a single token), against softmax over exactly the keys each query may see."""
+    gen = torch.Generator().manual_seed(heads + dim + window)
+    pre = np.array([0, 7, 40, 3, 90], dtype=np.int64)
+    ext = np.array([12, 1, 25, 9, 33], dtype=np.int64)
+    seq = pre + ext
+    key_start = np.maximum(pre - window + 1, 0) if window else np.zeros_like(pre)
+    num_keys = seq - key_start
+    width = int(num_keys.max())
+    num_slots = 4 * int(seq.sum()) + 1
+    k_buf = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    v_buf = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    slots = np.zeros((len(ext), width), dtype=np.int64)
+    for b in range(len(ext)):
+        slots[b, : num_keys[b]] = torch.randperm(num_slots - 1, generator=gen)[: num_keys[b]].numpy() + 1
+    starts = np.cumsum(ext) - ext
+    q = torch.randn(int(ext.sum()), heads + kv_heads, dim, generator=gen)[:, :heads]  # a strided view
+    first_col = pre - key_start
+    scale = 1 / math.sqrt(dim)
+    want = _extend_reference(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, window, scale)
+    for parallel_min in (1 << 62, 1):  # the one-thread kernel, then the prange kernel
+        monkeypatch.setattr(attention_cpu, "PARALLEL_MIN_WORK", parallel_min)
+        got = attention_cpu.extend_attention(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col,
+                                             window, scale)  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["slot", "past_keys", "rows"])
+def test_extend_kernel_refuses_tables_that_do_not_hold(case: str) -> None:
+    k_buf = torch.zeros(16, 1, 8)
+    slots = np.array([[1, 2, 3, 4]], dtype=np.int64)
+    num_keys, starts, ext, first_col = (np.array([x], dtype=np.int64) for x in (4, 0, 2, 2))
+    q = torch.zeros(2, 2, 8)
+    if case == "slot":
+        slots[0, 3] = 16  # one past the buffer
+    elif case == "past_keys":
+        first_col[0] = 3  # its second query would sit at column 4 of 4 keys
+    else:
+        q = torch.zeros(1, 2, 8)  # two new tokens, one query row
+    with pytest.raises(IndexError, match="extend attention: request row 0"):
+        attention_cpu.extend_attention(q, k_buf, k_buf, slots, num_keys, starts, ext, first_col, 0, 1.0)

@@ -37,6 +37,8 @@ class _KeyView:
     mask: torch.Tensor  # bool [bs, max_q, max_keys]
     write_loc: torch.Tensor  # int64 [num_tokens] where this forward's K/V go
     num_keys: torch.Tensor  # int64 [bs] keys of each request: slots[b, :num_keys[b]] (host)
+    # CPU extend forwards: each request's first query's column in slots (attention_cpu.extend_attention).
+    first_col: np.ndarray | None = None
     # The four as numpy arrays (CPU decode tables: StaticKeyBuffers.fill copies these).
     host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
     _grouped: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
@@ -210,6 +212,8 @@ class PagedAttentionBackend:
         self._q_valid: torch.Tensor | None = None
         self._dense_q = False
         self._decode_query: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> index, valid
+        # A CPU extend forward's (first flat token, new tokens) per request, int64 numpy.
+        self._extend_rows: tuple[np.ndarray, np.ndarray] | None = None
         # layer -> (its K, V buffers, their numpy views): the CPU decode kernel's arguments.
         self._kv_np: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]] = {}
         self._fused_layers: dict[int, tuple[Any, ...]] = {}  # layer -> rope_forward's entry
@@ -229,11 +233,15 @@ class PagedAttentionBackend:
         )
         self._full = _KeyView(full_slots, full_mask, fb.out_cache_loc, full_keys)
         self._sliding = None
+        self._extend_rows = None
+        if device == HOST:  # CPU extend attention's request rows (attention_cpu.extend_attention)
+            ext = layout.ext.numpy()
+            self._extend_rows = (np.cumsum(ext) - ext, ext)
+            self._full.first_col = layout.pre.numpy()
         if self.sliding_window is not None:
             w = self.sliding_window
-            slots, mask, num_keys = key_view(
-                table, rows, layout, (layout.pre - w + 1).clamp(min=0), w, device
-            )
+            key_start = (layout.pre - w + 1).clamp(min=0)
+            slots, mask, num_keys = key_view(table, rows, layout, key_start, w, device)
             write_loc = fb.out_cache_loc
             if self.swa_pool is not None:
                 # One gather for this forward's write locations and the whole read table.
@@ -242,6 +250,8 @@ class PagedAttentionBackend:
                 write_loc = swa[: fb.num_tokens]
                 slots = swa[fb.num_tokens :].reshape(slots.shape)
             self._sliding = _KeyView(slots, mask, write_loc, num_keys)
+            if self._extend_rows is not None:
+                self._sliding.first_col = (layout.pre - key_start).numpy()
 
     def _init_decode_cpu(self, fb: ForwardBatch) -> bool:
         """:meth:`init_forward_metadata` of a CPU decode forward in one compiled pass
@@ -271,6 +281,7 @@ class PagedAttentionBackend:
             )  # fmt: skip
         self._q_index, self._q_valid = query
         self._dense_q = True
+        self._extend_rows = None
         self._full = _KeyView(torch.from_numpy(full_slots), torch.from_numpy(full_mask), loc,
                               torch.from_numpy(seq), host=(full_slots, full_mask, loc_np, seq))  # fmt: skip
         self._sliding = None
@@ -325,6 +336,14 @@ class PagedAttentionBackend:
             return attention_cpu.decode_attention(
                 q, k_buf, v_buf, view.slots, view.num_keys, layer.scaling,
                 host=(kv_np[2], kv_np[3], tables),
+            )  # fmt: skip
+        if self._extend_rows is not None and view.first_col is not None and attention_cpu.applies(
+            q, k_buf, v_buf
+        ):  # an extend on the CPU: request by request, no padding, no mask (attention_cpu)
+            starts, ext = self._extend_rows
+            return attention_cpu.extend_attention(
+                q, k_buf, v_buf, view.slots.numpy(), view.num_keys.numpy(), starts, ext,
+                view.first_col, (self.sliding_window or 0) if layer.is_sliding else 0, layer.scaling,
             )  # fmt: skip
         # index_select on the flat table: several times cheaper than advanced indexing on CPU.
         flat = view.slots.view(-1)

@@ -1,4 +1,5 @@
-"""Decode attention on the CPU straight from the paged K/V buffers (numba).
+"""Decode and extend (prefill) attention on the CPU straight from the paged K/V buffers
+(numba).
 
 The torch path (:class:`~kvcanary.engine.attention.PagedAttentionBackend`) gathers every
 request's keys and values into a padded ``[bs, kv heads, max_keys, dim]`` copy per layer
@@ -25,6 +26,12 @@ read (as ``index_select`` does).
 Work of at least :data:`PARALLEL_MIN_WORK` multiply-adds runs on ``torch.get_num_threads()``
 numba threads (a parallel launch costs ~10 us; smaller work runs on one), under
 :mod:`kvcanary.numba_parallel`'s lock.
+
+:func:`extend_attention` is a prefill's (or any extend forward's) attention: per request
+and KV head, its keys gathered once, then each query over exactly the keys it may see
+(causal; within the window on sliding layers). The torch path pads every request to the
+longest, builds an additive mask and runs SDPA over all of it: a sliding layer's query
+computes scores for every key of the table, not its W.
 
 :func:`decode_layer` runs a decode layer's RoPE (with Qwen3's q/k norm), the K/V store and
 this attention as one compiled call, from the QKV projection as the GEMM leaves it (no
@@ -306,6 +313,148 @@ def decode_attention(
             f"decode attention: request row {bad_row} reads {n} keys, slots "
             f"{slots[bad_row, :n].tolist()}; allowed slots in [0, {k_buf.shape[0]}), at most "
             f"{slots.shape[1]} keys (the slot table's width)"
+        )
+    return out
+
+
+# ----------------------------------------------------------------- extend (prefill)
+# A prefill / extend forward's attention, request by request without padding: the torch
+# path runs SDPA on every request padded to the longest and masked (a sliding layer's
+# queries see at most W keys but SDPA computes all of them, then masks).
+
+
+@numba.njit(cache=True, inline="always")
+def _extend_task(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, window, scale,
+                 out, task):  # type: ignore[no-untyped-def]  # fmt: skip
+    """Request ``b`` and KV head ``h`` (``task = b * kv heads + h``): its K rows gathered
+    transposed (``kt [dim, keys]``) and its V rows (``vv [keys, dim]``) once, then per query
+    ``i`` (table column ``c = first_col[b] + i``; keys ``[max(0, c - window + 1), c]``, all
+    of ``[0, c]`` with ``window == 0``) and query head of the group: scores over those keys
+    (a loop over keys the compiler vectorises), softmax with the maximum subtracted
+    (:func:`_exp_nonpositive`), weighted sum of the V rows."""
+    dim = q.shape[2]
+    kv_heads = k_buf.shape[1]
+    group = q.shape[1] // kv_heads
+    b = task // kv_heads
+    h = task - b * kv_heads
+    nk = num_keys[b]
+    if ext[b] == 0 or nk == 0:
+        return
+    kt = np.empty((dim, nk), dtype=np.float32)
+    vv = np.empty((nk, dim), dtype=np.float32)
+    for j in range(nk):
+        s = slots[b, j]
+        for e in range(dim):
+            kt[e, j] = k_buf[s, h, e]
+            vv[j, e] = v_buf[s, h, e]
+    scores = np.empty(nk, dtype=np.float32)
+    bits = np.empty(nk, dtype=np.int32)  # (_exp_nonpositive's scratch)
+    acc = np.empty(dim, dtype=np.float32)
+    q_row = np.empty(dim, dtype=np.float32)
+    for i in range(ext[b]):
+        c = first_col[b] + i
+        lo = max(c - window + 1, 0) if window > 0 else 0
+        n = c - lo + 1
+        t = starts[b] + i
+        for g in range(group):
+            qh = h * group + g
+            for e in range(dim):
+                q_row[e] = q[t, qh, e] * scale
+            for j in range(n):
+                scores[j] = np.float32(0.0)
+            e = 0
+            while e + 4 <= dim:  # four dims a pass: one load and store of a score per 4 FMAs
+                x0, x1, x2, x3 = q_row[e], q_row[e + 1], q_row[e + 2], q_row[e + 3]
+                for j in range(n):
+                    scores[j] += (x0 * kt[e, lo + j] + x1 * kt[e + 1, lo + j]
+                                  + x2 * kt[e + 2, lo + j] + x3 * kt[e + 3, lo + j])  # fmt: skip
+                e += 4
+            while e < dim:
+                x0 = q_row[e]
+                for j in range(n):
+                    scores[j] += x0 * kt[e, lo + j]
+                e += 1
+            peak = np.float32(-np.inf)
+            for j in range(n):
+                peak = max(peak, scores[j])
+            for j in range(n):
+                scores[j] -= peak
+            _exp_nonpositive(scores, bits, n)
+            total = np.float32(0.0)
+            for j in range(n):
+                total += scores[j]
+            for e in range(dim):
+                acc[e] = np.float32(0.0)
+            j = 0
+            while j + 4 <= n:  # four keys a pass over the output row
+                p0, p1, p2, p3 = scores[j], scores[j + 1], scores[j + 2], scores[j + 3]
+                r = lo + j
+                for e in range(dim):
+                    acc[e] += (p0 * vv[r, e] + p1 * vv[r + 1, e]
+                               + p2 * vv[r + 2, e] + p3 * vv[r + 3, e])  # fmt: skip
+                j += 4
+            while j < n:
+                p0 = scores[j]
+                for e in range(dim):
+                    acc[e] += p0 * vv[lo + j, e]
+                j += 1
+            inv = np.float32(1.0) / total
+            for e in range(dim):
+                out[t, qh, e] = acc[e] * inv
+
+
+def _extend_attention(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, window, scale,  # type: ignore[no-untyped-def]
+                      out):  # fmt: skip
+    """Every request's queries over its keys (:func:`_extend_task`); -1, or the first
+    request row whose tables do not hold (nothing read then)."""
+    bs = ext.shape[0]
+    if (num_keys.shape[0] < bs or starts.shape[0] < bs or first_col.shape[0] < bs
+            or slots.shape[0] < bs or (bs and slots.shape[1] == 0)):  # fmt: skip
+        return 0
+    for b in range(bs):
+        if (ext[b] < 0 or first_col[b] < 0 or first_col[b] + ext[b] > num_keys[b]
+                or starts[b] < 0 or starts[b] + ext[b] > q.shape[0] or starts[b] + ext[b] > out.shape[0]):  # fmt: skip
+            return b
+    bad = _check_reads(slots, num_keys, k_buf.shape[0], bs)
+    if bad >= 0:
+        return bad
+    for task in prange(bs * k_buf.shape[1]):
+        _extend_task(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, window, scale,
+                     out, task)  # fmt: skip
+    return -1
+
+
+_extend_serial = _compile(_extend_attention, False)
+_extend_parallel = _compile(_extend_attention, True)
+
+
+def extend_attention(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: np.ndarray,
+    num_keys: np.ndarray, starts: np.ndarray, ext: np.ndarray, first_col: np.ndarray,
+    window: int, scale: float,
+) -> torch.Tensor:
+    """An extend forward's attention: ``q [tokens, heads, dim]`` (request ``b``'s ``ext[b]``
+    new tokens at rows ``starts[b]..``), ``k_buf`` / ``v_buf [slots, kv heads, dim]`` (this
+    forward's K/V already stored), request ``b``'s keys ``slots[b, :num_keys[b]]`` (int64),
+    its first query at table column ``first_col[b]`` (position - the table's first key's);
+    a query at column ``c`` sees columns ``[c - window + 1, c]`` (``window`` 0: ``[0, c]``)
+    -> ``[tokens, heads, dim]`` (rows no request covers: zeros). Call only where
+    :func:`applies`. The same values as the torch path's masked SDPA up to float rounding
+    (~1e-6). A table that does not hold (a slot outside the buffer, a query past its keys)
+    raises ``IndexError`` before anything is read."""
+    tokens, heads, dim = q.shape
+    out = torch.zeros((tokens, heads, dim), dtype=torch.float32)
+    k_np, v_np = k_buf.numpy(), v_buf.numpy()
+    work = int(ext.sum()) * heads * dim * (min(window, slots.shape[1]) if window > 0 else slots.shape[1])
+    args = (q.numpy(), k_np, v_np, slots, num_keys, starts, ext, first_col, np.int64(window),
+            np.float32(scale), out.numpy())  # fmt: skip
+    bad = numba_parallel.run(_extend_serial, _extend_parallel, work >= PARALLEL_MIN_WORK, *args)
+    if bad >= 0:
+        raise IndexError(
+            f"extend attention: request row {bad} (ext {int(ext[bad])}, first column "
+            f"{int(first_col[bad])}, keys {int(num_keys[bad])}, rows from {int(starts[bad])}) "
+            f"does not fit its tables: slots in [0, {k_buf.shape[0]}), {q.shape[0]} query rows, "
+            f"at most {slots.shape[1]} keys"
         )
     return out
 
