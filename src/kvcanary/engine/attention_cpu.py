@@ -324,8 +324,8 @@ def decode_attention(
 
 
 @numba.njit(cache=True, inline="always")
-def _extend_task(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, window, scale,
-                 out, task):  # type: ignore[no-untyped-def]  # fmt: skip
+def _extend_task(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, window, scale,  # type: ignore[no-untyped-def]
+                 out, task):  # fmt: skip
     """Request ``b`` and KV head ``h`` (``task = b * kv heads + h``): its K rows gathered
     transposed (``kt [dim, keys]``) and its V rows (``vv [keys, dim]``) once, then per query
     ``i`` (table column ``c = first_col[b] + i``; keys ``[max(0, c - window + 1), c]``, all
