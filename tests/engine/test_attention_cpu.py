@@ -620,6 +620,25 @@ def test_extend_kernel_matches_masked_attention(monkeypatch: pytest.MonkeyPatch,
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_extend_pays_counts_the_scores_each_query_may_see() -> None:
+    """extend_pays' closed forms against counting query by query, on random tables."""
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        bs = int(rng.integers(1, 6))
+        ext, first_col = rng.integers(1, 60, bs), rng.integers(0, 80, bs)
+        window = int(rng.choice([0, 1, 5, 32, 100]))
+        width = int((first_col + ext).max() + rng.integers(0, 50))
+        seen = sum(min(c + 1, window) if window else c + 1
+                   for f, e in zip(first_col, ext, strict=True) for c in range(f, f + e))  # fmt: skip
+        want = bs * int(ext.max()) * width >= attention_cpu.EXTEND_MIN_PADDING * seen
+        assert attention_cpu.extend_pays(first_col, ext, window, width) == want
+    # One 512-token chunk after 512 cached: SDPA's table is hardly padded on a full layer;
+    # a 32-key window sees a sixteenth of it.
+    one = np.array([512]), np.array([512])
+    assert not attention_cpu.extend_pays(*one, 0, 1024)
+    assert attention_cpu.extend_pays(np.array([31]), np.array([512]), 32, 543)
+
+
 @pytest.mark.parametrize("case", ["slot", "past_keys", "rows"])
 def test_extend_kernel_refuses_tables_that_do_not_hold(case: str) -> None:
     k_buf = torch.zeros(16, 1, 8)

@@ -37,7 +37,8 @@ class _KeyView:
     mask: torch.Tensor  # bool [bs, max_q, max_keys]
     write_loc: torch.Tensor  # int64 [num_tokens] where this forward's K/V go
     num_keys: torch.Tensor  # int64 [bs] keys of each request: slots[b, :num_keys[b]] (host)
-    # CPU extend forwards: each request's first query's column in slots (attention_cpu.extend_attention).
+    # CPU extend forwards: each request's first query's column in slots, where
+    # attention_cpu.extend_attention pays (extend_pays; None: the torch path).
     first_col: np.ndarray | None = None
     # The four as numpy arrays (CPU decode tables: StaticKeyBuffers.fill copies these).
     host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -237,7 +238,8 @@ class PagedAttentionBackend:
         if device == HOST:  # CPU extend attention's request rows (attention_cpu.extend_attention)
             ext = layout.ext.numpy()
             self._extend_rows = (np.cumsum(ext) - ext, ext)
-            self._full.first_col = layout.pre.numpy()
+            if attention_cpu.extend_pays(layout.pre.numpy(), ext, 0, full_slots.shape[1]):
+                self._full.first_col = layout.pre.numpy()
         if self.sliding_window is not None:
             w = self.sliding_window
             key_start = (layout.pre - w + 1).clamp(min=0)
@@ -250,8 +252,11 @@ class PagedAttentionBackend:
                 write_loc = swa[: fb.num_tokens]
                 slots = swa[fb.num_tokens :].reshape(slots.shape)
             self._sliding = _KeyView(slots, mask, write_loc, num_keys)
-            if self._extend_rows is not None:
-                self._sliding.first_col = (layout.pre - key_start).numpy()
+            first_col = (layout.pre - key_start).numpy()
+            if self._extend_rows is not None and attention_cpu.extend_pays(
+                first_col, self._extend_rows[1], w, slots.shape[1]
+            ):  # fmt: skip
+                self._sliding.first_col = first_col
 
     def _init_decode_cpu(self, fb: ForwardBatch) -> bool:
         """:meth:`init_forward_metadata` of a CPU decode forward in one compiled pass
