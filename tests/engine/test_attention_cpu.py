@@ -99,7 +99,11 @@ def test_applies_only_to_cpu_float32() -> None:
     assert not attention_cpu.applies(q, torch.zeros(10, 16), torch.zeros(10, 16))  # MLA-like
 
 
-def _decode(monkeypatch: pytest.MonkeyPatch, use_kernel: bool, **overrides):  # type: ignore[no-untyped-def]
+def _generate(monkeypatch: pytest.MonkeyPatch, use_kernel: bool, counted: tuple[str, ...],  # type: ignore[no-untyped-def]
+              prompts: list[list[int]], max_new_tokens: int, **overrides):  # fmt: skip
+    """``prompts`` through a tiny engine, the CPU kernels on or (``use_kernel`` False) the
+    torch path; (outputs with logprobs, calls of the ``counted`` attention_cpu functions that
+    did the work, the engine)."""
     calls = {"n": 0}
 
     def counting(real):  # type: ignore[no-untyped-def]
@@ -110,18 +114,33 @@ def _decode(monkeypatch: pytest.MonkeyPatch, use_kernel: bool, **overrides):  # 
 
         return call
 
-    # The kernel runs fused with rope and the store (decode_layer) or alone.
-    for name in ("decode_attention", "decode_layer"):
+    for name in counted:
         monkeypatch.setattr(attention_cpu, name, counting(getattr(attention_cpu, name)))
-    if not use_kernel:  # the torch path: neither kernel
+    if not use_kernel:  # the torch path: no kernel
         monkeypatch.setattr(attention_cpu, "applies", lambda *a: False)
         monkeypatch.setattr(attention_cpu, "decode_layer", lambda *a: False)
     engine = tiny_engine(**overrides)
-    prompts = make_prompts(11, 3, 70, seed=5)  # past the 32-token window on sliding layers
-    params = SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, logprobs=0)
     outs = engine.generate(prompts, params)
     monkeypatch.undo()
     return outs, calls["n"], engine
+
+
+def _decode(monkeypatch: pytest.MonkeyPatch, use_kernel: bool, **overrides):  # type: ignore[no-untyped-def]
+    # The kernel runs fused with rope and the store (decode_layer) or alone.
+    prompts = make_prompts(11, 3, 70, seed=5)  # past the 32-token window on sliding layers
+    return _generate(monkeypatch, use_kernel, ("decode_attention", "decode_layer"), prompts, 20,
+                     **overrides)  # fmt: skip
+
+
+def _assert_same_generation(got, ref, num_tokens: int) -> None:  # type: ignore[no-untyped-def]
+    """The same tokens, and log-probabilities within 1e-4, ``num_tokens`` per request."""
+    assert [o.output_ids for o in got] == [o.output_ids for o in ref]
+    for g, r in zip(got, ref, strict=True):
+        got_lp = torch.tensor([t.logprob for t in g.logprobs or []])
+        ref_lp = torch.tensor([t.logprob for t in r.logprobs or []])
+        assert got_lp.numel() == num_tokens
+        torch.testing.assert_close(got_lp, ref_lp, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("model", ["builtin:tiny-swa", "builtin:tiny-mha"])
@@ -134,12 +153,7 @@ def test_engine_decode_equals_torch_path(
     assert ref_calls == 0 and calls > 0  # the kernel ran, and only where enabled
     if graphs:
         assert engine.stats.padded_rows > 0  # padding rows went through the kernel too
-    assert [o.output_ids for o in got] == [o.output_ids for o in ref]
-    for g, r in zip(got, ref, strict=True):
-        got_lp = torch.tensor([t.logprob for t in g.logprobs or []])
-        ref_lp = torch.tensor([t.logprob for t in r.logprobs or []])
-        assert got_lp.numel() == 20
-        torch.testing.assert_close(got_lp, ref_lp, rtol=0, atol=1e-4)
+    _assert_same_generation(got, ref, 20)
 
 
 @pytest.mark.parametrize("model", ["builtin:tiny-swa", "builtin:tiny-mha"])
@@ -148,33 +162,12 @@ def test_engine_extend_equals_torch_path(monkeypatch: pytest.MonkeyPatch, model:
     """Prefills through attention_cpu.extend_attention (whole prompts, or chunks of 24 tokens:
     queries whose keys start in earlier chunks and, on sliding layers, past the window) give
     the torch path's tokens and log-probabilities (the first token's comes from the prefill)."""
-    def run(use_kernel: bool):  # type: ignore[no-untyped-def]
-        calls = {"n": 0}
-        real = attention_cpu.extend_attention
-
-        def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-            calls["n"] += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(attention_cpu, "extend_attention", counting)
-        if not use_kernel:
-            monkeypatch.setattr(attention_cpu, "applies", lambda *a: False)
-            monkeypatch.setattr(attention_cpu, "decode_layer", lambda *a: False)
-        engine = tiny_engine(model=model, chunked_prefill_size=chunk, enable_prefix_cache=False)
-        prompts = make_prompts(7, 20, 90, seed=11)
-        outs = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=0))
-        monkeypatch.undo()
-        return outs, calls["n"]
-
-    ref, ref_calls = run(False)
-    got, calls = run(True)
-    assert ref_calls == 0 and calls > 0
-    assert [o.output_ids for o in got] == [o.output_ids for o in ref]
-    for g, r in zip(got, ref, strict=True):
-        got_lp = torch.tensor([t.logprob for t in g.logprobs or []])
-        ref_lp = torch.tensor([t.logprob for t in r.logprobs or []])
-        assert got_lp.numel() == 6
-        torch.testing.assert_close(got_lp, ref_lp, rtol=0, atol=1e-4)
+    prompts = make_prompts(7, 20, 90, seed=11)
+    settings = dict(model=model, chunked_prefill_size=chunk, enable_prefix_cache=False)
+    ref, ref_calls, _ = _generate(monkeypatch, False, ("extend_attention",), prompts, 6, **settings)
+    got, calls, _ = _generate(monkeypatch, True, ("extend_attention",), prompts, 6, **settings)
+    assert ref_calls == 0 and calls > 0  # the kernel ran, and only where enabled
+    _assert_same_generation(got, ref, 6)
 
 
 @pytest.mark.parametrize("bad", [-1, 10])

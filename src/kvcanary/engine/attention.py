@@ -236,10 +236,10 @@ class PagedAttentionBackend:
         self._sliding = None
         self._extend_rows = None
         if device == HOST:  # CPU extend attention's request rows (attention_cpu.extend_attention)
-            ext = layout.ext.numpy()
+            ext, pre = layout.ext.numpy(), layout.pre.numpy()
             self._extend_rows = (np.cumsum(ext) - ext, ext)
-            if attention_cpu.extend_pays(layout.pre.numpy(), ext, 0, full_slots.shape[1]):
-                self._full.first_col = layout.pre.numpy()
+            if attention_cpu.extend_pays(pre, ext, 0, full_slots.shape[1]):
+                self._full.first_col = pre
         if self.sliding_window is not None:
             w = self.sliding_window
             key_start = (layout.pre - w + 1).clamp(min=0)
@@ -252,11 +252,10 @@ class PagedAttentionBackend:
                 write_loc = swa[: fb.num_tokens]
                 slots = swa[fb.num_tokens :].reshape(slots.shape)
             self._sliding = _KeyView(slots, mask, write_loc, num_keys)
-            first_col = (layout.pre - key_start).numpy()
-            if self._extend_rows is not None and attention_cpu.extend_pays(
-                first_col, self._extend_rows[1], w, slots.shape[1]
-            ):  # fmt: skip
-                self._sliding.first_col = first_col
+            if self._extend_rows is not None:
+                first_col = (layout.pre - key_start).numpy()
+                if attention_cpu.extend_pays(first_col, self._extend_rows[1], w, slots.shape[1]):
+                    self._sliding.first_col = first_col
 
     def _init_decode_cpu(self, fb: ForwardBatch) -> bool:
         """:meth:`init_forward_metadata` of a CPU decode forward in one compiled pass
