@@ -87,8 +87,8 @@ KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL: EnvVar[int] = EnvVar(
 KVCANARY_CPU_GEMM: EnvVar[str] = EnvVar(
     "KVCANARY_CPU_GEMM", "auto", _choice("auto", "onednn", "torch"),
     "one of auto, onednn, torch",
-    "the model's linear layers on the CPU: auto = oneDNN with weights packed once for weights "
-    ">= 1 MiB at the batch sizes where that is faster (it keeps a second copy of those "
+    "the model's linear layers on the CPU: auto = oneDNN with weights packed once where that "
+    "is faster (weights >= 1 MiB; smaller ones for 512+ rows) (it keeps a second copy of those "
     "weights, only while a tenth of memory stays available), onednn = packed for every weight and "
     "batch, torch = F.linear",
 )  # fmt: skip

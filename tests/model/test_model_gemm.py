@@ -10,7 +10,7 @@ from engine_utils import greedy_outputs, make_prompts, tiny_engine
 from torch.nn import functional as F
 
 from kvcanary.model import gemm
-from kvcanary.model.gemm import MIN_PACKED_BYTES, PACKED_ROWS, PackedLinear
+from kvcanary.model.gemm import MIN_PACKED_BYTES, PACKED_ROWS, SMALL_PACKED_ROWS, PackedLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                  reason="oneDNN is not built into this torch")  # fmt: skip
@@ -61,13 +61,18 @@ def test_packed_copy_follows_in_place_weight_writes(gemm_mode) -> None:
     torch.testing.assert_close(linear(x, replaced), F.linear(x, replaced))
 
 
-def test_auto_policy_packs_big_weights_in_the_winning_row_range(gemm_mode) -> None:
+def test_auto_policy_packs_in_the_winning_row_ranges(gemm_mode) -> None:
+    """Weights of at least MIN_PACKED_BYTES packed from PACKED_ROWS' first row count (one
+    byte less: only from SMALL_PACKED_ROWS' first row count, a prefill chunk's); no rows, no
+    packing."""
     gemm_mode("auto")
-    lo, hi = PACKED_ROWS[torch.float32]
+    lo = PACKED_ROWS[torch.float32][0]
+    small_lo = SMALL_PACKED_ROWS[torch.float32][0]
     big = torch.randn(MIN_PACKED_BYTES // 4 // 256, 256)  # exactly MIN_PACKED_BYTES
     small = torch.randn(big.shape[0] - 1, 256)
-    for weight, rows, packed in ((big, lo, True), (big, hi, True), (big, lo - 1, False),
-                                 (big, hi + 1, False), (small, lo, False)):  # fmt: skip
+    for weight, rows, packed in ((big, lo, True), (big, small_lo + 1, True), (big, 0, False),
+                                 (small, lo, False), (small, small_lo - 1, False),
+                                 (small, small_lo, True)):  # fmt: skip
         linear = PackedLinear()
         x = torch.randn(rows, 256)
         torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)

@@ -4,13 +4,18 @@
 for a decode batch (a few to a few hundred rows against a weight of megabytes) that re-layout
 is a large share of the call. oneDNN can keep the weight in its blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, the same packing inductor's CPU freezing and
-vLLM's CPU build use) and run the GEMM on it directly. Measured on this repo's 2-core AVX-512 /
-AMX machine, float32, ``K = 1024``, ``N = 4096`` (us, ``F.linear`` / packed): 348 / 390 at 1
-row, 953 / 543 at 8, 1504 / 1031 at 32, 7035 / 6268 at 256, 12653 / 12731 at 512; a 1024 x
-151936 lm_head at 16 rows 70.0 / 36.4 ms. bfloat16 (AMX) wins from 1 row to ~1024. Small
-weights lose (the packed call's fixed cost is ~20 us more), so :class:`PackedLinear` packs
-only weights of at least :data:`MIN_PACKED_BYTES` and only for row counts in the measured
-winning range; everything else, and every non-CPU tensor, goes to ``F.linear``.
+vLLM's CPU build use) and run the GEMM on it directly. Measured on this repo's 2-core AMD EPYC
+(AVX-512, avx512_bf16, no AMX), float32, 2 threads, packed / ``F.linear`` time (weights read
+from DRAM: 12 of them in rotation, as a model's decode reads them): ``N x K = 4096 x 1024`` at
+1 / 4 / 16 / 64 / 256 / 512 / 1024 rows 0.79 / 0.27 / 0.44 / 0.59 / 0.60 / 0.60 / 0.63,
+``1024 x 3072`` 0.81 / 0.46 / 0.49 / 0.67 / 0.76 / 0.73 / 0.69; weights under 1 MiB (the tiny
+presets' 64-256 KiB, warm) lose below ~128 rows (2.2-3.8x slower at 1 row, the packed call's
+fixed cost) and win from 512 (0.63-0.95 at 512-4096 rows: a prefill chunk). So
+:class:`PackedLinear` packs weights of at least :data:`MIN_PACKED_BYTES` for the row counts of
+:data:`PACKED_ROWS` and smaller ones for those of :data:`SMALL_PACKED_ROWS`; everything else,
+and every non-CPU tensor, goes to ``F.linear``. (An earlier 2-core Intel AVX-512 / AMX machine
+measured ``F.linear`` / packed at ``K = 1024``, ``N = 4096``: 348 / 390 us at 1 row, 953 / 543
+at 8, 1504 / 1031 at 32, 12653 / 12731 at 512; bfloat16 (AMX) won from 1 row to ~1024.)
 
 The packed copy doubles the weight memory of the layers that use it (vLLM drops the
 original; we keep it: row counts outside the packed range, checkpoint export and parity
@@ -34,8 +39,10 @@ from kvcanary import envs
 
 # vLLM's CPU build uses the same 1 MiB bound between small and packed GEMMs.
 MIN_PACKED_BYTES = 1 << 20
-# Row counts where the packed GEMM measured faster than F.linear (see the module doc).
-PACKED_ROWS = {torch.float32: (8, 384), torch.bfloat16: (1, 1024)}
+# Row counts where the packed GEMM measured faster than F.linear (see the module doc): for
+# weights of at least MIN_PACKED_BYTES, and for smaller ones (a prefill chunk's rows).
+PACKED_ROWS = {torch.float32: (1, 1 << 62), torch.bfloat16: (1, 1024)}
+SMALL_PACKED_ROWS = {torch.float32: (512, 1 << 62)}
 # Memory a packed copy must leave available (module doc).
 MIN_FREE_FRACTION = 0.1
 MIN_FREE_BYTES = 2 << 30
@@ -114,3 +121,5 @@ class PackedLinear:
             self._rows = (1, 1 << 62)
         elif weight.numel() * weight.element_size() >= MIN_PACKED_BYTES:
             self._rows = PACKED_ROWS[weight.dtype]
+        else:
+            self._rows = SMALL_PACKED_ROWS.get(weight.dtype)
