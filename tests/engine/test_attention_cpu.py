@@ -611,6 +611,14 @@ def test_extend_kernel_matches_masked_attention(monkeypatch: pytest.MonkeyPatch,
         got = attention_cpu.extend_attention(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col,
                                              window, scale)  # fmt: skip
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Three query rows past the requests' (no request covers them): zeros, even where the
+    # allocator hands back memory a NaN-filled tensor of that size just held.
+    extra = torch.cat((q, torch.randn(3, heads, dim, generator=gen)))
+    torch.full((extra.shape[0], heads, dim), float("nan"))  # (freed at once)
+    got = attention_cpu.extend_attention(extra, k_buf, v_buf, slots, num_keys, starts, ext, first_col,
+                                         window, scale)  # fmt: skip
+    torch.testing.assert_close(got[: q.shape[0]], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[q.shape[0] :], torch.zeros(3, heads, dim))
 
 
 def test_extend_pays_counts_the_scores_each_query_may_see() -> None:
