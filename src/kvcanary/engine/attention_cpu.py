@@ -473,10 +473,11 @@ def extend_attention(
     tokens, heads, dim = q.shape
     # Requests back to back over every row (the engine's forwards): each row is written,
     # so no zero fill first (Qwen3-0.6B shapes, 16 prompts: 12.6 MB, ~2.8 ms a layer).
-    covers = int(ext.sum()) == tokens and np.array_equal(starts, np.cumsum(ext) - ext)
+    queries = int(ext.sum())
+    covers = queries == tokens and np.array_equal(starts, np.cumsum(ext) - ext)
     out = (torch.empty if covers else torch.zeros)((tokens, heads, dim), dtype=torch.float32)
     k_np, v_np = k_buf.numpy(), v_buf.numpy()
-    work = int(ext.sum()) * heads * dim * (min(window, slots.shape[1]) if window > 0 else slots.shape[1])
+    work = queries * heads * dim * (min(window, slots.shape[1]) if window > 0 else slots.shape[1])
     args = (q.numpy(), k_np, v_np, slots, num_keys, starts, ext, first_col, np.int64(window),
             np.float32(scale), out.numpy())  # fmt: skip
     bad = numba_parallel.run(_extend_serial, _extend_parallel, work >= PARALLEL_MIN_WORK, *args)

@@ -41,8 +41,9 @@ from kvcanary import envs
 MIN_PACKED_BYTES = 1 << 20
 # Row counts where the packed GEMM measured faster than F.linear (see the module doc): for
 # weights of at least MIN_PACKED_BYTES, and for smaller ones (a prefill chunk's rows).
-PACKED_ROWS = {torch.float32: (1, 1 << 62), torch.bfloat16: (1, 1024)}
-SMALL_PACKED_ROWS = {torch.float32: (512, 1 << 62)}
+_ANY_ROWS = 1 << 62  # no upper bound on the row count
+PACKED_ROWS = {torch.float32: (1, _ANY_ROWS), torch.bfloat16: (1, 1024)}
+SMALL_PACKED_ROWS = {torch.float32: (512, _ANY_ROWS)}
 # Memory a packed copy must leave available (module doc).
 MIN_FREE_FRACTION = 0.1
 MIN_FREE_BYTES = 2 << 30
@@ -118,7 +119,7 @@ class PackedLinear:
         if weight.dtype not in PACKED_ROWS or weight.requires_grad or weight.is_inference():
             return  # (inference tensors keep no version counter to notice in-place writes)
         if mode == "onednn":
-            self._rows = (1, 1 << 62)
+            self._rows = (1, _ANY_ROWS)
         elif weight.numel() * weight.element_size() >= MIN_PACKED_BYTES:
             self._rows = PACKED_ROWS[weight.dtype]
         else:
