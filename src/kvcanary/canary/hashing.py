@@ -1,4 +1,5 @@
-"""Canary hashes in three bit-identical flavours: Python ints, torch int64, numba uint64.
+"""Canary hashes in three bit-identical flavours: Python ints, torch int64, numba uint64
+(and :func:`splitmix64_ir`, the numba one as LLVM IR on vectors, for intrinsics).
 
 Definitions (unsigned 64-bit arithmetic; stored in records and rings as signed int64)::
 
@@ -20,10 +21,12 @@ care (:func:`_lsr` masks off the sign extension).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
 
 from kvcanary.canary.constants import CANARY_CHAIN_ANCHOR, SPLITMIX64_MUL1, SPLITMIX64_MUL2
 
@@ -127,6 +130,21 @@ def fold_real_kv_words_t(words: torch.Tensor) -> torch.Tensor:
 _NB_MUL1 = np.uint64(SPLITMIX64_MUL1)
 _NB_MUL2 = np.uint64(SPLITMIX64_MUL2)
 ANCHOR_HASH_NB = np.uint64(ANCHOR_HASH)
+
+
+def splitmix64_ir(builder: Any, x: Any) -> Any:
+    """:func:`splitmix64_nb` as LLVM IR on an ``<n x i64>`` vector ``x`` (for numba
+    intrinsics: :func:`kvcanary.canary.real_kv._fold_lines`)."""
+    n = x.type.count
+
+    def splat(value: int) -> ir.Constant:
+        return ir.Constant(x.type, [ir.Constant(ir.IntType(64), to_i64(value))] * n)
+
+    x = builder.xor(x, builder.lshr(x, splat(30)))
+    x = builder.mul(x, splat(SPLITMIX64_MUL1))
+    x = builder.xor(x, builder.lshr(x, splat(27)))
+    x = builder.mul(x, splat(SPLITMIX64_MUL2))
+    return builder.xor(x, builder.lshr(x, splat(31)))
 
 
 @numba.njit(cache=True, inline="always")

@@ -18,10 +18,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from kvcanary.canary.constants import (
     MAX_REAL_KV_SOURCES,
@@ -29,7 +33,20 @@ from kvcanary.canary.constants import (
     REAL_KV_PARTIAL_READ_BYTES,
     RealKvHashMode,
 )
-from kvcanary.canary.hashing import fold_real_kv_words_t, splitmix64_nb, splitmix64_t
+from kvcanary.canary.hashing import (
+    fold_real_kv_words_t,
+    splitmix64_ir,
+    splitmix64_nb,
+    splitmix64_t,
+)
+from kvcanary.numba_transpose import (
+    LANES,
+    array_pointer,
+    load_lines,
+    transpose_arrays_ok,
+    transpose_lines,
+    vector_pointer,
+)
 
 if sys.byteorder != "little":  # records and word folds are little-endian on the wire
     raise ImportError("kvcanary.canary requires a little-endian host")
@@ -136,10 +153,47 @@ def numba_source_args(sources: Sequence[RealKvSource]) -> NumbaSourceArgs:
     return arrays[0], arrays[1], arrays[2], arrays[3], meta, len(sources)
 
 
-# Read windows of at most this many words (512 bytes) are gathered straight from the pool;
-# longer ones go through a tile of at most 64 slots / 16384 words (128 KiB: in L2).
+# Read windows of at most this many words (512 bytes) are folded across all of a forward's
+# slots at once, straight from the pool; longer ones 8 slots at a time (:func:`_fold_lines`).
 _DIRECT_WORDS = 64
-_TILE_SLOTS, _TILE_WORDS = 64, 16384
+
+
+@intrinsic
+def _fold_lines(typingctx: Any, words: Any, rows: Any, cols: Any, word0: Any, chunks: Any,
+                h: Any) -> Any:  # fmt: skip
+    """``h[k] = fold of h[k] over words[rows[k], cols[k] + word0 : ... + 8 * chunks]`` for the
+    8 lanes ``k`` (``h``: uint64, 8 long): per chunk one 64-byte line of each lane, loaded
+    as a vector, transposed in registers (:mod:`kvcanary.numba_transpose`), then 8 hash steps
+    on a vector of the 8 lanes' chains. No bounds check (the caller's)."""
+    if not (isinstance(h, types.Array) and h.ndim == 1 and h.dtype == types.uint64
+            and isinstance(word0, types.Integer) and isinstance(chunks, types.Integer)):  # fmt: skip
+        return None
+    if not transpose_arrays_ok(words, rows, cols):
+        return None
+    sig = types.void(words, rows, cols, word0, chunks, h)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        wty, rty, cty, w0ty, cty_n, hty = signature.args
+        words_v, rows_v, cols_v, w0, n, h_v = args
+        intp = context.get_value_type(types.intp)
+        vec = ir.VectorType(ir.IntType(64), LANES)
+        w0 = context.cast(builder, w0, w0ty, types.intp)
+        n = context.cast(builder, n, cty_n, types.intp)
+        h_ptr = vector_pointer(builder, array_pointer(context, builder, hty, h_v, [ir.Constant(intp, 0)]), vec)
+        state = cgutils.alloca_once(builder, vec)
+        builder.store(builder.load(h_ptr, align=8, typ=vec), state)
+        with cgutils.for_range(builder, n) as loop:
+            word = builder.add(w0, builder.mul(loop.index, ir.Constant(intp, LANES)))
+            lines = load_lines(context, builder, (wty, words_v), (rty, rows_v), (cty, cols_v),
+                               ir.Constant(intp, 0), word)  # fmt: skip
+            x = builder.load(state, typ=vec)
+            for line in transpose_lines(builder, lines):
+                x = splitmix64_ir(builder, builder.xor(x, line))
+            builder.store(x, state)
+        builder.store(builder.load(state, typ=vec), h_ptr, align=8)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @numba.njit(cache=True, inline="always")
@@ -154,17 +208,17 @@ def _fold_into(acc, slots, h, b0, m):
 def _fold_source(acc, slots, words, page_size, words_per_token, read_words):
     """``acc[i] = splitmix64(acc[i] ^ fold of slot i's read window)`` for slots >= 0.
 
-    Word-pair-major: each pass hashes two words of every slot in a loop that vectorises
-    across slots (a slot's fold is a serial chain; 10x faster than slot by slot). Windows
-    longer than 512 bytes go per block of slots, copied slot by slot (contiguous runs the
-    prefetcher follows) into a word-major tile ``[read_words, block]``, so a pass reads each
-    word of the block's slots as one contiguous vector (on the qwen3-0.6b-shape preset's 4 KiB
-    K rows a batch-32 decode TAIL (real-data all) took 3.1 ms instead of 8.2 ms with a
-    slot-major tile; word-major and 32-slot blocks: 32 slots of 4 KiB, warm, 35 -> 15 us,
-    3.7 -> 8.6 GB/s: the slot-major tile's strided lanes did not vectorise). Up to 512 bytes
-    (tiny models, and every partial window) the tile measured no faster in the engine (7 us
-    slower at batch 8), so those gather two words of every slot per pass straight from the
-    pool. ``read_words`` is even (read windows are multiples of 16 bytes).
+    A slot's fold is a serial chain (one hash step per word), so the work vectorises across
+    slots. Up to 512 bytes (tiny models, and every partial window) each pass gathers two
+    words of every slot straight from the pool and hashes them in a loop across all the
+    slots (10x faster than slot by slot). Longer windows go 8 slots at a time through
+    :func:`_fold_lines`, each 64-byte line a vector load and the 8 slots' lines transposed
+    in registers (4 KiB rows of the qwen3-0.6b-shape preset, 3200 random slots from DRAM:
+    3.5 -> 11.8 GB/s on one core; 32 slots in cache 7.1 -> 13 GB/s; a word-major tile that
+    the rows were copied into element by element cost twice the hashing, and more slots
+    at a time, 16 or 32, ran slower: their lines, 4 KiB apart, share L1 sets). The words
+    past the last whole line (windows are multiples of 16 bytes) go one at a time.
+    ``read_words`` is even.
     """
     n = slots.shape[0]
     hi = np.int64(-1)
@@ -189,21 +243,20 @@ def _fold_source(acc, slots, words, page_size, words_per_token, read_words):
                 h[i] = splitmix64_nb(splitmix64_nb(h[i] ^ lo_words[i]) ^ hi_words[i])
         _fold_into(acc, slots, h, 0, n)
         return
-    block = min(_TILE_SLOTS, max(4, _TILE_WORDS // read_words))
-    tile = np.empty((read_words, block), dtype=np.uint64)
-    h = np.empty(block, dtype=np.uint64)
-    for b0 in range(0, n, block):
-        m = min(block, n - b0)
-        for i in range(m):
-            slot = max(slots[b0 + i], 0)
-            row, col = slot // page_size, (slot % page_size) * words_per_token
-            for w in range(read_words):
-                tile[w, i] = words[row, col + w]
+    rows = np.empty(LANES, dtype=np.int64)
+    cols = np.empty(LANES, dtype=np.int64)
+    h = np.empty(LANES, dtype=np.uint64)
+    whole = read_words // LANES
+    for b0 in range(0, n, LANES):
+        m = min(LANES, n - b0)
+        for i in range(LANES):  # lanes past the last slot repeat it (their folds unused)
+            slot = max(slots[b0 + min(i, m - 1)], 0)
+            rows[i], cols[i] = slot // page_size, (slot % page_size) * words_per_token
             h[i] = 0
-        for w in range(0, read_words, 2):
-            lo, hi_w = tile[w], tile[w + 1]
-            for i in range(m):
-                h[i] = splitmix64_nb(splitmix64_nb(h[i] ^ lo[i]) ^ hi_w[i])
+        _fold_lines(words, rows, cols, 0, whole, h)
+        for w in range(whole * LANES, read_words):
+            for i in range(LANES):
+                h[i] = splitmix64_nb(h[i] ^ np.uint64(words[rows[i], cols[i] + w]))
         _fold_into(acc, slots, h, b0, m)
 
 
