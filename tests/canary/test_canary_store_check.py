@@ -199,7 +199,7 @@ def _watch(read_bytes: int, row_bytes: int) -> Any:
     return checker, watch
 
 
-@pytest.mark.parametrize("read_bytes", [16, 256])
+@pytest.mark.parametrize("read_bytes", [16, 256, 1040])
 @pytest.mark.parametrize("layout", ["qkv-view", "contiguous-3d", "contiguous-2d", "one-row",
                                     "strided-inner", "float64", "int32-slots", "empty"])  # fmt: skip
 def test_observe_folds_each_token_rows_as_a_contiguous_copy_would(
@@ -207,14 +207,16 @@ def test_observe_folds_each_token_rows_as_a_contiguous_copy_would(
 ) -> None:
     """Decode stores arrive as views of the QKV projection and are read in place; every other
     layout takes the copying path. Either way: the fold of each token's first read bytes and
-    its slot, and the watch stamped with this forward's epoch."""
+    its slot, and the watch stamped with this forward's epoch. 1040 bytes: rows folded 8
+    tokens at a time (11 tokens: a partial last 8), two words past the last whole line."""
     from kvcanary.canary.hashing import fold_real_kv_words_t
 
-    heads, dim, n = 2, 32, 5  # 256-byte float32 rows
+    # 256-byte float32 rows; 1088-byte ones for the 1040-byte window
+    heads, dim, n = 2, 32 if read_bytes <= 256 else 136, 11
     gen = torch.Generator().manual_seed(len(layout) + read_bytes)
     dtype = torch.float64 if layout == "float64" else torch.float32
     if layout == "float64":
-        dim = 16
+        dim //= 2
     qkv = torch.randn(n, 3 * heads * dim, generator=gen, dtype=dtype)
     kv = {
         "qkv-view": qkv[:, heads * dim : 2 * heads * dim].view(n, heads, dim),

@@ -206,7 +206,20 @@ def _fold_into(acc, slots, h, b0, m):
 
 @numba.njit(cache=True)
 def _fold_source(acc, slots, words, page_size, words_per_token, read_words):
-    """``acc[i] = splitmix64(acc[i] ^ fold of slot i's read window)`` for slots >= 0.
+    """``acc[i] = splitmix64(acc[i] ^ fold of slot i's read window)`` for slots >= 0."""
+    n = slots.shape[0]
+    hi = np.int64(-1)
+    for i in range(n):
+        hi = max(hi, slots[i])
+    _check_range(hi, words, page_size)
+    _fold_into(acc, slots, fold_windows_nb(slots, words, page_size, words_per_token, read_words), 0, n)
+
+
+@numba.njit(cache=True)
+def fold_windows_nb(slots, words, page_size, words_per_token, read_words):
+    """uint64 ``[len(slots)]``: the fold of each slot's read window, ``words[slot //
+    page_size, (slot % page_size) * words_per_token :][:read_words]`` (a negative slot reads
+    slot 0's; unchecked: the caller keeps every slot inside ``words``).
 
     A slot's fold is a serial chain (one hash step per word), so the work vectorises across
     slots. Up to 512 bytes (tiny models, and every partial window) each pass gathers two
@@ -214,21 +227,17 @@ def _fold_source(acc, slots, words, page_size, words_per_token, read_words):
     slots (10x faster than slot by slot). Longer windows go 8 slots at a time through
     :func:`_fold_lines`, each 64-byte line a vector load and the 8 slots' lines transposed
     in registers (4 KiB rows of the qwen3-0.6b-shape preset, 3200 random slots from DRAM:
-    3.5 -> 11.8 GB/s on one core; 32 slots in cache 7.1 -> 13 GB/s; a word-major tile that
+    3.5 -> 12.4 GB/s on one core; 32 slots in cache 7.2 -> 15 GB/s; a word-major tile that
     the rows were copied into element by element cost twice the hashing, and more slots
     at a time, 16 or 32, ran slower: their lines, 4 KiB apart, share L1 sets). The words
     past the last whole line (windows are multiples of 16 bytes) go one at a time.
     ``read_words`` is even.
     """
     n = slots.shape[0]
-    hi = np.int64(-1)
-    for i in range(n):
-        hi = max(hi, slots[i])
-    _check_range(hi, words, page_size)
+    h = np.zeros(n, dtype=np.uint64)
     if read_words <= _DIRECT_WORDS:
         lo_words = np.empty(n, dtype=np.uint64)
         hi_words = np.empty(n, dtype=np.uint64)
-        h = np.zeros(n, dtype=np.uint64)
         for w in range(0, read_words, 2):
             if page_size == 1:  # the usual layout: no division
                 for i in range(n):
@@ -241,23 +250,23 @@ def _fold_source(acc, slots, words, page_size, words_per_token, read_words):
                     lo_words[i], hi_words[i] = words[row, col], words[row, col + 1]
             for i in range(n):
                 h[i] = splitmix64_nb(splitmix64_nb(h[i] ^ lo_words[i]) ^ hi_words[i])
-        _fold_into(acc, slots, h, 0, n)
-        return
+        return h
     rows = np.empty(LANES, dtype=np.int64)
     cols = np.empty(LANES, dtype=np.int64)
-    h = np.empty(LANES, dtype=np.uint64)
+    lanes = np.empty(LANES, dtype=np.uint64)
     whole = read_words // LANES
     for b0 in range(0, n, LANES):
         m = min(LANES, n - b0)
         for i in range(LANES):  # lanes past the last slot repeat it (their folds unused)
             slot = max(slots[b0 + min(i, m - 1)], 0)
             rows[i], cols[i] = slot // page_size, (slot % page_size) * words_per_token
-            h[i] = 0
-        _fold_lines(words, rows, cols, 0, whole, h)
+            lanes[i] = 0
+        _fold_lines(words, rows, cols, 0, whole, lanes)
         for w in range(whole * LANES, read_words):
             for i in range(LANES):
-                h[i] = splitmix64_nb(h[i] ^ np.uint64(words[rows[i], cols[i] + w]))
-        _fold_into(acc, slots, h, b0, m)
+                lanes[i] = splitmix64_nb(lanes[i] ^ np.uint64(words[rows[i], cols[i] + w]))
+        h[b0 : b0 + m] = lanes[:m]
+    return h
 
 
 @numba.njit(cache=True, inline="always")

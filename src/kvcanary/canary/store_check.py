@@ -44,14 +44,13 @@ from kvcanary.canary.constants import (
     launch_tag,
 )
 from kvcanary.canary.hashing import (
-    fold_real_kv_nb,
     fold_real_kv_words_t,
     splitmix64_nb,
     splitmix64_t,
 )
 from kvcanary.canary.kernels_numba import _record, entry_point, i64_ptr
 from kvcanary.canary.plan_types import HostWritePlan, WritePlan
-from kvcanary.canary.real_kv import RealKvSource
+from kvcanary.canary.real_kv import RealKvSource, fold_windows_nb
 from kvcanary.canary.ring import ViolationRing
 
 _KV_STORE = int(FailReason.WRITE_KV_STORE_MISMATCH)
@@ -99,9 +98,12 @@ class StoreWatch:
 
 @numba.njit(cache=True)
 def _observe_nb(words, num_words, loc, intended, target):
-    for t in range(loc.shape[0]):
-        intended[t] = np.int64(fold_real_kv_nb(words, t, 0, num_words))
-        target[t] = loc[t]
+    """``intended[t]`` = the fold of row ``t``'s first ``num_words`` words, ``target[t] =
+    loc[t]``, for every stored row (folded across rows: :func:`.real_kv.fold_windows_nb`)."""
+    n = loc.shape[0]
+    rows = np.arange(n)
+    intended[:n] = fold_windows_nb(rows, words, 1, 0, num_words).view(np.int64)
+    target[:n] = loc
 
 
 @numba.njit(cache=True)
@@ -131,9 +133,9 @@ def _observe_in_place_nb(kv_addr, shape, strides, elem_size, loc_addr, loc_strid
     # One row spanning exactly the stored rows (no view past the last row's end).
     words = numba.carray(i64_ptr(kv_addr), (1, (n - 1) * step_words + row_bytes // 8))
     loc = numba.carray(i64_ptr(loc_addr), (n,))
-    for t in range(n):
-        intended[t] = np.int64(fold_real_kv_nb(words, 0, t * step_words, num_words))
-        target[t] = loc[t]
+    # Row t's words start at t * step_words of the one row: a "page" of n tokens.
+    intended[:n] = fold_windows_nb(np.arange(n), words, n, step_words, num_words).view(np.int64)
+    target[:n] = loc
     return True
 
 
