@@ -117,15 +117,17 @@ def test_signed_roundtrip_and_logical_shift() -> None:
 
 
 @pytest.mark.parametrize(("page_size", "token_bytes", "read_bytes"), [
-    (1, 512, 16), (1, 512, 512), (16, 128, 16), (4, 256, 256),  # gathered per pass
-    (1, 4096, 4096), (2, 2048, 1024), (1, 8192, 8192), (8, 1040, 1040),  # 8 slots a pass
+    (1, 512, 16), (16, 128, 16), (1, 128, 112),  # gathered per pass
+    (1, 128, 128), (4, 256, 256), (1, 512, 512), (2, 2048, 1024),  # 32 slots a pass
+    (1, 4096, 4096), (1, 8192, 8192), (8, 1040, 1040),  # 16 slots a pass
 ])  # fmt: skip
 def test_real_kv_fingerprints_numba_equal_torch(page_size: int, token_bytes: int, read_bytes: int) -> None:
-    """Field 3 from the numba kernels == the torch flavour, for every window the fold reads
-    across all slots per pass and every one it folds 8 slots at a time, their lines
-    transposed in registers (longer than 512 bytes; 1040 bytes: two words past the last
-    whole line), with two sources (the second a partial window), slot counts that leave a
-    partial last 8 (3, 63, 65, 700), slots in any order and negative slots (0)."""
+    """Field 3 from the numba kernels == the torch flavour, for windows the fold reads across
+    all slots per pass (under 128 bytes) and ones it folds 8 slots a vector, their lines
+    transposed in registers, 4 or 2 vectors side by side (up to 1 KiB or beyond; 1040 bytes:
+    two words past the last whole line), with two sources (the second a partial window),
+    slot counts that leave partial groups (3, 63, 65, 700), slots in any order and negative
+    slots (0)."""
     from kvcanary.canary.real_kv import (
         RealKvSource,
         numba_source_args,

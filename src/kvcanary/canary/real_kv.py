@@ -153,47 +153,69 @@ def numba_source_args(sources: Sequence[RealKvSource]) -> NumbaSourceArgs:
     return arrays[0], arrays[1], arrays[2], arrays[3], meta, len(sources)
 
 
-# Read windows of at most this many words (512 bytes) are folded across all of a forward's
-# slots at once, straight from the pool; longer ones 8 slots at a time (:func:`_fold_lines`).
-_DIRECT_WORDS = 64
+# Read windows shorter than this many words (128 bytes: partial windows) are folded across
+# all of a forward's slots at once, straight from the pool; longer ones through register
+# transposes of 8 slots' lines, 4 groups of 8 slots side by side up to 1 KiB, 2 beyond
+# (:func:`fold_windows_nb`).
+_LINE_MIN_WORDS = 16
+_FOUR_GROUPS_MAX_WORDS = 128
 
 
-@intrinsic
-def _fold_lines(typingctx: Any, words: Any, rows: Any, cols: Any, word0: Any, chunks: Any,
-                h: Any) -> Any:  # fmt: skip
-    """``h[k] = fold of h[k] over words[rows[k], cols[k] + word0 : ... + 8 * chunks]`` for the
-    8 lanes ``k`` (``h``: uint64, 8 long): per chunk one 64-byte line of each lane, loaded
-    as a vector, transposed in registers (:mod:`kvcanary.numba_transpose`), then 8 hash steps
-    on a vector of the 8 lanes' chains. No bounds check (the caller's)."""
-    if not (isinstance(h, types.Array) and h.ndim == 1 and h.dtype == types.uint64
-            and isinstance(word0, types.Integer) and isinstance(chunks, types.Integer)):  # fmt: skip
-        return None
-    if not transpose_arrays_ok(words, rows, cols):
-        return None
-    sig = types.void(words, rows, cols, word0, chunks, h)
+def _fold_lines_of(groups: int) -> Any:
+    """The intrinsic ``fold_lines(words, rows, cols, word0, chunks, h)``: ``h[k] = fold of
+    h[k] over words[rows[k], cols[k] + word0 : ... + 8 * chunks]`` for the ``8 * groups``
+    lanes ``k`` (``h``: uint64). Per chunk, one 64-byte line of each lane, a vector load,
+    each group's 8 lines transposed in registers (:mod:`kvcanary.numba_transpose`), then 8
+    hash steps on each group's vector of 8 chains, the groups' steps interleaved (a chain is
+    serial: more of them in flight hide the multiplies' latency). No bounds check (the
+    caller's)."""
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        wty, rty, cty, w0ty, cty_n, hty = signature.args
-        words_v, rows_v, cols_v, w0, n, h_v = args
-        intp = context.get_value_type(types.intp)
-        vec = ir.VectorType(ir.IntType(64), LANES)
-        w0 = context.cast(builder, w0, w0ty, types.intp)
-        n = context.cast(builder, n, cty_n, types.intp)
-        h_ptr = vector_pointer(builder, array_pointer(context, builder, hty, h_v, [ir.Constant(intp, 0)]), vec)
-        state = cgutils.alloca_once(builder, vec)
-        builder.store(builder.load(h_ptr, align=8, typ=vec), state)
-        with cgutils.for_range(builder, n) as loop:
-            word = builder.add(w0, builder.mul(loop.index, ir.Constant(intp, LANES)))
-            lines = load_lines(context, builder, (wty, words_v), (rty, rows_v), (cty, cols_v),
-                               ir.Constant(intp, 0), word)  # fmt: skip
-            x = builder.load(state, typ=vec)
-            for line in transpose_lines(builder, lines):
-                x = splitmix64_ir(builder, builder.xor(x, line))
-            builder.store(x, state)
-        builder.store(builder.load(state, typ=vec), h_ptr, align=8)
-        return context.get_dummy_value()
+    def fold_lines(typingctx: Any, words: Any, rows: Any, cols: Any, word0: Any, chunks: Any,
+                   h: Any) -> Any:  # fmt: skip
+        if not (isinstance(h, types.Array) and h.ndim == 1 and h.dtype == types.uint64
+                and isinstance(word0, types.Integer) and isinstance(chunks, types.Integer)
+                and transpose_arrays_ok(words, rows, cols)):  # fmt: skip
+            return None
+        sig = types.void(words, rows, cols, word0, chunks, h)
 
-    return sig, codegen
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            wty, rty, cty, w0ty, nty, hty = signature.args
+            words_v, rows_v, cols_v, w0, n, h_v = args
+            intp = context.get_value_type(types.intp)
+            vec = ir.VectorType(ir.IntType(64), LANES)
+            w0 = context.cast(builder, w0, w0ty, types.intp)
+            n = context.cast(builder, n, nty, types.intp)
+            lane0 = [ir.Constant(intp, LANES * g) for g in range(groups)]
+            h_ptrs = [vector_pointer(builder, array_pointer(context, builder, hty, h_v, [k]), vec)
+                      for k in lane0]  # fmt: skip
+            states = []
+            for ptr in h_ptrs:
+                states.append(cgutils.alloca_once(builder, vec))
+                builder.store(builder.load(ptr, align=8, typ=vec), states[-1])
+            with cgutils.for_range(builder, n) as loop:
+                word = builder.add(w0, builder.mul(loop.index, ir.Constant(intp, LANES)))
+                columns = [
+                    transpose_lines(builder, load_lines(context, builder, (wty, words_v),
+                                                        (rty, rows_v), (cty, cols_v), k, word))
+                    for k in lane0
+                ]  # fmt: skip
+                xs = [builder.load(state, typ=vec) for state in states]
+                for j in range(LANES):
+                    xs = [splitmix64_ir(builder, builder.xor(x, c[j])) for x, c in zip(xs, columns, strict=True)]
+                for x, state in zip(xs, states, strict=True):
+                    builder.store(x, state)
+            for ptr, state in zip(h_ptrs, states, strict=True):
+                builder.store(builder.load(state, typ=vec), ptr, align=8)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    fold_lines.__name__ = fold_lines.__qualname__ = f"_fold_lines{groups}"
+    return intrinsic(fold_lines)
+
+
+_fold_lines2 = _fold_lines_of(2)
+_fold_lines4 = _fold_lines_of(4)
 
 
 @numba.njit(cache=True, inline="always")
@@ -222,20 +244,22 @@ def fold_windows_nb(slots, words, page_size, words_per_token, read_words):
     slot 0's; unchecked: the caller keeps every slot inside ``words``).
 
     A slot's fold is a serial chain (one hash step per word), so the work vectorises across
-    slots. Up to 512 bytes (tiny models, and every partial window) each pass gathers two
-    words of every slot straight from the pool and hashes them in a loop across all the
-    slots (10x faster than slot by slot). Longer windows go 8 slots at a time through
-    :func:`_fold_lines`, each 64-byte line a vector load and the 8 slots' lines transposed
-    in registers (4 KiB rows of the qwen3-0.6b-shape preset, 3200 random slots from DRAM:
-    3.5 -> 12.4 GB/s on one core; 32 slots in cache 7.2 -> 15 GB/s; a word-major tile that
-    the rows were copied into element by element cost twice the hashing, and more slots
-    at a time, 16 or 32, ran slower: their lines, 4 KiB apart, share L1 sets). The words
-    past the last whole line (windows are multiples of 16 bytes) go one at a time.
-    ``read_words`` is even.
+    slots. Windows shorter than 128 bytes (every partial window) are folded by passes that
+    gather two words of every slot straight from the pool and hash them in a loop across
+    all the slots. Longer ones go through :func:`_fold_lines_of`'s intrinsics, 32 slots at
+    a time up to 1 KiB, 16 beyond: per 64-byte line of each slot one vector load, each 8
+    slots' lines transposed in registers, the groups' hash chains interleaved. One core,
+    against those passes and (over 512 bytes) a word-major tile the rows were copied into
+    element by element: 256-byte rows (tiny presets), 6000 random slots 1.8x faster, 200
+    1.3x; 512-byte rows 2.5x / 1.5x; 4 KiB rows (qwen3-0.6b-shape), 3200 slots from DRAM
+    3.5 -> 13 GB/s, 32 slots in cache 7.2 -> 15 GB/s (the tile's copy, each store to
+    another cache line, cost twice the hashing). Over 1 KiB two groups, not four: 32 lines
+    4 KiB apart at a time share L1 sets. The words past the last whole line (windows are
+    multiples of 16 bytes) go one at a time. ``read_words`` is even.
     """
     n = slots.shape[0]
     h = np.zeros(n, dtype=np.uint64)
-    if read_words <= _DIRECT_WORDS:
+    if read_words < _LINE_MIN_WORDS:
         lo_words = np.empty(n, dtype=np.uint64)
         hi_words = np.empty(n, dtype=np.uint64)
         for w in range(0, read_words, 2):
@@ -251,19 +275,24 @@ def fold_windows_nb(slots, words, page_size, words_per_token, read_words):
             for i in range(n):
                 h[i] = splitmix64_nb(splitmix64_nb(h[i] ^ lo_words[i]) ^ hi_words[i])
         return h
-    rows = np.empty(LANES, dtype=np.int64)
-    cols = np.empty(LANES, dtype=np.int64)
-    lanes = np.empty(LANES, dtype=np.uint64)
+    four = read_words <= _FOUR_GROUPS_MAX_WORDS
+    width = LANES * (4 if four else 2)
+    rows = np.empty(width, dtype=np.int64)
+    cols = np.empty(width, dtype=np.int64)
+    lanes = np.empty(width, dtype=np.uint64)
     whole = read_words // LANES
-    for b0 in range(0, n, LANES):
-        m = min(LANES, n - b0)
-        for i in range(LANES):  # lanes past the last slot repeat it (their folds unused)
+    for b0 in range(0, n, width):
+        m = min(width, n - b0)
+        for i in range(width):  # lanes past the last slot repeat it (their folds unused)
             slot = max(slots[b0 + min(i, m - 1)], 0)
             rows[i], cols[i] = slot // page_size, (slot % page_size) * words_per_token
             lanes[i] = 0
-        _fold_lines(words, rows, cols, 0, whole, lanes)
+        if four:
+            _fold_lines4(words, rows, cols, 0, whole, lanes)
+        else:
+            _fold_lines2(words, rows, cols, 0, whole, lanes)
         for w in range(whole * LANES, read_words):
-            for i in range(LANES):
+            for i in range(width):
                 lanes[i] = splitmix64_nb(lanes[i] ^ np.uint64(words[rows[i], cols[i] + w]))
         h[b0 : b0 + m] = lanes[:m]
     return h
