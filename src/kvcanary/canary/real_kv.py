@@ -250,10 +250,10 @@ def fold_windows_nb(slots, words, page_size, words_per_token, read_words):
     a time up to 1 KiB, 16 beyond: per 64-byte line of each slot one vector load, each 8
     slots' lines transposed in registers, the groups' hash chains interleaved. One core,
     against those passes and (over 512 bytes) a word-major tile the rows were copied into
-    element by element: 256-byte rows (tiny presets), 6000 random slots 1.8x faster, 200
-    1.3x; 512-byte rows 2.5x / 1.5x; 4 KiB rows (qwen3-0.6b-shape), 3200 slots from DRAM
-    3.5 -> 13 GB/s, 32 slots in cache 7.2 -> 15 GB/s (the tile's copy, each store to
-    another cache line, cost twice the hashing). Over 1 KiB two groups, not four: 32 lines
+    element by element: 256-byte rows (tiny presets), 6000 random slots 1.4-1.6x faster,
+    200 1.0-1.2x; 512-byte rows 2.2x / 1.3x; 4 KiB rows (qwen3-0.6b-shape), 3200 slots
+    from DRAM 3.5 -> 12 GB/s, 32 slots in cache 7.2 -> 15 GB/s (the tile's copy, each store
+    to another cache line, cost twice the hashing). Over 1 KiB two groups, not four: 32 lines
     4 KiB apart at a time share L1 sets. The words past the last whole line (windows are
     multiples of 16 bytes) go one at a time. ``read_words`` is even.
     """
