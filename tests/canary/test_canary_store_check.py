@@ -207,8 +207,9 @@ def test_observe_folds_each_token_rows_as_a_contiguous_copy_would(
 ) -> None:
     """Decode stores arrive as views of the QKV projection and are read in place; every other
     layout takes the copying path. Either way: the fold of each token's first read bytes and
-    its slot, and the watch stamped with this forward's epoch. 1040 bytes: rows folded 8
-    tokens at a time (11 tokens: a partial last 8), two words past the last whole line."""
+    its slot, and the watch stamped with this forward's epoch. 256 / 1040 bytes: rows folded
+    32 / 16 tokens a pass through register transposes (11 tokens: a partial pass; 1040: two
+    words past the last whole line)."""
     from kvcanary.canary.hashing import fold_real_kv_words_t
 
     # 256-byte float32 rows; 1088-byte ones for the 1040-byte window

@@ -134,7 +134,7 @@ ANCHOR_HASH_NB = np.uint64(ANCHOR_HASH)
 
 def splitmix64_ir(builder: Any, x: Any) -> Any:
     """:func:`splitmix64_nb` as LLVM IR on an ``<n x i64>`` vector ``x`` (for numba
-    intrinsics: :func:`kvcanary.canary.real_kv._fold_lines`)."""
+    intrinsics: :func:`kvcanary.canary.real_kv._fold_lines_of`)."""
     n = x.type.count
 
     def splat(value: int) -> ir.Constant:
