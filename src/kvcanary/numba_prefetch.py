@@ -25,6 +25,18 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 
+def array_pointer(context: Any, builder: Any, aty: Any, value: Any, idx: list[Any]) -> Any:
+    """IR: the address of element ``idx`` (intp values, one per dimension) of array
+    ``value`` of numba type ``aty``, from its strides, no bounds check (for intrinsics'
+    codegen: this module's and :mod:`kvcanary.numba_transpose`'s)."""
+    array = context.make_array(aty)(context, builder, value)
+    return cgutils.get_item_pointer2(
+        context, builder, array.data, cgutils.unpack_tuple(builder, array.shape),
+        cgutils.unpack_tuple(builder, array.strides), aty.layout, idx,
+        wraparound=False, boundscheck=False,
+    )  # fmt: skip
+
+
 @intrinsic
 def _prefetch(typingctx: Any, a: Any, index: Any) -> Any:
     """Hint: the cache line of ``a[index]`` (an integer, or a tuple of at most ``a.ndim``
@@ -45,18 +57,13 @@ def _prefetch(typingctx: Any, a: Any, index: Any) -> Any:
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         aty, ity = signature.args
-        array = context.make_array(aty)(context, builder, args[0])
         if count == 1 and isinstance(ity, types.Integer):
             values, kinds = [args[1]], [ity]
         else:
             values, kinds = cgutils.unpack_tuple(builder, args[1], count), list(ity)
         idx = [context.cast(builder, v, t, types.intp) for v, t in zip(values, kinds, strict=True)]
         idx += [context.get_constant(types.intp, 0)] * (aty.ndim - count)
-        ptr = cgutils.get_item_pointer2(
-            context, builder, array.data, cgutils.unpack_tuple(builder, array.shape),
-            cgutils.unpack_tuple(builder, array.strides), aty.layout, idx,
-            wraparound=False, boundscheck=False,
-        )  # fmt: skip
+        ptr = array_pointer(context, builder, aty, args[0], idx)
         i32 = ir.IntType(32)
         name = "llvm.prefetch.p0"  # (opaque pointers: LLVM >= 15, llvmlite >= 0.45)
         if not getattr(ptr.type, "is_opaque", False):  # typed pointers: the i8* overload

@@ -20,7 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 from llvmlite import ir
-from numba.core import cgutils, types
+from numba.core import types
+
+from kvcanary.numba_prefetch import array_pointer
 
 LANES = 8
 _WORDS = (types.int64, types.uint64)
@@ -31,17 +33,6 @@ _STAGES = (
     ([(0, 2), (1, 3), (4, 6), (5, 7)], (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15)),
     ([(0, 4), (1, 5), (2, 6), (3, 7)], (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15)),
 )
-
-
-def array_pointer(context: Any, builder: Any, aty: Any, value: Any, idx: list[Any]) -> Any:
-    """IR: the address of element ``idx`` (intp values) of array ``value`` of numba type
-    ``aty`` (its strides, no bounds check)."""
-    array = context.make_array(aty)(context, builder, value)
-    return cgutils.get_item_pointer2(
-        context, builder, array.data, cgutils.unpack_tuple(builder, array.shape),
-        cgutils.unpack_tuple(builder, array.strides), aty.layout, idx,
-        wraparound=False, boundscheck=False,
-    )  # fmt: skip
 
 
 def vector_pointer(builder: Any, ptr: Any, vec: ir.VectorType) -> Any:

@@ -39,9 +39,9 @@ from kvcanary.canary.hashing import (
     splitmix64_nb,
     splitmix64_t,
 )
+from kvcanary.numba_prefetch import array_pointer
 from kvcanary.numba_transpose import (
     LANES,
-    array_pointer,
     load_lines,
     transpose_arrays_ok,
     transpose_lines,
