@@ -115,9 +115,10 @@ def test_canary_timers_count_each_call_the_engine_makes_once(
     graph_parts: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--time-canary``'s timers: one interval per outermost canary call (before_forward,
-    after_forward, each store observe; with ``graph_parts`` also begin / end_forward, which
-    before / after_forward call inside: not counted twice). A fake clock that ticks once per
-    read makes each timed call add exactly 1."""
+    after_forward, each store observe, as tensors or as addresses from a fused decode layer;
+    with ``graph_parts`` also begin / end_forward, which before / after_forward call inside:
+    not counted twice). A fake clock that ticks once per read makes each timed call add
+    exactly 1."""
     import types
 
     from kvcanary.bench import overhead
@@ -130,15 +131,23 @@ def test_canary_timers_count_each_call_the_engine_makes_once(
     observes = [0]
     checker = engine.canary.runtime.store_checker
     assert checker is not None
-    observe = checker.observe
+    by_name = {"observe": 0, "observe_rows": 0}
 
-    def counted(*args, **kwargs):  # installed first: runs inside the timed observe
-        observes[0] += 1
-        return observe(*args, **kwargs)
+    def counting(name: str):  # installed first: runs inside the timed observe
+        call = getattr(checker, name)
 
-    checker.observe = counted
+        def counted(*args, **kwargs):
+            observes[0] += 1
+            by_name[name] += 1
+            return call(*args, **kwargs)
+
+        return counted
+
+    for name in by_name:
+        setattr(checker, name, counting(name))
     clock = overhead.time_canary_calls(engine, graph_parts=graph_parts)
     engine.generate([[5, 6, 7, 8, 9], [1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))
     forwards = engine.stats.num_forwards
     assert forwards > 0 and observes[0] >= 2 * forwards  # two watched stores a forward
+    assert by_name["observe"] and by_name["observe_rows"]  # the prefill's, the decodes'
     assert clock[0] == 2 * forwards + observes[0]

@@ -255,3 +255,83 @@ def test_observe_of_a_store_that_misses_the_forward_tokens_is_unaligned() -> Non
     checker.observe(watch, 0, torch.arange(3), qkv[:, 64:128].view(3, 2, 32), torch.float32)
     assert watch.stamp[0] == checker.epoch
     assert (watch.target[0] == -2).all()  # nothing to align with the 4 tokens
+
+
+@pytest.mark.parametrize("read_bytes", [16, 256])
+@pytest.mark.parametrize("case", ["decode", "one-row", "unaligned", "empty", "misaligned", "overlapping",
+                                  "short-rows", "more-rows"])  # fmt: skip
+def test_observe_rows_is_observe_from_addresses(case: str, read_bytes: int) -> None:
+    """A fused decode layer hands its store over as addresses (observe_rows: the k rows the
+    kernel wrote, contiguous; the v rows, views of the QKV projection): the same intended
+    folds, targets and stamps as observe of the same rows as tensors, for the K and the V
+    watch of a layer; a layout it does not read is refused with nothing touched (the caller
+    then observes the tensors)."""
+    from kvcanary.canary.real_kv import RealKvSource
+    from kvcanary.canary.store_check import StoreChecker, StoreWatch
+
+    heads, dim = 2, 32
+    n = {"one-row": 1, "empty": 0}.get(case, 11)
+    row_bytes = heads * dim * 4
+    gen = torch.Generator().manual_seed(len(case) + read_bytes)
+    qkv = torch.randn(n, 4 * heads * dim, generator=gen)
+    k = qkv[:, heads * dim : 2 * heads * dim].reshape(n, heads, dim).clone()  # contiguous
+    v = qkv[:, 2 * heads * dim : 3 * heads * dim].view(n, heads, dim)  # rows 1 KiB apart
+    loc = torch.arange(5, 5 + n, dtype=torch.int64)
+
+    def checker_of() -> tuple[StoreChecker, list[StoreWatch]]:
+        buf = torch.zeros(64, row_bytes, dtype=torch.uint8)
+        watches = [StoreWatch(tag, torch.zeros(64, 4, dtype=torch.int64),
+                              (RealKvSource(buf, 1, row_bytes, read_bytes),)) for tag in (3, 4)]  # fmt: skip
+        return StoreChecker(watches), watches
+
+    by_rows, rows_watches = checker_of()
+    entry = by_rows._row_entry([(rows_watches[0], 0, True), (rows_watches[1], 0, False)])
+    forward_tokens = n + 1 if case == "unaligned" else n
+    by_rows.begin_forward(forward_tokens)
+    k_addr, k_step, v_addr, v_step = k.data_ptr(), row_bytes, v.data_ptr(), qkv.stride(0) * 4
+    rows, size = n, row_bytes
+    if case == "misaligned":
+        k_addr += 4
+    elif case == "overlapping":
+        v_step = row_bytes - 8
+    elif case == "short-rows":
+        size = read_bytes - 8
+    elif case == "more-rows":
+        rows = n + 1
+    taken = by_rows.observe_rows(entry, n, loc.data_ptr(), rows, k_addr, k_step, v_addr, v_step, size)
+    if case in ("misaligned", "overlapping", "short-rows", "more-rows"):
+        assert not taken
+        assert all(not w.armed and (w.stamp == -1).all() for w in rows_watches)
+        assert all((w.target == -2).all() and (w.intended == 0).all() for w in rows_watches)
+        return
+    assert taken
+    by_tensors, tensor_watches = checker_of()
+    by_tensors.begin_forward(forward_tokens)
+    by_tensors.observe(tensor_watches[0], 0, loc, k, torch.float32)
+    by_tensors.observe(tensor_watches[1], 0, loc, v, torch.float32)
+    for got, want in zip(rows_watches, tensor_watches, strict=True):
+        assert got.armed and want.armed and got.stamp[0] == by_rows.epoch == want.stamp[0]
+        assert torch.equal(got.intended, want.intended) and torch.equal(got.target, want.target)
+    if case == "unaligned":
+        assert all((w.target == -2).all() for w in rows_watches)
+    elif n:  # the K and V watches folded different rows
+        assert not torch.equal(rows_watches[0].intended[0, :n], rows_watches[1].intended[0, :n])
+        assert torch.equal(rows_watches[0].target[0, :n], loc)
+
+
+def test_observe_rows_follows_the_scratch_as_forwards_grow() -> None:
+    """A forward with more tokens than the watches' scratch holds reallocates it: the layer's
+    row-observe block then points at the new rows (begin_forward rewrites it)."""
+    checker, watch = _watch(16, 256)
+    entry = checker._row_entry([(watch, 0, True)])
+    old = watch.intended
+    n = old.shape[1] + 3
+    checker.begin_forward(n)
+    assert watch.intended is not old and watch.intended.shape[1] >= n
+    k = torch.randn(n, 64)
+    loc = torch.arange(1, n + 1, dtype=torch.int64)
+    assert checker.observe_rows(entry, n, loc.data_ptr(), n, k.data_ptr(), 256, k.data_ptr(), 256, 256)
+    assert torch.equal(watch.target[0, :n], loc)
+    from kvcanary.canary.hashing import fold_real_kv_words_t
+
+    assert torch.equal(watch.intended[0, :n], fold_real_kv_words_t(k.view(torch.int64)[:, :2]))

@@ -6,6 +6,7 @@ gives the torch path's greedy tokens and near-identical logits."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -536,10 +537,28 @@ def test_fused_decode_layer_beside_the_store_check(monkeypatch: pytest.MonkeyPat
     subs = [pool.full_kv_pool, pool.swa_kv_pool]
     layers = len(engine.runner.model.layers)
     assert 0 < sum(len(checker.targets(sub) or {}) for sub in subs) < layers
+    # The fused layers hand their stores over as addresses (observe_rows), every other
+    # store (the prefill's) as tensors.
+    calls = {"observe": 0, "observe_rows": 0}
+
+    def counted(name: str) -> Callable[..., object]:
+        call = getattr(checker, name)
+
+        def counting_call(*args: object) -> object:
+            calls[name] += 1
+            return call(*args)
+
+        return counting_call
+
+    for name in calls:
+        monkeypatch.setattr(checker, name, counted(name))
     fused["n"] = 0
     assert [o.output_ids for o in engine.generate(prompts, params)] == want
     decodes = engine.stats.num_decode_forwards
     assert fused["n"] == decodes * layers
+    observed_layers = sum(len(checker.targets(sub) or {}) for sub in subs)
+    assert calls["observe_rows"] == decodes * observed_layers
+    assert calls["observe"] == engine.stats.num_extend_forwards * len(checker.watches)
     assert all(w.armed for w in checker.watches) and engine.canary.stats()["violations"] == 0
 
     # An observed layer's stored k row changed after the fused store, before TAIL: reported.

@@ -247,7 +247,7 @@ def time_canary_calls(engine: Engine, graph_parts: bool | None = None) -> list[f
     (``begin_forward`` + ``head``, ``tail`` + ``end_forward``), on CUDA also
     ``begin_forward`` / ``end_forward`` (a graph replay calls them around HEAD / TAIL
     recorded in the graph; ``graph_parts`` overrides), and the store check's per-layer
-    ``observe`` inside attention; only the outermost of nested calls is timed (one timer per
+    ``observe`` / ``observe_rows`` inside attention; only the outermost of nested calls is timed (one timer per
     call the engine makes: each adds ~0.3-1 us of its own, counted in). On the CPU that is
     all of the canary's work; on an accelerator its host work and launches (not the device
     time, nor HEAD / TAIL replayed inside a captured graph)."""
@@ -280,6 +280,7 @@ def time_canary_calls(engine: Engine, graph_parts: bool | None = None) -> list[f
         timed(canary, name)
     if canary.runtime.store_checker is not None:
         timed(canary.runtime.store_checker, "observe")
+        timed(canary.runtime.store_checker, "observe_rows")
     return clock
 
 

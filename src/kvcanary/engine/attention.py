@@ -169,16 +169,22 @@ def key_view(
 _NOT_WRAPPED = object()
 
 
-def _direct_store(sub: MHAKVPool, layer: int) -> tuple[Callable[..., None], ...] | None:
+# A store observer: ``observe(layer, loc, k, v)``, and the same observation from addresses
+# where it offers one, ``observe_rows(layer, n, loc_addr, rows, k_addr, k_step, v_addr,
+# v_step, row_bytes) -> bool`` (False: the layout is not one it reads; call observe).
+Observer = tuple[Callable[..., None], Callable[..., bool] | None]
+
+
+def _direct_store(sub: MHAKVPool, layer: int) -> tuple[Observer, ...] | None:
     """Whether a backend may store ``sub``'s layer ``layer`` itself, skipping nothing that
     ``sub.set_kv_buffer`` would do: the observers it must then call with what it stored
-    (``observe(layer, loc, k, v)``), or None where it may not. It may where the store is
+    (:data:`Observer`), or None where it may not. It may where the store is
     :class:`MHAKVPool`'s own method (nothing on the instance, or that very bound method put
     back, as a fault's undo does), or the canary store check's wrapper of such (marked with
     the layers it observes; on those layers its observer comes back); not under any other
     wrapper (a lost-store fault must see the store it loses)."""
     store = vars(sub).get("set_kv_buffer")
-    observers: tuple[Callable[..., None], ...] = ()
+    observers: tuple[Observer, ...] = ()
     for _ in range(4):  # (wrappers over wrappers)
         if store is None or (getattr(store, "__func__", None) is MHAKVPool.set_kv_buffer
                              and getattr(store, "__self__", None) is sub):  # fmt: skip
@@ -188,7 +194,7 @@ def _direct_store(sub: MHAKVPool, layer: int) -> tuple[Callable[..., None], ...]
         if observed is None or observe is None:
             return None
         if layer in observed:
-            observers += (observe,)
+            observers += ((observe, getattr(store, "kv_canary_observe_rows", None)),)
         store = getattr(store, "__wrapped__", _NOT_WRAPPED)
         if store is _NOT_WRAPPED:
             return None
@@ -413,11 +419,25 @@ class PagedAttentionBackend:
         ):  # fmt: skip
             return None
         if k_out is not None:
-            first_v = (layer.num_heads + layer.num_kv_heads) * dim
-            v = qkv[:, first_v:].view(bs, layer.num_kv_heads, dim)
-            for observe in observers:
-                observe(entry[1], view.write_loc, k_out, v)
+            self._observe(observers, entry[1], view.write_loc, k_out, qkv, layer)
         return out
+
+    @staticmethod
+    def _observe(observers: tuple[Observer, ...], local: int, loc: torch.Tensor,
+                 k_out: torch.Tensor, qkv: torch.Tensor, layer: AttentionLayerSpec) -> None:  # fmt: skip
+        """Hand each observer what a fused decode layer stored at ``loc``: the k rows it
+        wrote to ``k_out`` and the v rows of ``qkv`` (float32, as the buffers store them),
+        from addresses where the observer reads them so (contiguous rows), else as tensors."""
+        bs, dim, kv_heads = qkv.shape[0], layer.head_dim, layer.num_kv_heads
+        first_v = (layer.num_heads + kv_heads) * dim
+        row_bytes = kv_heads * dim * 4
+        for observe, observe_rows in observers:
+            if observe_rows is not None and loc.dtype is torch.int64 and loc.stride(0) == 1 and observe_rows(
+                local, loc.shape[0], loc.data_ptr(), bs, k_out.data_ptr(), row_bytes,
+                qkv.data_ptr() + first_v * 4, qkv.stride(0) * 4, row_bytes,
+            ):  # fmt: skip
+                continue
+            observe(local, loc, k_out, qkv[:, first_v:].view(bs, kv_heads, dim))
 
     def _fused_entry(self, layer: AttentionLayerSpec) -> tuple[Any, ...] | tuple[()]:
         """Layer ``layer``'s (sub-pool, its layer index, K, V buffers and their numpy views)
