@@ -113,6 +113,25 @@ def _observe_nb(words, num_words, loc, intended, target):
     target[:n] = loc
 
 
+@numba.njit(cache=True, inline="always")
+def _rows_readable(addr, step, row_bytes, n):
+    """Whether ``n`` rows of ``row_bytes`` at ``addr``, ``step`` bytes apart, are whole int64
+    words at 8-byte aligned addresses that do not overlap (what :func:`_fold_rows` reads)."""
+    return addr % 8 == 0 and row_bytes % 8 == 0 and (n <= 1 or (step % 8 == 0 and step >= row_bytes))
+
+
+@numba.njit(cache=True, inline="always")
+def _fold_rows(addr, step, row_bytes, n, num_words, loc, intended, target):
+    """``intended[t]`` = the fold of the first ``num_words`` words of row ``t`` (``n`` rows at
+    ``addr``, ``step`` bytes apart: :func:`_rows_readable`), ``target[t] = loc[t]``."""
+    step_words = step // 8 if n > 1 else 0
+    # One row spanning exactly the stored rows (no view past the last row's end); row t's
+    # words start at t * step_words of it: a "page" of n tokens.
+    words = numba.carray(i64_ptr(addr), (1, (n - 1) * step_words + row_bytes // 8))
+    intended[:n] = fold_windows_nb(np.arange(n), words, n, step_words, num_words).view(np.int64)
+    target[:n] = loc
+
+
 @numba.njit(cache=True)
 def _observe_in_place_nb(kv_addr, shape, strides, elem_size, loc_addr, loc_stride, n, num_tokens,
                          num_words, intended, target, stamp, j, epoch):  # fmt: skip
@@ -131,18 +150,12 @@ def _observe_in_place_nb(kv_addr, shape, strides, elem_size, loc_addr, loc_strid
     else:
         ok &= len(strides) == 2 and strides[1] == 1
     row_bytes, step = row_elems * elem_size, strides[0] * elem_size
-    ok &= row_bytes % 8 == 0 and kv_addr % 8 == 0 and loc_addr % 8 == 0 and num_words * 8 <= row_bytes
-    ok &= n == 1 or (step % 8 == 0 and step >= row_bytes)
+    ok &= loc_addr % 8 == 0 and num_words * 8 <= row_bytes and _rows_readable(kv_addr, step, row_bytes, n)
     if not ok:
         return False
     stamp[j] = epoch
-    step_words = step // 8 if n > 1 else 0
-    # One row spanning exactly the stored rows (no view past the last row's end).
-    words = numba.carray(i64_ptr(kv_addr), (1, (n - 1) * step_words + row_bytes // 8))
-    loc = numba.carray(i64_ptr(loc_addr), (n,))
-    # Row t's words start at t * step_words of the one row: a "page" of n tokens.
-    intended[:n] = fold_windows_nb(np.arange(n), words, n, step_words, num_words).view(np.int64)
-    target[:n] = loc
+    _fold_rows(kv_addr, step, row_bytes, n, num_words, numba.carray(i64_ptr(loc_addr), (n,)),
+               intended, target)  # fmt: skip
     return True
 
 
@@ -164,10 +177,8 @@ def _observe_layer_rows_nb(block, state, n, loc_addr, rows, k_addr, k_step, v_ad
     and every watch's window fits in a row; else each watch stamped with the epoch and, when
     ``n`` is the forward's tokens, its intended / target rows filled (else every target
     -2: the store cannot be aligned with the forward's tokens)."""
-    ok = rows == n and row_bytes % 8 == 0 and loc_addr % 8 == 0
-    ok &= k_addr % 8 == 0 and v_addr % 8 == 0
-    ok &= n <= 1 or (k_step % 8 == 0 and k_step >= row_bytes and v_step % 8 == 0
-                     and v_step >= row_bytes)  # fmt: skip
+    ok = rows == n and loc_addr % 8 == 0
+    ok &= _rows_readable(k_addr, k_step, row_bytes, n) and _rows_readable(v_addr, v_step, row_bytes, n)
     for w in range(block.shape[0]):
         ok &= block[w, _ROW_WORDS] * 8 <= row_bytes
         ok &= n != state[1] or block[w, _ROW_CAPACITY] >= n
@@ -187,13 +198,8 @@ def _observe_layer_rows_nb(block, state, n, loc_addr, rows, k_addr, k_step, v_ad
         if n == 0:
             continue
         addr, step = (k_addr, k_step) if block[w, _ROW_IS_K] else (v_addr, v_step)
-        step_words = step // 8 if n > 1 else 0
-        # One row spanning exactly the stored rows (as _observe_in_place_nb reads them).
-        words = numba.carray(i64_ptr(addr), (1, (n - 1) * step_words + row_bytes // 8))
         intended = numba.carray(i64_ptr(block[w, _ROW_INTENDED]), (capacity,))
-        intended[:n] = fold_windows_nb(np.arange(n), words, n, step_words,
-                                       block[w, _ROW_WORDS]).view(np.int64)  # fmt: skip
-        target[:n] = loc
+        _fold_rows(addr, step, row_bytes, n, block[w, _ROW_WORDS], loc, intended, target)
     return True
 
 
@@ -354,9 +360,9 @@ class StoreChecker:
         grow: :meth:`begin_forward` calls this again)."""
         block, watched = entry
         for r, (w, j, is_k) in enumerate(watched):
-            intended, target = cast(tuple[np.ndarray, np.ndarray], w._np)
-            block[r] = (int(is_k), j, w.sources[j].read_bytes // 8, intended[j].ctypes.data,
-                        target[j].ctypes.data, w.stamp.ctypes.data, intended.shape[1])  # fmt: skip
+            intended, target, num_words = cast(list[tuple[np.ndarray, np.ndarray, int]], w._rows)[j]
+            block[r] = (int(is_k), j, num_words, intended.ctypes.data, target.ctypes.data,
+                        w.stamp.ctypes.data, intended.shape[0])  # fmt: skip
 
     def observe_rows(self, entry: tuple[np.ndarray, list[tuple[StoreWatch, int, bool]]], n: int,
                      loc_addr: int, rows: int, k_addr: int, k_step: int, v_addr: int, v_step: int,
