@@ -112,6 +112,7 @@ def _cmd_bench_overhead(a: argparse.Namespace) -> int:
         models=tuple(_csv(a.model)), batches=parse_batches(a.batches), input_len=a.input_len,
         output_len=a.output_len, shared_prefix_len=a.shared_prefix_len, prefill_len=a.prefill_len,
         repeats=a.repeats, variants=tuple(_csv(a.variants)), time_canary=a.time_canary,
+        schedule=a.schedule,
     )  # fmt: skip
     _set_threads(a.threads)
     pools = ("max_total_tokens", "swa_full_tokens_ratio")
@@ -342,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         conflict_handler="resolve",  # --model and the pool flags are redefined below
     )  # fmt: skip
     add_engine_flags(overhead, with_canary=False)
-    from kvcanary.bench.overhead import VARIANTS, OverheadSpec
+    from kvcanary.bench.overhead import SCHEDULES, VARIANTS, OverheadSpec
 
     _O = OverheadSpec()
     overhead.add_argument("--model", default=",".join(_O.models),
@@ -380,6 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
                                "(columns canary us/fwd and canary %%: median host time per "
                                "forward, and over the paired none step); the timers add "
                                "~0.3-1 us a call to the canary variants")  # fmt: skip
+    overhead.add_argument("--schedule", default=_O.schedule,
+                          help=f"{' | '.join(SCHEDULES)}. lockstep: the variants' engines "
+                               "take turns step by step (the pairs closest in time; each step "
+                               "finds the caches as the other engines left them); blocks: each "
+                               "runs a whole case alone, order rotated every repeat (the caches "
+                               "hold one engine, as in a deployment) (default: %(default)s)")  # fmt: skip
     overhead.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
     overhead.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     overhead.set_defaults(func=_cmd_bench_overhead)

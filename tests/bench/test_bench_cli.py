@@ -82,6 +82,52 @@ def test_bench_overhead_time_canary_times_the_canarys_own_calls(tmp_path: Path) 
     assert main(args) == 0
     assert all("canary_host_pct" not in r for r in json.loads(out.read_text())["rows"])
 
+@pytest.mark.parametrize("schedule", ["lockstep", "blocks"])
+def test_bench_overhead_schedule_orders_the_engines_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schedule: str
+) -> None:
+    """lockstep: the variants' engines take turns every step; blocks: each runs a case to
+    its end before the next starts, the first engine rotated every repeat. Either way the
+    same steps are paired: identical outputs, the same forwards per row."""
+    from kvcanary.engine.engine import Engine
+
+    order: list[int] = []
+    step = Engine.step
+
+    def recorded(self: Engine) -> Any:
+        order.append(id(self))
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", recorded)
+    out = tmp_path / "overhead.json"
+    assert main(["bench", "overhead", "--model", "builtin:tiny-swa", "--batches", "2",
+                 "--input-len", "24", "--output-len", "4", "--prefill-len", "0", "--repeats", "2",
+                 "--variants", "none,log,log+partial", "--threads", "1", "--schedule", schedule,
+                 "--no-progress", "--json", str(out)]) == 0  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["schedule"] == schedule
+    assert [(r["variant"], r["forwards"], r["identical_outputs"], r["violations"])
+            for r in data["rows"]] == [(v, 3, True, 0) for v in ("none", "log", "log+partial")]  # fmt: skip
+    # The runs of consecutive steps of one engine, warm-up (always lockstep) included.
+    runs: list[tuple[int, int]] = []
+    for engine in order:
+        if runs and runs[-1][0] == engine:
+            runs[-1] = (engine, runs[-1][1] + 1)
+        else:
+            runs.append((engine, 1))
+    per_engine = len(order) // 3
+    if schedule == "lockstep":
+        assert all(n == 1 for _, n in runs)
+    else:
+        warm = per_engine - 2 * runs[-1][1]  # every engine: warm-up steps, then 2 repeats
+        assert all(n == 1 for _, n in runs[: 3 * warm])
+        repeats = runs[3 * warm :]
+        assert len(repeats) == 6 and len({n for _, n in repeats}) == 1 and repeats[0][1] > 1
+        first, second = [e for e, _ in repeats[:3]], [e for e, _ in repeats[3:]]
+        assert sorted(first) == sorted(second) and len(set(first)) == 3
+        assert second == first[1:] + first[:1]  # rotated by one
+
+
 def test_bench_engine_matches_transformers_and_notes_a_missing_vllm(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -120,6 +166,7 @@ def test_a_vllm_worker_that_cannot_start_is_an_error_with_its_reason(tmp_path: P
     (["overhead", "--model", ","], '--model="" is invalid'),
     (["overhead", "--input-len", "0"], "--input-len=0 is invalid: allowed an integer >= 1"),
     (["overhead", "--threads", "0"], "--threads=0 is invalid: allowed an integer >= 1"),
+    (["overhead", "--schedule", "x"], '--schedule="x" is invalid: allowed lockstep | blocks'),
     (["engine", "--batches", "16,a"], '--batches="16,a" is invalid'),
     (["engine", "--repeats", "0"], "--repeats=0 is invalid: allowed an integer >= 1"),
     (["engine", "--output-len", "0"], "--output-len=0 is invalid: allowed an integer >= 1"),

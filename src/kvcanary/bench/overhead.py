@@ -11,7 +11,11 @@ Cases, per model (``--model``, comma-separated)::
 One engine per variant (canary none, log, log + real-data partial, log + real-data all). Per
 model they are built once, share one decoder (identical seeded weights) and run every case
 in lockstep: step ``i`` of every engine runs the same batch (the canary never changes
-scheduling), back to back, in an order rotated every step. Each step is timed
+scheduling), back to back, in an order rotated every step (``--schedule blocks``: each engine
+runs the whole case before the next starts, the order rotated every repeat; its pairs are
+further apart in time, but each step finds the caches as its own engine left them, as an
+engine serving alone does: the four engines of lockstep evict each other's records and
+code between two steps of one). Each step is timed
 (``Engine.step``: scheduling, forward with the canary, sampling). Every repeat draws new
 prompts, so no case is served by the prefix cache from an earlier one. The overhead of a
 variant is the median, over the case's paired steps of every repeat, of ``t_variant /
@@ -63,6 +67,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 DEFAULT_VARIANTS = ("none", "log", "log+partial", "log+all")
 BASELINE = "none"
 DECODE, PREFILL = "decode", "prefill"
+SCHEDULES = ("lockstep", "blocks")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -83,6 +88,10 @@ class OverheadSpec:
     # canary_host_us_per_forward and canary_host_pct; time_canary_calls); the timers add
     # ~0.3-1 us a call to the canary variants' steps.
     time_canary: bool = False
+    # How the variants' engines take turns (module doc): "lockstep" (step by step, order
+    # rotated every step) or "blocks" (each runs a whole case alone, order rotated every
+    # repeat: the caches hold one engine's state, as in a deployment).
+    schedule: str = "lockstep"
 
     def __post_init__(self) -> None:
         """Bad values raise ``ValueError`` naming the flag, the value and what is allowed."""
@@ -101,6 +110,8 @@ class OverheadSpec:
                and len(set(self.variants)) == len(self.variants), "--variants",
                ",".join(self.variants),
                f"a comma-separated subset of {', '.join(VARIANTS)} that includes {show(BASELINE)}")  # fmt: skip
+        _check(self.schedule in SCHEDULES, "--schedule", self.schedule,
+               " | ".join(SCHEDULES))  # fmt: skip
         # input_len and shared_prefix_len: WorkloadSpec's checks.
         self.workload(1, 0)
 
@@ -188,6 +199,7 @@ def bench_overhead(
         "shared_prefix_len": spec.shared_prefix_len,
         "prefill_len": spec.prefill_len,
         "repeats": spec.repeats,
+        "schedule": spec.schedule,
         "chunked_prefill_size": base.chunked_prefill_size,
         "torch_threads": torch.get_num_threads(),
         "rows": rows,
@@ -220,13 +232,14 @@ def _bench_model(config: EngineConfig, spec: OverheadSpec, cases: list[Case], ba
     bar.set_postfix_str(f"{model}: warm-up")
     warm = [random_prompt(spec.input_len, config.seed - k) for k in (1, 2)]
     _lockstep(engines, shapes, clocks, warm, min(spec.output_len, 4), lambda: None)  # compile, fill caches
+    blocks = spec.schedule == "blocks"
     runs: list[list[dict[str, _Run]]] = [[] for _ in cases]  # [case][repeat][variant]
     for repeat in range(spec.repeats):
         for i, case in enumerate(cases):
             bar.set_postfix_str(f"{model}: {case.phase} batch {case.batch}")
             prompts = case_prompts(spec, case, config.seed + 1 + repeat * len(cases) + i)
             runs[i].append(_lockstep(engines, shapes, clocks, prompts, case.output_len,
-                                     lambda: bar.update(1)))  # fmt: skip
+                                     lambda: bar.update(1), repeat if blocks else None))  # fmt: skip
     mc = engines[spec.variants[0]].runner.model_config
     dtype_bytes = _DTYPE_BYTES[config.dtype]
     kv_of = None if mc.dsv4 else partial(kv_read_bytes, model=mc, dtype_bytes=dtype_bytes)
@@ -286,27 +299,37 @@ def time_canary_calls(engine: Engine, graph_parts: bool | None = None) -> list[f
 
 def _lockstep(engines: dict[str, Engine], shapes: dict[str, list[StepShape]],
               clocks: dict[str, list[float]], prompts: list[list[int]], output_len: int,
-              on_step: Callable[[], None]) -> dict[str, _Run]:  # fmt: skip
-    """Every variant's engine over ``prompts``, step by step (module doc)."""
+              on_step: Callable[[], None], block_turn: int | None = None) -> dict[str, _Run]:  # fmt: skip
+    """Every variant's engine over ``prompts``, step by step (module doc); with
+    ``block_turn`` each engine runs them to the end before the next starts, the order rotated
+    by ``block_turn`` (``--schedule blocks``)."""
     params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
     rids: dict[str, list[int]] = {v: [e.add_request(p, params) for p in prompts] for v, e in engines.items()}
     violations = {v: _violations(e) for v, e in engines.items()}
     names = list(engines)
     steps: dict[str, list[_Step]] = {v: [] for v in names}
     outputs: dict[str, dict[int, list[int]]] = {v: {} for v in names}
+
+    def step_once(v: str) -> None:
+        engine = engines[v]
+        decodes, first_shape, canary_t0 = engine.stats.num_decode_forwards, len(shapes[v]), clocks[v][0]
+        t0 = time.perf_counter()
+        finished = engine.step()
+        dt = time.perf_counter() - t0
+        phase = DECODE if engine.stats.num_decode_forwards > decodes else PREFILL
+        steps[v].append(_Step(phase, dt, shapes[v][first_shape:], clocks[v][0] - canary_t0))
+        outputs[v].update({rids[v].index(o.rid): o.output_ids for o in finished})
+        on_step()
+
+    if block_turn is not None:
+        turn = block_turn % len(names)
+        for v in names[turn:] + names[:turn]:
+            while engines[v].has_unfinished():
+                step_once(v)
     step = 0
     while any(e.has_unfinished() for e in engines.values()):
-        order = names[step % len(names) :] + names[: step % len(names)]
-        for v in order:
-            engine = engines[v]
-            decodes, first_shape, canary_t0 = engine.stats.num_decode_forwards, len(shapes[v]), clocks[v][0]
-            t0 = time.perf_counter()
-            finished = engine.step()
-            dt = time.perf_counter() - t0
-            phase = DECODE if engine.stats.num_decode_forwards > decodes else PREFILL
-            steps[v].append(_Step(phase, dt, shapes[v][first_shape:], clocks[v][0] - canary_t0))
-            outputs[v].update({rids[v].index(o.rid): o.output_ids for o in finished})
-            on_step()
+        for v in names[step % len(names) :] + names[: step % len(names)]:
+            step_once(v)
         step += 1
     return {v: _Run(steps[v], outputs[v], _violations(engines[v]) - violations[v]) for v in names}
 
