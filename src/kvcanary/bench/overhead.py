@@ -231,14 +231,14 @@ def _bench_model(config: EngineConfig, spec: OverheadSpec, cases: list[Case], ba
     clocks = {v: time_canary_calls(e) if spec.time_canary else [0.0] for v, e in engines.items()}
     bar.set_postfix_str(f"{model}: warm-up")
     warm = [random_prompt(spec.input_len, config.seed - k) for k in (1, 2)]
-    _lockstep(engines, shapes, clocks, warm, min(spec.output_len, 4), lambda: None)  # compile, fill caches
+    _run_case(engines, shapes, clocks, warm, min(spec.output_len, 4), lambda: None)  # compile, fill caches
     blocks = spec.schedule == "blocks"
     runs: list[list[dict[str, _Run]]] = [[] for _ in cases]  # [case][repeat][variant]
     for repeat in range(spec.repeats):
         for i, case in enumerate(cases):
             bar.set_postfix_str(f"{model}: {case.phase} batch {case.batch}")
             prompts = case_prompts(spec, case, config.seed + 1 + repeat * len(cases) + i)
-            runs[i].append(_lockstep(engines, shapes, clocks, prompts, case.output_len,
+            runs[i].append(_run_case(engines, shapes, clocks, prompts, case.output_len,
                                      lambda: bar.update(1), repeat if blocks else None))  # fmt: skip
     mc = engines[spec.variants[0]].runner.model_config
     dtype_bytes = _DTYPE_BYTES[config.dtype]
@@ -297,10 +297,10 @@ def time_canary_calls(engine: Engine, graph_parts: bool | None = None) -> list[f
     return clock
 
 
-def _lockstep(engines: dict[str, Engine], shapes: dict[str, list[StepShape]],
+def _run_case(engines: dict[str, Engine], shapes: dict[str, list[StepShape]],
               clocks: dict[str, list[float]], prompts: list[list[int]], output_len: int,
               on_step: Callable[[], None], block_turn: int | None = None) -> dict[str, _Run]:  # fmt: skip
-    """Every variant's engine over ``prompts``, step by step (module doc); with
+    """Every variant's engine over ``prompts``: in lockstep, step by step (module doc); with
     ``block_turn`` each engine runs them to the end before the next starts, the order rotated
     by ``block_turn`` (``--schedule blocks``)."""
     params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
