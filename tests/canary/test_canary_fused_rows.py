@@ -185,3 +185,41 @@ def test_batch_block_describes_int64_contiguous_batches_only() -> None:
     wide = np.zeros(6, dtype=np.int64)
     for bad in (arrays[0].astype(np.int32), wide[::2]):
         assert fused_rows.FusedRowLaunches.batch_block(host([bad, *arrays[1:]])) is None
+
+
+def test_block_reads_real_kv_words_that_are_column_ranges_of_wider_rows() -> None:
+    """A real-KV source whose words are a column range of a wider tensor's rows (vLLM's CPU
+    layout: one head's V rows of each block, between the other heads' and the K rows) goes
+    into the block as (address, rows, row stride): read back in a compiled call, its
+    fingerprints are the ones the per-launch kernels compute from the strided array (and
+    not those of the rows packed side by side, which ignoring the stride would read).
+    Words that are not int64 rows with contiguous words are refused by name."""
+    import numba
+    import numpy as np
+
+    from kvcanary.canary.real_kv import real_kv_hashes_nb
+
+    @numba.njit
+    def hashes_through_block(blk, slots, meta):  # type: ignore[no-untyped-def]
+        w = fused_rows._a2(blk, 0)
+        return real_kv_hashes_nb(slots, w, w, w, w, meta, 1)
+
+    rng = np.random.default_rng(0)
+    wide = rng.integers(-(2**62), 2**62, size=(7, 40), dtype=np.int64)
+    words = wide[:, 8:24]  # 7 blocks of 2 slots x 8 words, 40 words apart
+    assert not words.flags.c_contiguous
+    meta = np.zeros((4, 3), dtype=np.int64)
+    meta[0] = (2, 8, 6)  # page size, words per token, words read per token
+    slots = np.array([0, 1, 5, 13, 6, 12], dtype=np.int64)
+    blk = np.array(fused_rows._describe_rows(words), dtype=np.int64)
+    assert blk.tolist() == [words.ctypes.data, 7, 40]
+    want = real_kv_hashes_nb(slots, words, words, words, words, meta, 1)
+    got = hashes_through_block(blk, slots, meta)
+    assert np.array_equal(got, want)
+    packed = np.ascontiguousarray(words)
+    assert fused_rows._describe_rows(packed)[1:] == (7, 16)
+    assert not np.array_equal(hashes_through_block(
+        np.array((words.ctypes.data, 7, 16), dtype=np.int64), slots, meta), want)  # fmt: skip
+    for bad in (wide[:, ::2], wide.astype(np.int32), wide[:, 8]):
+        with pytest.raises(ValueError, match="real-KV words are not int64 rows"):
+            fused_rows._describe_rows(bad)

@@ -118,6 +118,12 @@ def test_kv_byte_flipped_in_live_block(checkpoints: dict[str, Path], caplog: pyt
         conn = H.connector(llm)
         block = H.scheduler(llm).kv_cache_manager.get_block_ids(H.internal_id(llm, "a"))[0][1]
         before = len(conn.worker.violations)
+        # HEAD / TAIL run fused (one compiled call each): the real-KV words, one head's V
+        # rows of each block of vLLM's CPU layout, are read through their row stride.
+        from kvcanary.canary.fused_rows import FusedRowLaunches
+
+        sfm = conn.worker.managers[0].single_forward_managers[0]
+        assert isinstance(sfm._fused, FusedRowLaunches)
         _flip_v_byte(conn, 0, block, 7)
         steps, rows = _steps_to_detection(llm, conn, before)
         _record("KV byte flipped in a live block", steps, rows, {"TAIL_K_FULL"},
