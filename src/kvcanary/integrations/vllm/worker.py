@@ -164,25 +164,49 @@ register_pool_attacher(VllmGroupPool, _attach_vllm_group)
 
 
 class StepTables:
-    """Per-step req->token rows (one table per group) and the token mirror, all groups
-    sharing rows: row ``r + 1`` is batch row ``r`` (row 0 = padding). Grown on demand."""
+    """The req->token tables (one per group) and the token mirror, all groups sharing rows:
+    each live request keeps one row (1 and up; row 0 = padding) from the first step it runs
+    until it finishes. Its token ids go into the host store (``tokens`` / ``lens``, numpy)
+    as the scheduler sends them (:meth:`VllmCanaryWorker.on_meta`); its req->token rows are
+    refilled from the block tables every step it runs. On the CPU the mirror the canary
+    reads (``token_ids`` / ``token_lens``) is the store itself; on another device the rows
+    of a step's batch are copied there. Grown on demand (token ids kept)."""
 
     def __init__(self, num_groups: int, device: torch.device):
         self.device = device
         self.r2t = [torch.zeros(1, 1, dtype=torch.int64, device=device)
                     for _ in range(num_groups)]  # fmt: skip
-        self.token_ids = torch.full((1, 1), -1, dtype=torch.int64, device=device)
-        self.token_lens = torch.zeros(1, dtype=torch.int64, device=device)
+        self.tokens = np.full((1, 1), -1, dtype=np.int64)
+        self.lens = np.zeros(1, dtype=np.int64)
+        self.token_ids, self.token_lens = self._mirror()
+
+    def _mirror(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, lens = torch.from_numpy(self.tokens), torch.from_numpy(self.lens)
+        if self.device.type == "cpu":
+            return ids, lens
+        return torch.full_like(ids, -1, device=self.device), lens.to(self.device)
 
     def ensure(self, rows: int, cols: int) -> None:
-        have_rows, have_cols = self.token_ids.shape
+        have_rows, have_cols = self.tokens.shape
         if rows <= have_rows and cols <= have_cols:
             return
-        rows, cols = max(rows, 2 * have_rows), max(cols, 2 * have_cols)
+        rows = max(rows, 2 * have_rows) if rows > have_rows else have_rows
+        cols = max(cols, 2 * have_cols) if cols > have_cols else have_cols
         for g in range(len(self.r2t)):
             self.r2t[g] = torch.zeros(rows, cols, dtype=torch.int64, device=self.device)
-        self.token_ids = torch.full((rows, cols), -1, dtype=torch.int64, device=self.device)
-        self.token_lens = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        tokens = np.full((rows, cols), -1, dtype=np.int64)
+        tokens[:have_rows, :have_cols] = self.tokens
+        lens = np.zeros(rows, dtype=np.int64)
+        lens[:have_rows] = self.lens
+        self.tokens, self.lens = tokens, lens
+        self.token_ids, self.token_lens = self._mirror()
+
+    def publish(self, rows: np.ndarray) -> None:
+        """The mirror rows ``rows`` as the store holds them (off the CPU: copied over)."""
+        if self.device.type != "cpu":
+            idx = torch.from_numpy(rows).to(self.device)
+            self.token_ids[idx] = torch.from_numpy(self.tokens[rows]).to(self.device)
+            self.token_lens[idx] = torch.from_numpy(self.lens[rows]).to(self.device)
 
 
 class GroupTableView:
@@ -270,8 +294,12 @@ class VllmCanaryWorker:
         self.records = records
         # The group whose slots identify a batch row's request: a full one if any.
         self._key_group = next((s.index for s in self.specs if s.sliding_window is None), 0)
-        self._tokens: dict[str, np.ndarray] = {}
-        self._token_lens: dict[str, int] = {}
+        # Each live request's row of the tables (StepTables), rows free for reuse, rows lent
+        # to this step's batch rows that match no request (given back after TAIL).
+        self._rows: dict[str, int] = {}
+        self._free_rows: list[int] = []
+        self._num_rows = 1  # row 0: padding
+        self._lent: list[int] = []
         self._step: dict[str, StepRequest] = {}
         self._open: list[list[StepBatch]] | None = None
         self.num_dependent_passes = 0
@@ -282,23 +310,38 @@ class VllmCanaryWorker:
     # -------------------------------------------------------------- scheduler input
     def on_meta(self, meta: StepMeta) -> None:
         for rid in meta.finished:
-            self._tokens.pop(rid, None)
-            self._token_lens.pop(rid, None)
+            row = self._rows.pop(rid, None)
+            if row is not None:
+                self._free_rows.append(row)
         self._step = {}
+        tables = self.tables
         for req in meta.requests:
             self._step[req.req_id] = req
             if not req.tokens:
                 continue
+            row = self._row(req.req_id)
             end = req.token_start + len(req.tokens)
-            arr = self._tokens.get(req.req_id)
-            if arr is None or arr.shape[0] < end:
-                grown = np.full(max(end, 2 * (0 if arr is None else arr.shape[0]), 64), -1,
-                                dtype=np.int64)  # fmt: skip
-                if arr is not None:
-                    grown[: arr.shape[0]] = arr
-                arr = self._tokens[req.req_id] = grown
-            arr[req.token_start : end] = req.tokens
-            self._token_lens[req.req_id] = max(self._token_lens.get(req.req_id, 0), end)
+            tables.ensure(row + 1, end)
+            tables.tokens[row, req.token_start : end] = req.tokens
+            tables.lens[row] = max(int(tables.lens[row]), end)
+
+    def _row(self, rid: str) -> int:
+        """Request ``rid``'s row of the tables (a fresh one the first time)."""
+        row = self._rows.get(rid)
+        if row is None:
+            row = self._rows[rid] = self._take_row()
+        return row
+
+    def _take_row(self) -> int:
+        """A row no live request holds, emptied (no token ids known)."""
+        if self._free_rows:
+            row = self._free_rows.pop()
+        else:
+            row, self._num_rows = self._num_rows, self._num_rows + 1
+            self.tables.ensure(row + 1, 1)
+        self.tables.tokens[row] = -1
+        self.tables.lens[row] = 0
+        return row
 
     # -------------------------------------------------------------- the forward
     def before_forward(self, metadata: Sequence[Any]) -> None:
@@ -310,41 +353,43 @@ class VllmCanaryWorker:
         checked in a second canary pass, once the rows it reads from wrote their records
         (at ``wait_for_save``; level ``L`` rows after level ``L - 1``)."""
         self._open = None  # a forward that raised before wait_for_save: drop it
+        self._give_back_lent()
         md0 = metadata[0]
-        qsl = md0.query_start_loc.long()
+        qsl = _host_i64(md0.query_start_loc)
         n = int(qsl.shape[0]) - 1
-        ql = qsl[1:] - qsl[:-1]
-        seq = md0.seq_lens[:n].long()
-        prefix = seq - ql
-        num_tokens = int(qsl[n])
-        rows = self._match_rows(metadata, qsl, prefix, ql, n)
-        max_seq = int(seq.max()) if n else 1
-        self.tables.ensure(n + 1, max_seq)
-        positions = self._positions(prefix, ql, num_tokens)
-        input_ids = self._fill_tokens(rows, prefix, ql, num_tokens)
+        seq = _host_i64(md0.seq_lens)[:n]
+        ql, prefix, positions, max_seq, may_depend = _batch_nb(qsl, seq)
+        max_seq, num_tokens = int(max_seq), int(qsl[n])
+        rows = self._batch_rows(metadata, qsl, prefix, ql, n)
+        tables = self.tables
+        tables.ensure(int(rows.max(initial=0)) + 1, max_seq)
+        input_ids = _input_ids_nb(tables.tokens, tables.lens, rows, prefix, ql, num_tokens)
+        tables.publish(rows)
+        dev = self.device
+        row_idx = torch.from_numpy(rows).to(dev)
+        prefix_t, ql_t = torch.from_numpy(prefix).to(dev), torch.from_numpy(ql).to(dev)
+        positions_t, ids_t = torch.from_numpy(positions).to(dev), torch.from_numpy(input_ids).to(dev)
         # Only a row that starts this step on a prefix (a prefix hit, a resumed request:
         # several new tokens after K > 0) can read blocks another row fills this step.
-        may_depend = bool(((ql > 1) & (prefix > 0)).any()) and n > 1
-        token_rows = (torch.repeat_interleave(torch.arange(n), ql.cpu(), output_size=num_tokens)
-                      if may_depend else None)  # fmt: skip
+        token_rows = (torch.repeat_interleave(torch.arange(n), ql_t.cpu(), output_size=num_tokens)
+                      if bool(may_depend) else None)  # fmt: skip
         outs, deps = [], [set[int]() for _ in range(n)]
         for spec, md in zip(self.specs, metadata, strict=True):
-            self._fill_table(spec, md, n, prefix, seq, max_seq)
+            self._fill_table(spec, md, n, prefix, seq, max_seq, rows, row_idx)
             out = md.slot_mapping[:num_tokens].long()
             out = torch.where(out >= spec.block_size, out, -1)  # padding / the null block
             outs.append(out)
             if token_rows is not None:
-                table = self.tables.r2t[spec.index][1 : n + 1, :max_seq]
-                pos = torch.arange(max_seq, device=self.device)
-                verify_slots = torch.where(pos[None, :] < prefix[:, None], table, 0)
+                table = self.tables.r2t[spec.index][row_idx, :max_seq]
+                pos = torch.arange(max_seq, device=dev)
+                verify_slots = torch.where(pos[None, :] < prefix_t[:, None], table, 0)
                 self._add_dependencies(deps, verify_slots, out, token_rows)
         levels = _levels(deps)
-        row_idx = torch.arange(1, n + 1, dtype=torch.int64, device=self.device)
         passes = []
         for level in range(max(levels, default=0) + 1):
             idx = row_idx if level == 0 and not any(levels) else torch.where(
-                torch.tensor(levels, device=self.device) == level, row_idx, 0)  # fmt: skip
-            passes.append([StepBatch(idx, prefix, ql, input_ids, positions, out) for out in outs])
+                torch.tensor(levels, device=dev) == level, row_idx, 0)  # fmt: skip
+            passes.append([StepBatch(idx, prefix_t, ql_t, ids_t, positions_t, out) for out in outs])
         for manager, batch in zip(self.managers, passes[0], strict=True):
             manager.before_forward(batch)
         self._open = passes
@@ -366,6 +411,7 @@ class VllmCanaryWorker:
                     error = error or e
         for manager in self.managers:
             manager.end_step()
+        self._give_back_lent()
         self.num_steps += 1
         self.num_dependent_passes += len(passes) - 1
         if error is not None:
@@ -405,76 +451,60 @@ class VllmCanaryWorker:
 
         return handler
 
-    def _match_rows(self, metadata: Sequence[Any], qsl: torch.Tensor, prefix: torch.Tensor,
-                    ql: torch.Tensor, n: int) -> list[StepRequest | None]:  # fmt: skip
-        """The request of each batch row: the slot its first new token is stored to (from
-        the block table attention uses) is the one the scheduler allocated for it."""
+    def _give_back_lent(self) -> None:
+        self._free_rows.extend(self._lent)
+        self._lent = []
+
+    def _batch_rows(self, metadata: Sequence[Any], qsl: np.ndarray, prefix: np.ndarray,
+                    ql: np.ndarray, n: int) -> np.ndarray:  # fmt: skip
+        """The table row of each batch row: its request's, found by the slot its first new
+        token is stored to (from the block table attention uses: the one the scheduler
+        allocated for it); a row that matches no request gets a row of its own for this step
+        (no token ids known)."""
         g = self._key_group
         by_slot = {r.first_slots[g]: r for r in self._step.values() if r.first_slots[g] >= 0}
-        slots = metadata[g].slot_mapping
-        starts, pre, lens = qsl.tolist(), prefix.tolist(), ql.tolist()
-        rows: list[StepRequest | None] = []
-        for r in range(n):
-            req = by_slot.get(int(slots[starts[r]])) if lens[r] > 0 else None
+        slots = _host_i64(metadata[g].slot_mapping)
+        first = slots[np.minimum(qsl[:n], max(slots.shape[0] - 1, 0))].tolist() if slots.size else [-1] * n
+        rows = np.empty(n, dtype=np.int64)
+        for r, (slot, k, e) in enumerate(zip(first, prefix.tolist(), ql.tolist(), strict=True)):
+            req = by_slot.get(slot) if e > 0 else None
             if req is None:  # fall back to (computed, scheduled), when unique
                 cands = [q for q in self._step.values()
-                         if q.num_computed == pre[r] and q.num_scheduled == lens[r]]  # fmt: skip
+                         if q.num_computed == k and q.num_scheduled == e]  # fmt: skip
                 req = cands[0] if len(cands) == 1 else None
-            if req is None and not self._unmatched_warned:
+            if req is not None:
+                rows[r] = self._row(req.req_id)
+                continue
+            if not self._unmatched_warned:
                 self._unmatched_warned = True
                 logger.warning("kv-canary (vLLM): batch row %d matches no scheduled request; "
                                "its token ids are not checked", r)  # fmt: skip
-            rows.append(req)
+            rows[r] = self._take_row()
+            self._lent.append(int(rows[r]))
         return rows
 
-    def _positions(self, prefix: torch.Tensor, ql: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        if num_tokens == prefix.shape[0]:  # decode: one token per row, at its prefix length
-            return prefix.clone()
-        starts = torch.repeat_interleave(prefix, ql, output_size=num_tokens)
-        first = torch.repeat_interleave(torch.cumsum(ql, 0) - ql, ql, output_size=num_tokens)
-        return starts + torch.arange(num_tokens, dtype=torch.int64, device=self.device) - first
-
-    def _fill_tokens(self, rows: list[StepRequest | None], prefix: torch.Tensor,
-                     ql: torch.Tensor, num_tokens: int) -> torch.Tensor:  # fmt: skip
-        """This step's input ids (-1 where unknown), and the token mirror rows."""
-        ids = np.full(num_tokens, -1, dtype=np.int64)
-        mirror = self.config.verify_tokens
-        table = self.tables.token_ids.numpy() if mirror else None
-        lens = self.tables.token_lens.numpy() if mirror else None
-        at = 0
-        for r, (req, k, e) in enumerate(zip(rows, prefix.tolist(), ql.tolist(), strict=True)):
-            arr = None if req is None else self._tokens.get(req.req_id)
-            if req is not None and arr is not None:
-                known = min(self._token_lens[req.req_id], k + e)
-                if known > k:
-                    ids[at : at + known - k] = arr[k:known]
-                if table is not None and lens is not None:
-                    table[r + 1, :known] = arr[:known]
-                    lens[r + 1] = known
-            elif lens is not None:
-                lens[r + 1] = 0
-            at += e
-        return torch.from_numpy(ids).to(self.device)
-
-    def _fill_table(self, spec: GroupSpec, md: Any, n: int, prefix: torch.Tensor,
-                    seq: torch.Tensor, max_seq: int) -> None:  # fmt: skip
-        """Rows 1..n of the group's req->token table from the block table attention reads:
-        position p -> ``block_table[r, p // bs] * bs + p % bs``, 0 for the null block, past
-        the sequence and (sliding groups) before ``K - W + 1``."""
+    def _fill_table(self, spec: GroupSpec, md: Any, n: int, prefix: np.ndarray, seq: np.ndarray,
+                    max_seq: int, rows: np.ndarray, row_idx: torch.Tensor) -> None:  # fmt: skip
+        """The batch rows' req->token rows of the group (batch row r -> table row
+        ``rows[r]``) from the block table attention reads: position p ->
+        ``block_table[r, p // bs] * bs + p % bs``, 0 for the null block, past the sequence
+        and (sliding groups) before ``K - W + 1``."""
         bs, table = spec.block_size, self.tables.r2t[spec.index]
         window = spec.sliding_window or 0
         if self.device.type == "cpu":  # one compiled pass (the per-step path on CPU)
-            _fill_rows_nb(md.block_table[:n].numpy(), seq.numpy(), prefix.numpy(), bs, window,
-                          table.numpy())  # fmt: skip
+            _fill_rows_nb(_host_i64(md.block_table[:n]), seq, prefix, bs, window, table.numpy(),
+                          rows)  # fmt: skip
             return
         bt = md.block_table[:n].long()
+        seq_t = torch.from_numpy(seq).to(self.device)
+        prefix_t = torch.from_numpy(prefix).to(self.device)
         pos = torch.arange(max_seq, dtype=torch.int64, device=self.device)
         idx = torch.clamp(pos // bs, max=max(bt.shape[1] - 1, 0))
         blocks = bt[:, idx]
-        valid = (pos[None, :] < seq[:, None]) & (blocks != 0)
+        valid = (pos[None, :] < seq_t[:, None]) & (blocks != 0)
         if window:  # positions the scheduler keeps (module doc)
-            valid &= pos[None, :] >= (prefix - window + 1)[:, None]
-        table[1 : n + 1, :max_seq] = torch.where(valid, blocks * bs + pos % bs, 0)
+            valid &= pos[None, :] >= (prefix_t - window + 1)[:, None]
+        table[row_idx, :max_seq] = torch.where(valid, blocks * bs + pos % bs, 0)
 
     # -------------------------------------------------------------- inspection
     def stats(self) -> dict[str, Any]:
@@ -536,14 +566,57 @@ def _levels(deps: list[set[int]], max_level: int = 8) -> list[int]:
     return levels
 
 
+def _host_i64(t: torch.Tensor) -> np.ndarray:
+    """``t`` (1-D or 2-D integers, any device) as int64 host numpy (a view when it already is)."""
+    return np.asarray(t.cpu().numpy(), dtype=np.int64)
+
+
 @numba.njit(cache=True)
-def _fill_rows_nb(bt, seq, prefix, bs, window, table):
-    """:meth:`VllmCanaryWorker._fill_table` on the CPU (row r of the batch -> table row
-    r + 1; only positions < seq[r] are written, the planner reads no further)."""
+def _batch_nb(qsl, seq):
+    """A step's rows from ``qsl`` (query start locations [n + 1], from 0) and ``seq``
+    (sequence lengths [n]): per row its new tokens ``ql`` and the tokens computed before
+    them ``prefix``; each token's position; the longest sequence (1 without rows); whether
+    some row starts on a prefix with several new tokens (and there are rows to share it)."""
+    n = qsl.shape[0] - 1
+    ql = np.empty(n, dtype=np.int64)
+    prefix = np.empty(n, dtype=np.int64)
+    positions = np.empty(max(qsl[n], 0), dtype=np.int64)
+    max_seq = 0 if n else 1
+    may_depend = False
+    at = 0
+    for r in range(n):
+        e = qsl[r + 1] - qsl[r]
+        ql[r], prefix[r] = e, seq[r] - e
+        max_seq = max(max_seq, seq[r])
+        may_depend |= e > 1 and prefix[r] > 0
+        for i in range(e):
+            positions[at + i] = prefix[r] + i
+        at += e
+    return ql, prefix, positions, max_seq, may_depend and n > 1
+
+
+@numba.njit(cache=True)
+def _input_ids_nb(tokens, lens, rows, prefix, ql, num_tokens):
+    """This step's input ids from the token store (-1 where not known yet)."""
+    ids = np.full(num_tokens, -1, dtype=np.int64)
+    at = 0
+    for r in range(rows.shape[0]):
+        k, row = prefix[r], rows[r]
+        for i in range(max(min(lens[row], k + ql[r]) - k, 0)):
+            ids[at + i] = tokens[row, k + i]
+        at += ql[r]
+    return ids
+
+
+@numba.njit(cache=True)
+def _fill_rows_nb(bt, seq, prefix, bs, window, table, rows):
+    """:meth:`VllmCanaryWorker._fill_table` on the CPU (batch row r -> table row
+    ``rows[r]``; only positions < seq[r] are written, the planner reads no further)."""
     nb = bt.shape[1]
     for r in range(seq.shape[0]):
         lo = max(0, prefix[r] - window + 1) if window > 0 else 0
+        row = rows[r]
         for p in range(seq[r]):
             bi = p // bs
             b = bt[r, bi] if bi < nb else 0
-            table[r + 1, p] = b * bs + p % bs if (b != 0 and p >= lo) else 0
+            table[row, p] = b * bs + p % bs if (b != 0 and p >= lo) else 0
