@@ -301,6 +301,9 @@ class VllmCanaryWorker:
         self._num_rows = 1  # row 0: padding
         self._lent: list[int] = []
         self._step: dict[str, StepRequest] = {}
+        # This step's requests by the key group's slot of their first new token: (slots
+        # sorted, their rows), for matching batch rows in one compiled pass.
+        self._by_slot = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
         self._open: list[list[StepBatch]] | None = None
         self.num_dependent_passes = 0
         self._invalid_blocks: set[int] = set()
@@ -313,17 +316,25 @@ class VllmCanaryWorker:
             row = self._rows.pop(rid, None)
             if row is not None:
                 self._free_rows.append(row)
-        self._step = {}
-        tables = self.tables
+        self._step = step = {}
+        g, tables = self._key_group, self.tables
+        slots, rows = [], []
         for req in meta.requests:
-            self._step[req.req_id] = req
-            if not req.tokens:
-                continue
+            step[req.req_id] = req
             row = self._row(req.req_id)
-            end = req.token_start + len(req.tokens)
-            tables.ensure(row + 1, end)
-            tables.tokens[row, req.token_start : end] = req.tokens
-            tables.lens[row] = max(int(tables.lens[row]), end)
+            if req.first_slots[g] >= 0:
+                slots.append(req.first_slots[g])
+                rows.append(row)
+            if req.tokens:
+                end = req.token_start + len(req.tokens)
+                if end > tables.tokens.shape[1]:
+                    tables.ensure(row + 1, end)
+                tables.tokens[row, req.token_start : end] = req.tokens
+                if end > tables.lens[row]:
+                    tables.lens[row] = end
+        keys = np.array(slots, dtype=np.int64)
+        order = np.argsort(keys, kind="stable")
+        self._by_slot = (keys[order], np.array(rows, dtype=np.int64)[order])
 
     def _row(self, rid: str) -> int:
         """Request ``rid``'s row of the tables (a fresh one the first time)."""
@@ -354,37 +365,35 @@ class VllmCanaryWorker:
         (at ``wait_for_save``; level ``L`` rows after level ``L - 1``)."""
         self._open = None  # a forward that raised before wait_for_save: drop it
         self._give_back_lent()
-        md0 = metadata[0]
-        qsl = _host_i64(md0.query_start_loc)
-        n = int(qsl.shape[0]) - 1
-        seq = _host_i64(md0.seq_lens)[:n]
-        ql, prefix, positions, max_seq, may_depend = _batch_nb(qsl, seq)
-        max_seq, num_tokens = int(max_seq), int(qsl[n])
-        rows = self._batch_rows(metadata, qsl, prefix, ql, n)
+        md0, g = metadata[0], self._key_group
         tables = self.tables
-        tables.ensure(int(rows.max(initial=0)) + 1, max_seq)
-        input_ids = _input_ids_nb(tables.tokens, tables.lens, rows, prefix, ql, num_tokens)
+        ql, prefix, positions, max_seq, may_depend, rows, input_ids = _batch_nb(
+            _host(md0.query_start_loc), _host(md0.seq_lens), _host(metadata[g].slot_mapping),
+            *self._by_slot, tables.tokens, tables.lens,
+        )  # fmt: skip
+        n, num_tokens, seq = int(ql.shape[0]), int(positions.shape[0]), prefix + ql
+        if n and rows.min() < 0:  # rows no first slot matched (rare): the slow path
+            input_ids = self._unmatched_rows(rows, prefix, ql, num_tokens, input_ids)
+        tables.ensure(self._num_rows, int(max_seq))
         tables.publish(rows)
         dev = self.device
-        row_idx = torch.from_numpy(rows).to(dev)
-        prefix_t, ql_t = torch.from_numpy(prefix).to(dev), torch.from_numpy(ql).to(dev)
-        positions_t, ids_t = torch.from_numpy(positions).to(dev), torch.from_numpy(input_ids).to(dev)
-        # Only a row that starts this step on a prefix (a prefix hit, a resumed request:
-        # several new tokens after K > 0) can read blocks another row fills this step.
-        token_rows = (torch.repeat_interleave(torch.arange(n), ql_t.cpu(), output_size=num_tokens)
-                      if bool(may_depend) else None)  # fmt: skip
-        outs, deps = [], [set[int]() for _ in range(n)]
-        for spec, md in zip(self.specs, metadata, strict=True):
-            self._fill_table(spec, md, n, prefix, seq, max_seq, rows, row_idx)
-            out = md.slot_mapping[:num_tokens].long()
-            out = torch.where(out >= spec.block_size, out, -1)  # padding / the null block
-            outs.append(out)
-            if token_rows is not None:
-                table = self.tables.r2t[spec.index][row_idx, :max_seq]
-                pos = torch.arange(max_seq, device=dev)
+        row_idx, prefix_t, ql_t, positions_t, ids_t = (
+            _tensor(a, dev) for a in (rows, prefix, ql, positions, input_ids))  # fmt: skip
+        outs = [self._group_rows(spec, md, n, num_tokens, prefix, seq, int(max_seq), rows, row_idx)
+                for spec, md in zip(self.specs, metadata, strict=True)]  # fmt: skip
+        levels = [0] * n
+        if may_depend:
+            # Only a row that starts this step on a prefix (a prefix hit, a resumed
+            # request: several new tokens after K > 0) can read blocks another row fills.
+            token_rows = torch.repeat_interleave(torch.arange(n), ql_t.cpu(),
+                                                 output_size=num_tokens)  # fmt: skip
+            deps: list[set[int]] = [set() for _ in range(n)]
+            pos = torch.arange(int(max_seq), device=dev)
+            for spec, out in zip(self.specs, outs, strict=True):
+                table = tables.r2t[spec.index][row_idx, : int(max_seq)]
                 verify_slots = torch.where(pos[None, :] < prefix_t[:, None], table, 0)
                 self._add_dependencies(deps, verify_slots, out, token_rows)
-        levels = _levels(deps)
+            levels = _levels(deps)
         passes = []
         for level in range(max(levels, default=0) + 1):
             idx = row_idx if level == 0 and not any(levels) else torch.where(
@@ -455,25 +464,18 @@ class VllmCanaryWorker:
         self._free_rows.extend(self._lent)
         self._lent = []
 
-    def _batch_rows(self, metadata: Sequence[Any], qsl: np.ndarray, prefix: np.ndarray,
-                    ql: np.ndarray, n: int) -> np.ndarray:  # fmt: skip
-        """The table row of each batch row: its request's, found by the slot its first new
-        token is stored to (from the block table attention uses: the one the scheduler
-        allocated for it); a row that matches no request gets a row of its own for this step
-        (no token ids known)."""
-        g = self._key_group
-        by_slot = {r.first_slots[g]: r for r in self._step.values() if r.first_slots[g] >= 0}
-        slots = _host_i64(metadata[g].slot_mapping)
-        first = slots[np.minimum(qsl[:n], max(slots.shape[0] - 1, 0))].tolist() if slots.size else [-1] * n
-        rows = np.empty(n, dtype=np.int64)
-        for r, (slot, k, e) in enumerate(zip(first, prefix.tolist(), ql.tolist(), strict=True)):
-            req = by_slot.get(slot) if e > 0 else None
-            if req is None:  # fall back to (computed, scheduled), when unique
-                cands = [q for q in self._step.values()
-                         if q.num_computed == k and q.num_scheduled == e]  # fmt: skip
-                req = cands[0] if len(cands) == 1 else None
-            if req is not None:
-                rows[r] = self._row(req.req_id)
+    def _unmatched_rows(self, rows: np.ndarray, prefix: np.ndarray, ql: np.ndarray,
+                        num_tokens: int, input_ids: np.ndarray) -> np.ndarray:  # fmt: skip
+        """Rows (-1 in ``rows``) whose first new token's slot is no scheduled request's: the
+        request with their (computed, scheduled) counts, when it is the only one; else a row
+        of their own for this step (no token ids known). Fills ``rows`` in; the step's input
+        ids again when a request was found."""
+        found = False
+        for r in np.flatnonzero(rows < 0).tolist():
+            k, e = int(prefix[r]), int(ql[r])
+            cands = [q for q in self._step.values() if q.num_computed == k and q.num_scheduled == e]
+            if len(cands) == 1:
+                rows[r], found = self._row(cands[0].req_id), True
                 continue
             if not self._unmatched_warned:
                 self._unmatched_warned = True
@@ -481,20 +483,24 @@ class VllmCanaryWorker:
                                "its token ids are not checked", r)  # fmt: skip
             rows[r] = self._take_row()
             self._lent.append(int(rows[r]))
-        return rows
+        if not found:
+            return input_ids
+        return _input_ids_nb(self.tables.tokens, self.tables.lens, rows, prefix, ql, num_tokens)
 
-    def _fill_table(self, spec: GroupSpec, md: Any, n: int, prefix: np.ndarray, seq: np.ndarray,
-                    max_seq: int, rows: np.ndarray, row_idx: torch.Tensor) -> None:  # fmt: skip
+    def _group_rows(self, spec: GroupSpec, md: Any, n: int, num_tokens: int,
+                    prefix: np.ndarray, seq: np.ndarray, max_seq: int, rows: np.ndarray,
+                    row_idx: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """The batch rows' req->token rows of the group (batch row r -> table row
         ``rows[r]``) from the block table attention reads: position p ->
         ``block_table[r, p // bs] * bs + p % bs``, 0 for the null block, past the sequence
-        and (sliding groups) before ``K - W + 1``."""
+        and (sliding groups) before ``K - W + 1``; returns the step's slots of the group
+        (``slot_mapping``, -1 for padding and the null block)."""
         bs, table = spec.block_size, self.tables.r2t[spec.index]
         window = spec.sliding_window or 0
         if self.device.type == "cpu":  # one compiled pass (the per-step path on CPU)
-            _fill_rows_nb(_host_i64(md.block_table[:n]), seq, prefix, bs, window, table.numpy(),
-                          rows)  # fmt: skip
-            return
+            return torch.from_numpy(_group_rows_nb(
+                md.block_table.numpy(), md.slot_mapping.numpy(), seq, prefix, bs, window,
+                table.numpy(), rows, num_tokens))  # fmt: skip
         bt = md.block_table[:n].long()
         seq_t = torch.from_numpy(seq).to(self.device)
         prefix_t = torch.from_numpy(prefix).to(self.device)
@@ -505,6 +511,8 @@ class VllmCanaryWorker:
         if window:  # positions the scheduler keeps (module doc)
             valid &= pos[None, :] >= (prefix_t - window + 1)[:, None]
         table[row_idx, :max_seq] = torch.where(valid, blocks * bs + pos % bs, 0)
+        out = md.slot_mapping[:num_tokens].long()
+        return torch.where(out >= bs, out, -1)  # padding / the null block
 
     # -------------------------------------------------------------- inspection
     def stats(self) -> dict[str, Any]:
@@ -566,51 +574,69 @@ def _levels(deps: list[set[int]], max_level: int = 8) -> list[int]:
     return levels
 
 
-def _host_i64(t: torch.Tensor) -> np.ndarray:
-    """``t`` (1-D or 2-D integers, any device) as int64 host numpy (a view when it already is)."""
-    return np.asarray(t.cpu().numpy(), dtype=np.int64)
+def _host(t: torch.Tensor) -> np.ndarray:
+    """``t`` as host numpy (a view on the CPU)."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
+def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.to(device)
 
 
 @numba.njit(cache=True)
-def _batch_nb(qsl, seq):
-    """A step's rows from ``qsl`` (query start locations [n + 1], from 0) and ``seq``
-    (sequence lengths [n]): per row its new tokens ``ql`` and the tokens computed before
-    them ``prefix``; each token's position; the longest sequence (1 without rows); whether
-    some row starts on a prefix with several new tokens (and there are rows to share it)."""
+def _batch_nb(qsl, seq_lens, key_slots, keys, key_rows, tokens, lens):
+    """A step's batch from ``qsl`` (query start locations [n + 1], from 0) and ``seq_lens``
+    ([>= n]): per row its new tokens ``ql`` and the tokens computed before them ``prefix``;
+    each token's position; the longest sequence (1 without rows); whether some row starts on
+    a prefix with several new tokens (and there are rows to share it); each row's table row
+    (``key_rows[i]`` where ``keys[i]``, sorted, is the key group's slot ``key_slots`` of its
+    first new token; -1 where none is); the input ids from the token store (-1 where not
+    known yet, and for unmatched rows)."""
     n = qsl.shape[0] - 1
+    num_tokens = max(qsl[n], 0)
     ql = np.empty(n, dtype=np.int64)
     prefix = np.empty(n, dtype=np.int64)
-    positions = np.empty(max(qsl[n], 0), dtype=np.int64)
+    rows = np.full(n, -1, dtype=np.int64)
+    positions = np.empty(num_tokens, dtype=np.int64)
     max_seq = 0 if n else 1
     may_depend = False
     at = 0
     for r in range(n):
-        e = qsl[r + 1] - qsl[r]
-        ql[r], prefix[r] = e, seq[r] - e
-        max_seq = max(max_seq, seq[r])
-        may_depend |= e > 1 and prefix[r] > 0
+        e = np.int64(qsl[r + 1] - qsl[r])
+        k = np.int64(seq_lens[r]) - e
+        ql[r], prefix[r] = e, k
+        max_seq = max(max_seq, np.int64(seq_lens[r]))
+        may_depend |= e > 1 and k > 0
         for i in range(e):
-            positions[at + i] = prefix[r] + i
+            positions[at + i] = k + i
+        if e > 0 and at < key_slots.shape[0]:
+            i = np.searchsorted(keys, np.int64(key_slots[at]))
+            if i < keys.shape[0] and keys[i] == key_slots[at]:
+                rows[r] = key_rows[i]
         at += e
-    return ql, prefix, positions, max_seq, may_depend and n > 1
+    ids = _input_ids_nb(tokens, lens, rows, prefix, ql, num_tokens)
+    return ql, prefix, positions, max_seq, may_depend and n > 1, rows, ids
 
 
 @numba.njit(cache=True)
 def _input_ids_nb(tokens, lens, rows, prefix, ql, num_tokens):
-    """This step's input ids from the token store (-1 where not known yet)."""
+    """This step's input ids from the token store (-1 where not known yet, and for rows
+    without a table row, -1)."""
     ids = np.full(num_tokens, -1, dtype=np.int64)
     at = 0
     for r in range(rows.shape[0]):
         k, row = prefix[r], rows[r]
-        for i in range(max(min(lens[row], k + ql[r]) - k, 0)):
-            ids[at + i] = tokens[row, k + i]
+        if row >= 0:
+            for i in range(max(min(lens[row], k + ql[r]) - k, 0)):
+                ids[at + i] = tokens[row, k + i]
         at += ql[r]
     return ids
 
 
 @numba.njit(cache=True)
-def _fill_rows_nb(bt, seq, prefix, bs, window, table, rows):
-    """:meth:`VllmCanaryWorker._fill_table` on the CPU (batch row r -> table row
+def _group_rows_nb(bt, slot_mapping, seq, prefix, bs, window, table, rows, num_tokens):
+    """:meth:`VllmCanaryWorker._group_rows` on the CPU (batch row r -> table row
     ``rows[r]``; only positions < seq[r] are written, the planner reads no further)."""
     nb = bt.shape[1]
     for r in range(seq.shape[0]):
@@ -620,3 +646,8 @@ def _fill_rows_nb(bt, seq, prefix, bs, window, table, rows):
             bi = p // bs
             b = bt[r, bi] if bi < nb else 0
             table[row, p] = b * bs + p % bs if (b != 0 and p >= lo) else 0
+    out = np.empty(min(num_tokens, slot_mapping.shape[0]), dtype=np.int64)
+    for t in range(out.shape[0]):
+        s = slot_mapping[t]
+        out[t] = s if s >= bs else -1
+    return out
