@@ -258,6 +258,9 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         for rid in so.finished_req_ids:
             self._sent.pop(rid, None)
         manager = self._kv_cache_manager
+        req_blocks = self._key_group_blocks(manager)
+        g = self._key_group
+        bs = self.specs[g].block_size if self.specs else 1
         for rid, num_scheduled in so.num_scheduled_tokens.items():
             request = self._requests.get(rid)
             k = computed.get(rid, 0 if request is None else request.num_computed_tokens)
@@ -269,13 +272,28 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 tokens = list(known[start:end]) + [-1] * max(0, end - max(start, len(known)))
                 self._sent[rid] = min(end, len(known))
             first = [-1] * len(self.specs)  # only the key group's is used (worker: rows)
-            if manager is not None and self.specs:
-                spec = self.specs[self._key_group]
-                ids = manager.get_block_ids(rid)[self._key_group]
-                b = ids[k // spec.block_size] if k // spec.block_size < len(ids) else 0
-                first[self._key_group] = b * spec.block_size + k % spec.block_size if b else -1
+            if req_blocks is not None:  # the block of position k, without listing them all
+                blocks = req_blocks.get(rid, ())
+                b = blocks[k // bs].block_id if k // bs < len(blocks) else 0
+                first[g] = b * bs + k % bs if b else -1
+            elif manager is not None and self.specs:
+                ids = manager.get_block_ids(rid)[g]
+                b = ids[k // bs] if k // bs < len(ids) else 0
+                first[g] = b * bs + k % bs if b else -1
             step.requests.append(StepRequest(rid, k, num_scheduled, start, tokens, first))
         return KVCanaryConnectorMetadata(step)
+
+    def _key_group_blocks(self, manager: Any) -> Any:
+        """The key group's ``req_to_blocks`` (request id -> its blocks) of vLLM's KV cache
+        manager, where it has one (vLLM 0.32: ``coordinator.single_type_managers[g]``); None
+        otherwise (``get_block_ids``, which lists every group's block ids, per request)."""
+        if manager is None or not self.specs:
+            return None
+        try:
+            blocks = manager.coordinator.single_type_managers[self._key_group].req_to_blocks
+        except (AttributeError, IndexError, TypeError):
+            return None
+        return blocks if hasattr(blocks, "get") else None
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
