@@ -1,0 +1,143 @@
+"""The vLLM connector's worker side (:mod:`kvcanary.integrations.vllm.worker`) without vLLM:
+each live request keeps one row of the canary's tables (token ids stored once, as the
+scheduler sends them), batch rows are matched to requests by the slot of their first new
+token whatever their order in the batch, a finished request's row is reused emptied, and a
+batch row that matches no request gets a row of its own for the step. The metadata is what
+vLLM's CPU attention hands the connector (query_start_loc, seq_lens, block_table,
+slot_mapping); a corrupted block table entry is reported."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta, StepRequest
+from kvcanary.integrations.vllm.options import parse_options
+from kvcanary.integrations.vllm.worker import VllmCanaryWorker
+
+BS, BLOCKS, HEADS, DIM = 4, 64, 1, 8
+
+
+class FakeVllm:
+    """Requests' block lists and token ids, as vLLM's scheduler keeps them; each step's
+    attention metadata for a batch order (``step``), and the meta the scheduler side sends."""
+
+    def __init__(self) -> None:
+        spec = GroupSpec(0, ("layer0",), BS, HEADS, DIM, None)
+        kv = torch.zeros(BLOCKS, HEADS, BS, 2 * DIM)  # vLLM's CPU layout
+        self.worker = VllmCanaryWorker(parse_options({"mode": "log"}).canary, [spec], {"layer0": kv})
+        self.blocks: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.sent: dict[str, int] = {}
+        self.next_block = 1  # block 0: vLLM's null block
+
+    def add(self, rid: str, prompt: list[int]) -> None:
+        self.tokens[rid], self.computed[rid], self.sent[rid], self.blocks[rid] = list(prompt), 0, 0, []
+
+    def step(self, order: list[str], finished: tuple[str, ...] = (),
+             block_table_fault: tuple[int, int, int] | None = None) -> None:  # fmt: skip
+        """One step of the requests ``order`` (batch rows in that order): each runs its
+        unsent tokens (a prompt, or the token sampled last step)."""
+        reqs, qsl, seq, slots = [], [0], [], []
+        for rid in order:
+            k, toks = self.computed[rid], self.tokens[rid]
+            new = len(toks) - k
+            while len(self.blocks[rid]) * BS < len(toks):
+                self.blocks[rid].append(self.next_block)
+                self.next_block += 1
+            first = self.blocks[rid][k // BS] * BS + k % BS
+            reqs.append(StepRequest(rid, k, new, self.sent[rid], toks[self.sent[rid]:], [first]))
+            self.sent[rid] = len(toks)
+            qsl.append(qsl[-1] + new)
+            seq.append(len(toks))
+            slots += [self.blocks[rid][p // BS] * BS + p % BS for p in range(k, len(toks))]
+        width = max(len(self.blocks[r]) for r in order)
+        table = torch.zeros(len(order), width, dtype=torch.int32)
+        for r, rid in enumerate(order):
+            table[r, : len(self.blocks[rid])] = torch.tensor(self.blocks[rid], dtype=torch.int32)
+        if block_table_fault is not None:  # (batch row, block index, new block id)
+            r, i, b = block_table_fault
+            table[r, i] = b
+        md = SimpleNamespace(query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                             seq_lens=torch.tensor(seq, dtype=torch.int32), block_table=table,
+                             slot_mapping=torch.tensor(slots, dtype=torch.int64))  # fmt: skip
+        self.worker.on_meta(StepMeta(reqs, list(finished)))
+        self.worker.before_forward([md])
+        self.worker.after_forward()
+        for rid in order:  # every row sampled one token
+            self.computed[rid] = len(self.tokens[rid])
+            self.tokens[rid].append(1000 + len(self.tokens[rid]))
+
+    def violations(self) -> list[Any]:
+        self.worker.flush()
+        return self.worker.violations
+
+
+def test_rows_follow_requests_across_batch_orders_and_finished_requests(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvcanary.canary")
+    v = FakeVllm()
+    v.add("a", list(range(10, 19)))
+    v.add("b", list(range(50, 56)))
+    v.step(["a", "b"])  # prefill
+    for order in (["b", "a"], ["a", "b"], ["b", "a"]):  # decode, batch order changing
+        v.step(order)
+    w = v.worker
+    rows = dict(w._rows)
+    assert sorted(rows.values()) == [1, 2]
+    assert w.tables.tokens[rows["a"], :12].tolist() == [*range(10, 19), 1009, 1010, 1011]
+    assert int(w.tables.lens[rows["a"]]) == 12
+    stats = w.stats()
+    assert stats["violations"] == 0 and stats["verify_entries"] > 0
+    # "a" finishes; "c" takes its row, emptied: none of a's token ids is taken for c's.
+    v.add("c", list(range(70, 75)))
+    v.step(["b", "c"], finished=("a",))
+    v.step(["c", "b"])
+    assert w._rows == {"b": rows["b"], "c": rows["a"]}
+    assert w.tables.tokens[rows["a"], :7].tolist() == [70, 71, 72, 73, 74, 1005, -1]
+    assert v.violations() == [] and "matches no scheduled request" not in caplog.text
+
+
+def test_a_row_no_request_matches_gets_a_row_of_its_own_for_the_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A batch row whose first slot is no scheduled request's and whose counts match several
+    (two prompts of one length): a row of its own, lent for the step, token ids unknown
+    (-1), the other rows checked as usual; the lent row is free again after the step."""
+    caplog.set_level(logging.WARNING, logger="kvcanary.canary")
+    v = FakeVllm()
+    v.add("a", list(range(10, 15)))
+    v.add("b", list(range(20, 25)))
+    v.step(["a", "b"])
+    w = v.worker
+    before = w._num_rows
+    # The next step's meta as the scheduler side sends it, but without b's first slot; the
+    # step then runs on it (the fake's own meta is dropped).
+    on_meta, w.on_meta = w.on_meta, (lambda meta: None)
+    on_meta(StepMeta([StepRequest("a", 5, 1, 5, [1005], [v.blocks["a"][1] * BS + 1]),
+                      StepRequest("b", 5, 1, 5, [1005], [-1])]))  # fmt: skip
+    v.step(["a", "b"])
+    assert "batch row 1 matches no scheduled request" in caplog.text
+    assert w._num_rows == before + 1 and w._free_rows == [before] and w._lent == []
+    assert v.violations() == []  # b's slots still verified (its records hold its tokens)
+
+
+def test_a_block_table_entry_pointing_elsewhere_is_reported() -> None:
+    """The rows come from the block table attention reads: a decode step whose block table
+    sends request a's second block to b's is caught by HEAD (chain hash)."""
+    v = FakeVllm()
+    v.add("a", list(range(10, 19)))
+    v.add("b", list(range(50, 59)))
+    v.step(["a", "b"])
+    v.step(["b", "a"])
+    assert v.violations() == []
+    v.step(["b", "a"], block_table_fault=(1, 1, v.blocks["b"][1]))
+    rows = v.violations()
+    assert rows and {r.launch_tag for r in rows} >= {"HEAD_K_FULL"}
+    assert "verify_chain_hash" in {reason for r in rows for reason in r.fail_reasons}
