@@ -326,10 +326,14 @@ class VllmCanaryWorker:
                 slots.append(req.first_slots[g])
                 rows.append(row)
             if req.tokens:
-                end = req.token_start + len(req.tokens)
+                start, tokens = req.token_start, req.tokens
+                end = start + len(tokens)
                 if end > tables.tokens.shape[1]:
                     tables.ensure(row + 1, end)
-                tables.tokens[row, req.token_start : end] = req.tokens
+                if len(tokens) == 1:  # a decode step's (no list -> array conversion)
+                    tables.tokens[row, start] = tokens[0]
+                else:
+                    tables.tokens[row, start:end] = tokens
                 if end > tables.lens[row]:
                     tables.lens[row] = end
         keys = np.array(slots, dtype=np.int64)
