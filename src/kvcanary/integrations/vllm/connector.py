@@ -272,14 +272,15 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 tokens = list(known[start:end]) + [-1] * max(0, end - max(start, len(known)))
                 self._sent[rid] = min(end, len(known))
             first = [-1] * len(self.specs)  # only the key group's is used (worker: rows)
-            if req_blocks is not None:  # the block of position k, without listing them all
+            b = 0  # the block of position k (0: none, the null block)
+            if req_blocks is not None:  # without listing every block of every group
                 blocks = req_blocks.get(rid, ())
                 b = blocks[k // bs].block_id if k // bs < len(blocks) else 0
-                first[g] = b * bs + k % bs if b else -1
             elif manager is not None and self.specs:
                 ids = manager.get_block_ids(rid)[g]
                 b = ids[k // bs] if k // bs < len(ids) else 0
-                first[g] = b * bs + k % bs if b else -1
+            if b:
+                first[g] = b * bs + k % bs
             step.requests.append(StepRequest(rid, k, num_scheduled, start, tokens, first))
         return KVCanaryConnectorMetadata(step)
 

@@ -375,15 +375,15 @@ class VllmCanaryWorker:
             _host(md0.query_start_loc), _host(md0.seq_lens), _host(metadata[g].slot_mapping),
             *self._by_slot, tables.tokens, tables.lens,
         )  # fmt: skip
-        n, num_tokens, seq = int(ql.shape[0]), int(positions.shape[0]), prefix + ql
+        n, num_tokens, seq, max_seq = int(ql.shape[0]), int(positions.shape[0]), prefix + ql, int(max_seq)
         if n and rows.min() < 0:  # rows no first slot matched (rare): the slow path
             input_ids = self._unmatched_rows(rows, prefix, ql, num_tokens, input_ids)
-        tables.ensure(self._num_rows, int(max_seq))
+        tables.ensure(self._num_rows, max_seq)
         tables.publish(rows)
         dev = self.device
         row_idx, prefix_t, ql_t, positions_t, ids_t = (
             _tensor(a, dev) for a in (rows, prefix, ql, positions, input_ids))  # fmt: skip
-        outs = [self._group_rows(spec, md, n, num_tokens, prefix, seq, int(max_seq), rows, row_idx)
+        outs = [self._group_rows(spec, md, n, num_tokens, prefix, seq, max_seq, rows, row_idx)
                 for spec, md in zip(self.specs, metadata, strict=True)]  # fmt: skip
         levels = [0] * n
         if may_depend:
@@ -392,9 +392,9 @@ class VllmCanaryWorker:
             token_rows = torch.repeat_interleave(torch.arange(n), ql_t.cpu(),
                                                  output_size=num_tokens)  # fmt: skip
             deps: list[set[int]] = [set() for _ in range(n)]
-            pos = torch.arange(int(max_seq), device=dev)
+            pos = torch.arange(max_seq, device=dev)
             for spec, out in zip(self.specs, outs, strict=True):
-                table = tables.r2t[spec.index][row_idx, : int(max_seq)]
+                table = tables.r2t[spec.index][row_idx, :max_seq]
                 verify_slots = torch.where(pos[None, :] < prefix_t[:, None], table, 0)
                 self._add_dependencies(deps, verify_slots, out, token_rows)
             levels = _levels(deps)
