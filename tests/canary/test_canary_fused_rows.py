@@ -35,6 +35,9 @@ def _run(fused: bool, model: str, canary: dict[str, Any], monkeypatch: pytest.Mo
             force_split(m)
         if not fused:
             m.setattr(fused_rows.FusedRowLaunches, "build", staticmethod(lambda *a, **k: None))
+        by_arrays = []  # fused HEADs that passed the batch's arrays one by one
+        head_nb = fused_rows._head_nb
+        m.setattr(fused_rows, "_head_nb", lambda *a: by_arrays.append(1) or head_nb(*a))
         engine = tiny_engine(model=model, swa_full_tokens_ratio=0.5, chunked_prefill_size=24,
                              canary=CanaryConfig(mode="log", swa_divergence_interval=7,
                                                  **canary))  # fmt: skip
@@ -74,8 +77,10 @@ def _run(fused: bool, model: str, canary: dict[str, Any], monkeypatch: pytest.Mo
         engine.canary.flush()
         sfm = engine.canary.single_forward_managers[0]
         assert isinstance(sfm._fused, fused_rows.FusedRowLaunches) == fused  # the path ran
-        # The graph runner's decode batches reach fused HEAD / TAIL as a batch block, unless
-        # tokens are verified (the token table then goes along as arrays).
+        # Every forward reaches fused HEAD / TAIL as a batch block (the token table in it
+        # when tokens are verified); the graph runner's decode batches as one made once,
+        # unless tokens are verified (the table's lengths change every step).
+        assert by_arrays == []
         block = sfm._host_cache is not None and sfm._host_cache[2] is not None
         assert not fused or block == (not canary.get("verify_tokens", False))
         rt = engine.canary.runtime
@@ -179,12 +184,25 @@ def test_batch_block_describes_int64_contiguous_batches_only() -> None:
     block = fused_rows.FusedRowLaunches.batch_block(host(arrays))
     assert block is not None
     # Block order: rows, prefix, extend, out_cache_loc, input_ids, positions (HostInputs
-    # holds out_cache_loc last).
+    # holds out_cache_loc last), then the token table (here placeholders, flag 0).
     order = [arrays[i] for i in (0, 1, 2, 5, 3, 4)]
-    assert block.tolist() == [w for a in order for w in (a.ctypes.data, 3)]
+    words = [w for a in order for w in (a.ctypes.data, 3)]
+    empty, empty_lens = fused_rows._EMPTY_TABLE, fused_rows._EMPTY_LENS
+    assert block.tolist() == words + [empty.ctypes.data, 1, 1, empty_lens.ctypes.data, 1, 0]
+    table, lens = np.zeros((4, 8), dtype=np.int64), np.arange(3, dtype=np.int64)
+    with_table = HostInputs(r2t, *arrays, table, lens, None, None)
+    block = fused_rows.FusedRowLaunches.batch_block(with_table)
+    assert block is not None
+    assert block.tolist() == words + [table.ctypes.data, 4, 8, lens.ctypes.data, 3, 1]
     wide = np.zeros(6, dtype=np.int64)
     for bad in (arrays[0].astype(np.int32), wide[::2]):
         assert fused_rows.FusedRowLaunches.batch_block(host([bad, *arrays[1:]])) is None
+    for bad_table, bad_lens in ((table.astype(np.int32), lens), (table[:, ::2], lens),
+                                (table, lens.astype(np.int32))):  # fmt: skip
+        bad_host = HostInputs(r2t, *arrays, bad_table, bad_lens, None, None)
+        assert fused_rows.FusedRowLaunches.batch_block(bad_host) is None
+    assert fused_rows.FusedRowLaunches.batch_block(
+        HostInputs(r2t, *arrays, None, None, arrays[0], arrays[1])) is None  # input assertion
 
 
 def test_block_reads_real_kv_words_that_are_column_ranges_of_wider_rows() -> None:

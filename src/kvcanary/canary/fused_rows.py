@@ -25,8 +25,9 @@ and per forward otherwise: each argument the dispatcher types costs time, most o
 after the model's forward, and these calls skip the dispatcher altogether
 (:func:`.kernels_numba.entry_point`). The planner and the launch kernels are inlined into
 them (one compiled body each, ~2 us less a call at batch 1 than calls into separate code;
-~10 s more of a first compile); a forward with a write-input assertion or a token table
-runs ``_head_nb`` / ``_tail_nb`` (the same bodies, arrays passed one by one). Exactly the
+~10 s more of a first compile); the token table of a canary that verifies tokens goes in
+the block too (since session 24), and only a forward with a write-input assertion runs
+``_head_nb`` / ``_tail_nb`` (the same bodies, arrays passed one by one). Exactly the
 per-launch path's records, ring rows (same order), counters and errors
 (``tests/canary/test_canary_fused_rows.py`` runs both on the same state and compares).
 It applies when every group plans as rows and every array the block describes is int64
@@ -88,27 +89,35 @@ _NO_WATCH = (np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.int64),
 # HEAD launches first, then TAIL's. The owner keeps every array alive (and rebuilds the block
 # when one is reallocated).
 #
-# A batch block (int64 [12]) describes a forward batch the same way: (address, length) of
+# A batch block (int64 [18]) describes a forward batch the same way: (address, length) of
 # its req_pool_indices, prefix_lens, extend_lens, out_cache_loc, input_ids, positions, each
-# int64 C-contiguous; made once for a host's persistent batch arrays (ForwardBatch.host_arrays),
-# per forward otherwise, so a call passes 3 arrays instead of 12
+# int64 C-contiguous; then the token table (address, rows, columns; int64 C-contiguous), its
+# lengths per batch row (address, length) and whether there is one (placeholder arrays when
+# not); made once for a host's persistent batch arrays without a token table
+# (ForwardBatch.host_arrays), per forward otherwise, so a call passes 3 arrays instead of 14
 # (:meth:`FusedRowLaunches.batch_block`).
 _HEADER = 23
 _SPLIT = 21  # [threads, min work] (kernels_numba.split_args)
 _GROUP_W = 19
 _LAUNCH_W = 30
+_BATCH_W = 18
 
 
 @numba.njit(cache=True)
-def _batch_block_nb(rows, prefix, extend, out_cache_loc, input_ids, positions):
-    """The batch block (see above ``_HEADER``) of six int64 1-D C-contiguous arrays."""
-    blk = np.empty(12, dtype=np.int64)
+def _batch_block_nb(rows, prefix, extend, out_cache_loc, input_ids, positions, table, lens,
+                    has_table):  # fmt: skip
+    """The batch block (see above ``_HEADER``) of six int64 1-D C-contiguous arrays and a
+    token table (int64 2-D C-contiguous) with its per-row lengths, or placeholders."""
+    blk = np.empty(_BATCH_W, dtype=np.int64)
     blk[0], blk[1] = rows.ctypes.data, rows.shape[0]
     blk[2], blk[3] = prefix.ctypes.data, prefix.shape[0]
     blk[4], blk[5] = extend.ctypes.data, extend.shape[0]
     blk[6], blk[7] = out_cache_loc.ctypes.data, out_cache_loc.shape[0]
     blk[8], blk[9] = input_ids.ctypes.data, input_ids.shape[0]
     blk[10], blk[11] = positions.ctypes.data, positions.shape[0]
+    blk[12], blk[13], blk[14] = table.ctypes.data, table.shape[0], table.shape[1]
+    blk[15], blk[16] = lens.ctypes.data, lens.shape[0]
+    blk[17] = has_table
     return blk
 
 
@@ -204,12 +213,12 @@ def _head_nb(
 @numba.njit(cache=True)
 def _head_batch_nb(r2t, batch, check_token, position_assert, blk):
     """:func:`_head_nb` of a batch described by a batch block (see above ``_HEADER``; no
-    write-input assertion, no token table)."""
+    write-input assertion; its token table, if any)."""
     ids, positions = _a1(batch, 8), _a1(batch, 10)
     return _head_body(
         r2t, _a1(batch, 0), _a1(batch, 2), _a1(batch, 4), _a1(batch, 6), ids, positions, ids,
-        positions, False, np.zeros((1, 1), dtype=np.int64), np.zeros(1, dtype=np.int64), False,
-        check_token, position_assert, blk,
+        positions, False, _a2(batch, 12), _a1(batch, 15), batch[17] != 0, check_token,
+        position_assert, blk,
     )  # fmt: skip
 
 
@@ -254,8 +263,8 @@ def _tail_nb(
 def _tail_batch_nb(batch, check_token, position_assert, epoch, blk):
     """:func:`_tail_nb` of a batch described by a batch block (as :func:`_head_batch_nb`)."""
     ids, positions = _a1(batch, 8), _a1(batch, 10)
-    return _tail_body(batch[1], ids, positions, ids, positions, False, False, check_token,
-                      position_assert, epoch, blk)  # fmt: skip
+    return _tail_body(batch[1], ids, positions, ids, positions, False, batch[17] != 0,
+                      check_token, position_assert, epoch, blk)  # fmt: skip
 
 
 class FusedRowLaunches:
@@ -377,19 +386,29 @@ class FusedRowLaunches:
     @staticmethod
     def batch_block(host: HostInputs) -> np.ndarray | None:
         """The batch block of ``host`` (see ``_HEADER``; it holds addresses: keep ``host``
-        alive with it), or None when ``host`` carries a write-input assertion or a token
-        table, or an array is not int64 C-contiguous 1-D."""
-        if host.expected_input_ids is not None or host.expected_token_table is not None:
+        alive with it), or None when ``host`` carries a write-input assertion, or an array
+        is not int64 C-contiguous (1-D; its token table 2-D)."""
+        if host.expected_input_ids is not None:
             return None
         arrays = (host.req_pool_indices, host.prefix_lens, host.extend_lens, host.out_cache_loc,
                   host.input_ids, host.positions)  # fmt: skip
-        for a in arrays:  # (per prefill forward: no numpy flags / ctypes objects, ~50 us cold)
+        table, lens = _EMPTY_TABLE, _EMPTY_LENS
+        has_table = host.expected_token_table is not None and host.expected_token_lens is not None
+        if has_table:
+            table, lens = cast(tuple[np.ndarray, np.ndarray],
+                               (host.expected_token_table, host.expected_token_lens))  # fmt: skip
+        for a in (*arrays, lens):  # (per forward: no numpy flags / ctypes objects, ~50 us cold)
             if a.dtype is not _INT64 or a.ndim != 1 or (a.shape[0] > 1 and a.strides[0] != 8):
                 return None
+        rows, cols = table.shape if table.ndim == 2 else (0, 0)
+        if table.dtype is not _INT64 or table.ndim != 2 or (rows > 1 and table.strides[0] != 8 * cols) or (
+                cols > 1 and table.strides[1] != 8):  # fmt: skip
+            return None
         global _batch_block_entry
-        if _batch_block_entry is None:  # (every call: six int64 1-D C-contiguous arrays)
-            _batch_block_entry = entry_point(_batch_block_nb, *arrays)
-        return cast(np.ndarray, _batch_block_entry(*arrays))
+        if _batch_block_entry is None:  # (every call: the same argument types)
+            _batch_block_entry = entry_point(_batch_block_nb, *arrays, _EMPTY_TABLE,
+                                             _EMPTY_LENS, False)  # fmt: skip
+        return cast(np.ndarray, _batch_block_entry(*arrays, table, lens, has_table))
 
     def head(self, host: HostInputs, check_token: bool, position_assert: bool,
              batch: np.ndarray | None = None) -> bool:  # fmt: skip

@@ -107,8 +107,8 @@ class ForwardBatchView(Protocol):
         out_cache_loc     [num_tokens]  full-pool slot each new token's K/V lands in
 
     A static-shape replay pads with row 0 / slot 0 and needs nothing else. Optional
-    ``host_arrays``: numpy views of the six fields (this order) when they live in persistent
-    CPU buffers (docs/CANARY_PROTOCOL.md).
+    ``host_arrays``: numpy arrays of the six fields (this order) on the CPU, the same tuple
+    every forward when they live in persistent buffers (docs/CANARY_PROTOCOL.md).
     """
 
     @property

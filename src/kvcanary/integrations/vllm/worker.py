@@ -45,7 +45,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import numba
 import numpy as np
@@ -176,9 +176,14 @@ class StepTables:
         self.device = device
         self.r2t = [torch.zeros(1, 1, dtype=torch.int64, device=device)
                     for _ in range(num_groups)]  # fmt: skip
+        self.r2t_host = self._r2t_host()
         self.tokens = np.full((1, 1), -1, dtype=np.int64)
         self.lens = np.zeros(1, dtype=np.int64)
         self.token_ids, self.token_lens = self._mirror()
+
+    def _r2t_host(self) -> list[np.ndarray]:
+        """The req->token tables as numpy views (on the CPU; empty elsewhere)."""
+        return [t.numpy() for t in self.r2t] if self.device.type == "cpu" else []
 
     def _mirror(self) -> tuple[torch.Tensor, torch.Tensor]:
         ids, lens = torch.from_numpy(self.tokens), torch.from_numpy(self.lens)
@@ -194,6 +199,7 @@ class StepTables:
         cols = max(cols, 2 * have_cols) if cols > have_cols else have_cols
         for g in range(len(self.r2t)):
             self.r2t[g] = torch.zeros(rows, cols, dtype=torch.int64, device=self.device)
+        self.r2t_host = self._r2t_host()
         tokens = np.full((rows, cols), -1, dtype=np.int64)
         tokens[:have_rows, :have_cols] = self.tokens
         lens = np.zeros(rows, dtype=np.int64)
@@ -239,16 +245,28 @@ class GroupHost:
     is_draft_worker: bool = False
 
 
-@dataclass
 class StepBatch:
-    """A :class:`~kvcanary.canary.host.ForwardBatchView` of one group for one step."""
+    """A :class:`~kvcanary.canary.host.ForwardBatchView` of one group for one step: six
+    tensors, or on the CPU their numpy arrays (``host_arrays``, which the canary reads),
+    made into tensors only when something asks for one."""
 
-    req_pool_indices: torch.Tensor
-    prefix_lens: torch.Tensor
-    extend_seq_lens: torch.Tensor
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    out_cache_loc: torch.Tensor
+    __slots__ = ("_tensors", "host_arrays")
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...] | None,
+                 host_arrays: tuple[np.ndarray, ...] | None = None) -> None:  # fmt: skip
+        self._tensors, self.host_arrays = tensors, host_arrays
+
+    def _field(self, i: int) -> torch.Tensor:
+        if self._tensors is None:
+            self._tensors = tuple(torch.from_numpy(a) for a in cast(tuple, self.host_arrays))
+        return self._tensors[i]
+
+    req_pool_indices = property(lambda self: self._field(0))
+    prefix_lens = property(lambda self: self._field(1))
+    extend_seq_lens = property(lambda self: self._field(2))
+    input_ids = property(lambda self: self._field(3))
+    positions = property(lambda self: self._field(4))
+    out_cache_loc = property(lambda self: self._field(5))
 
 
 # ---------------------------------------------------------------------------- the worker
@@ -368,23 +386,30 @@ class VllmCanaryWorker:
         checked in a second canary pass, once the rows it reads from wrote their records
         (at ``wait_for_save``; level ``L`` rows after level ``L - 1``)."""
         self._open = None  # a forward that raised before wait_for_save: drop it
-        self._give_back_lent()
+        if self._lent:
+            self._give_back_lent()
         md0, g = metadata[0], self._key_group
         tables = self.tables
-        ql, prefix, positions, max_seq, may_depend, rows, input_ids = _batch_nb(
+        ql, prefix, seq, positions, max_seq, may_depend, rows, input_ids, unmatched = _batch_nb(
             _host(md0.query_start_loc), _host(md0.seq_lens), _host(metadata[g].slot_mapping),
             *self._by_slot, tables.tokens, tables.lens,
         )  # fmt: skip
-        n, num_tokens, seq, max_seq = int(ql.shape[0]), int(positions.shape[0]), prefix + ql, int(max_seq)
-        if n and rows.min() < 0:  # rows no first slot matched (rare): the slow path
+        n, num_tokens, dev = ql.shape[0], positions.shape[0], self.device
+        if unmatched:  # rows no first slot matched (rare): the slow path
             input_ids = self._unmatched_rows(rows, prefix, ql, num_tokens, input_ids)
         tables.ensure(self._num_rows, max_seq)
+        outs = [self._group_rows(spec, md, n, num_tokens, prefix, seq, max_seq, rows)
+                for spec, md in zip(self.specs, metadata, strict=True)]  # fmt: skip
+        if dev.type == "cpu" and not may_depend:  # the usual step: numpy, no tensors made
+            batches = [StepBatch(None, (rows, prefix, ql, input_ids, positions, out)) for out in outs]
+            for manager, batch in zip(self.managers, batches, strict=True):
+                manager.before_forward(batch)
+            self._open = [batches]
+            return
         tables.publish(rows)
-        dev = self.device
         row_idx, prefix_t, ql_t, positions_t, ids_t = (
             _tensor(a, dev) for a in (rows, prefix, ql, positions, input_ids))  # fmt: skip
-        outs = [self._group_rows(spec, md, n, num_tokens, prefix, seq, max_seq, rows, row_idx)
-                for spec, md in zip(self.specs, metadata, strict=True)]  # fmt: skip
+        outs_t = [_tensor(out, dev) for out in outs]
         levels = [0] * n
         if may_depend:
             # Only a row that starts this step on a prefix (a prefix hit, a resumed
@@ -393,7 +418,7 @@ class VllmCanaryWorker:
                                                  output_size=num_tokens)  # fmt: skip
             deps: list[set[int]] = [set() for _ in range(n)]
             pos = torch.arange(max_seq, device=dev)
-            for spec, out in zip(self.specs, outs, strict=True):
+            for spec, out in zip(self.specs, outs_t, strict=True):
                 table = tables.r2t[spec.index][row_idx, :max_seq]
                 verify_slots = torch.where(pos[None, :] < prefix_t[:, None], table, 0)
                 self._add_dependencies(deps, verify_slots, out, token_rows)
@@ -402,7 +427,8 @@ class VllmCanaryWorker:
         for level in range(max(levels, default=0) + 1):
             idx = row_idx if level == 0 and not any(levels) else torch.where(
                 torch.tensor(levels, device=dev) == level, row_idx, 0)  # fmt: skip
-            passes.append([StepBatch(idx, prefix_t, ql_t, ids_t, positions_t, out) for out in outs])
+            passes.append([StepBatch((idx, prefix_t, ql_t, ids_t, positions_t, out))
+                           for out in outs_t])  # fmt: skip
         for manager, batch in zip(self.managers, passes[0], strict=True):
             manager.before_forward(batch)
         self._open = passes
@@ -492,19 +518,21 @@ class VllmCanaryWorker:
         return _input_ids_nb(self.tables.tokens, self.tables.lens, rows, prefix, ql, num_tokens)
 
     def _group_rows(self, spec: GroupSpec, md: Any, n: int, num_tokens: int,
-                    prefix: np.ndarray, seq: np.ndarray, max_seq: int, rows: np.ndarray,
-                    row_idx: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                    prefix: np.ndarray, seq: np.ndarray, max_seq: int,
+                    rows: np.ndarray) -> np.ndarray:  # fmt: skip
         """The batch rows' req->token rows of the group (batch row r -> table row
         ``rows[r]``) from the block table attention reads: position p ->
         ``block_table[r, p // bs] * bs + p % bs``, 0 for the null block, past the sequence
         and (sliding groups) before ``K - W + 1``; returns the step's slots of the group
-        (``slot_mapping``, -1 for padding and the null block)."""
-        bs, table = spec.block_size, self.tables.r2t[spec.index]
+        (``slot_mapping``, -1 for padding and the null block) as host numpy."""
+        bs, tables = spec.block_size, self.tables
         window = spec.sliding_window or 0
         if self.device.type == "cpu":  # one compiled pass (the per-step path on CPU)
-            return torch.from_numpy(_group_rows_nb(
+            return cast(np.ndarray, _group_rows_nb(
                 md.block_table.numpy(), md.slot_mapping.numpy(), seq, prefix, bs, window,
-                table.numpy(), rows, num_tokens))  # fmt: skip
+                tables.r2t_host[spec.index], rows, num_tokens))  # fmt: skip
+        table = tables.r2t[spec.index]
+        row_idx = torch.from_numpy(rows).to(self.device)
         bt = md.block_table[:n].long()
         seq_t = torch.from_numpy(seq).to(self.device)
         prefix_t = torch.from_numpy(prefix).to(self.device)
@@ -516,7 +544,7 @@ class VllmCanaryWorker:
             valid &= pos[None, :] >= (prefix_t - window + 1)[:, None]
         table[row_idx, :max_seq] = torch.where(valid, blocks * bs + pos % bs, 0)
         out = md.slot_mapping[:num_tokens].long()
-        return torch.where(out >= bs, out, -1)  # padding / the null block
+        return _host(torch.where(out >= bs, out, -1))  # padding / the null block
 
     # -------------------------------------------------------------- inspection
     def stats(self) -> dict[str, Any]:
@@ -591,12 +619,13 @@ def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
 @numba.njit(cache=True)
 def _batch_nb(qsl, seq_lens, key_slots, keys, key_rows, tokens, lens):
     """A step's batch from ``qsl`` (query start locations [n + 1], from 0) and ``seq_lens``
-    ([>= n]): per row its new tokens ``ql`` and the tokens computed before them ``prefix``;
+    ([>= n]): per row its new tokens ``ql``, the tokens computed before them ``prefix`` and
+    their sum;
     each token's position; the longest sequence (1 without rows); whether some row starts on
     a prefix with several new tokens (and there are rows to share it); each row's table row
     (``key_rows[i]`` where ``keys[i]``, sorted, is the key group's slot ``key_slots`` of its
     first new token; -1 where none is); the input ids from the token store (-1 where not
-    known yet, and for unmatched rows)."""
+    known yet, and for unmatched rows); whether some row is unmatched."""
     n = qsl.shape[0] - 1
     num_tokens = max(qsl[n], 0)
     ql = np.empty(n, dtype=np.int64)
@@ -620,7 +649,10 @@ def _batch_nb(qsl, seq_lens, key_slots, keys, key_rows, tokens, lens):
                 rows[r] = key_rows[i]
         at += e
     ids = _input_ids_nb(tokens, lens, rows, prefix, ql, num_tokens)
-    return ql, prefix, positions, max_seq, may_depend and n > 1, rows, ids
+    unmatched = False
+    for r in range(n):
+        unmatched |= rows[r] < 0
+    return ql, prefix, prefix + ql, positions, max_seq, may_depend and n > 1, rows, ids, unmatched
 
 
 @numba.njit(cache=True)
