@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta, StepRequest
+from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 from kvcanary.integrations.vllm.options import parse_options
 from kvcanary.integrations.vllm.worker import VllmCanaryWorker
 
@@ -43,7 +43,7 @@ class FakeVllm:
              block_table_fault: tuple[int, int, int] | None = None) -> None:  # fmt: skip
         """One step of the requests ``order`` (batch rows in that order): each runs its
         unsent tokens (a prompt, or the token sampled last step)."""
-        reqs, qsl, seq, slots = [], [0], [], []
+        meta, qsl, seq, slots = StepMeta(finished=list(finished)), [0], [], []
         for rid in order:
             k, toks = self.computed[rid], self.tokens[rid]
             new = len(toks) - k
@@ -51,7 +51,7 @@ class FakeVllm:
                 self.blocks[rid].append(self.next_block)
                 self.next_block += 1
             first = self.blocks[rid][k // BS] * BS + k % BS
-            reqs.append(StepRequest(rid, k, new, self.sent[rid], toks[self.sent[rid]:], [first]))
+            meta.add(rid, k, new, self.sent[rid], toks[self.sent[rid]:], first)
             self.sent[rid] = len(toks)
             qsl.append(qsl[-1] + new)
             seq.append(len(toks))
@@ -66,7 +66,7 @@ class FakeVllm:
         md = SimpleNamespace(query_start_loc=torch.tensor(qsl, dtype=torch.int32),
                              seq_lens=torch.tensor(seq, dtype=torch.int32), block_table=table,
                              slot_mapping=torch.tensor(slots, dtype=torch.int64))  # fmt: skip
-        self.worker.on_meta(StepMeta(reqs, list(finished)))
+        self.worker.on_meta(meta)
         self.worker.before_forward([md])
         self.worker.after_forward()
         for rid in order:  # every row sampled one token
@@ -120,8 +120,10 @@ def test_a_row_no_request_matches_gets_a_row_of_its_own_for_the_step(
     # The next step's meta as the scheduler side sends it, but without b's first slot; the
     # step then runs on it (the fake's own meta is dropped).
     on_meta, w.on_meta = w.on_meta, (lambda meta: None)
-    on_meta(StepMeta([StepRequest("a", 5, 1, 5, [1005], [v.blocks["a"][1] * BS + 1]),
-                      StepRequest("b", 5, 1, 5, [1005], [-1])]))  # fmt: skip
+    meta = StepMeta()
+    meta.add("a", 5, 1, 5, [1005], v.blocks["a"][1] * BS + 1)
+    meta.add("b", 5, 1, 5, [1005], -1)
+    on_meta(meta)
     v.step(["a", "b"])
     assert "batch row 1 matches no scheduled request" in caplog.text
     assert w._num_rows == before + 1 and w._free_rows == [before] and w._lent == []

@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.forward_context import get_forward_context
 
-from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta, StepRequest
+from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 from kvcanary.integrations.vllm.options import parse_options
 
 if TYPE_CHECKING:
@@ -261,27 +261,39 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         req_blocks = self._key_group_blocks(manager)
         g = self._key_group
         bs = self.specs[g].block_size if self.specs else 1
+        requests, sent = self._requests, self._sent
+        ids, computed_col, scheduled_col = step.req_ids, step.num_computed, step.num_scheduled
+        starts, counts, tokens, firsts = (step.token_starts, step.token_counts, step.tokens,
+                                          step.first_slots)  # fmt: skip
         for rid, num_scheduled in so.num_scheduled_tokens.items():
-            request = self._requests.get(rid)
+            request = requests.get(rid)
             k = computed.get(rid, 0 if request is None else request.num_computed_tokens)
             end = k + num_scheduled
-            tokens: list[int] = []
-            start = self._sent.get(rid, 0)
+            start = sent.get(rid, 0)
+            count = 0
             if request is not None and end > start:
                 known = request.all_token_ids
-                tokens = list(known[start:end]) + [-1] * max(0, end - max(start, len(known)))
-                self._sent[rid] = min(end, len(known))
-            first = [-1] * len(self.specs)  # only the key group's is used (worker: rows)
+                have = len(known)
+                if end <= have:  # (a decode step's: known already, unless async)
+                    tokens.extend(known[start:end])
+                else:
+                    tokens.extend(known[start:have])
+                    tokens.extend([-1] * (end - max(start, have)))
+                count = end - start
+                sent[rid] = min(end, have)
             b = 0  # the block of position k (0: none, the null block)
             if req_blocks is not None:  # without listing every block of every group
                 blocks = req_blocks.get(rid, ())
                 b = blocks[k // bs].block_id if k // bs < len(blocks) else 0
             elif manager is not None and self.specs:
-                ids = manager.get_block_ids(rid)[g]
-                b = ids[k // bs] if k // bs < len(ids) else 0
-            if b:
-                first[g] = b * bs + k % bs
-            step.requests.append(StepRequest(rid, k, num_scheduled, start, tokens, first))
+                block_ids = manager.get_block_ids(rid)[g]
+                b = block_ids[k // bs] if k // bs < len(block_ids) else 0
+            ids.append(rid)
+            computed_col.append(k)
+            scheduled_col.append(num_scheduled)
+            starts.append(start)
+            counts.append(count)
+            firsts.append(b * bs + k % bs if b else -1)
         return KVCanaryConnectorMetadata(step)
 
     def _key_group_blocks(self, manager: Any) -> Any:

@@ -31,19 +31,39 @@ class GroupSpec:
 
 
 @dataclass
-class StepRequest:
-    """One scheduled request of a step, from the scheduler side (plain data: it travels in
-    the connector metadata, pickled/msgpack'd between processes)."""
-
-    req_id: str
-    num_computed: int  # tokens already in the cache (vLLM's num_computed_tokens)
-    num_scheduled: int
-    token_start: int  # ``tokens`` are the ids of positions [token_start, token_start + len)
-    tokens: list[int]  # -1: not known to the scheduler yet (async scheduling)
-    first_slots: list[int]  # per group: slot of position num_computed, -1 when unallocated
-
-
-@dataclass
 class StepMeta:
-    requests: list[StepRequest] = field(default_factory=list)
+    """One step's scheduled requests, from the scheduler side, as columns (plain data: it
+    travels in the connector metadata, pickled / msgpack'd between processes; columns
+    rather than an object per request, whose making and reading cost ~2 us a request on
+    each side of a step)::
+
+        req_ids        request ids, in the scheduler's order
+        num_computed   tokens already in the cache (vLLM's num_computed_tokens)
+        num_scheduled  tokens this step computes
+        token_starts   request i's token ids are those of positions
+        token_counts     [token_starts[i], token_starts[i] + token_counts[i])
+        tokens         every request's token ids, in request order (-1: not known to the
+                       scheduler yet, async scheduling)
+        first_slots    the key group's slot of position num_computed (-1: unallocated)
+        finished       requests finished since the previous step
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    num_computed: list[int] = field(default_factory=list)
+    num_scheduled: list[int] = field(default_factory=list)
+    token_starts: list[int] = field(default_factory=list)
+    token_counts: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    first_slots: list[int] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+
+    def add(self, req_id: str, num_computed: int, num_scheduled: int, token_start: int,
+            tokens: list[int], first_slot: int) -> None:  # fmt: skip
+        """Append one request (its token ids: positions ``[token_start, + len(tokens))``)."""
+        self.req_ids.append(req_id)
+        self.num_computed.append(num_computed)
+        self.num_scheduled.append(num_scheduled)
+        self.token_starts.append(token_start)
+        self.token_counts.append(len(tokens))
+        self.tokens.extend(tokens)
+        self.first_slots.append(first_slot)

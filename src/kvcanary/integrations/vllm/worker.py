@@ -41,6 +41,7 @@ Real KV (record field 3) of a layer tensor:
 from __future__ import annotations
 
 import logging
+import operator
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ from kvcanary.canary.manager import CanaryManager
 from kvcanary.canary.real_kv import RealKvSource, resolve_read_bytes
 from kvcanary.canary.records import alloc_canary_buffer
 from kvcanary.canary.splice import BufInfos
-from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta, StepRequest
+from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 
 logger = logging.getLogger("kvcanary.canary")
 
@@ -318,7 +319,7 @@ class VllmCanaryWorker:
         self._free_rows: list[int] = []
         self._num_rows = 1  # row 0: padding
         self._lent: list[int] = []
-        self._step: dict[str, StepRequest] = {}
+        self._step = StepMeta()
         # This step's requests by the key group's slot of their first new token: (slots
         # sorted, their rows), for matching batch rows in one compiled pass.
         self._by_slot = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
@@ -334,29 +335,17 @@ class VllmCanaryWorker:
             row = self._rows.pop(rid, None)
             if row is not None:
                 self._free_rows.append(row)
-        self._step = step = {}
-        g, tables = self._key_group, self.tables
-        slots, rows = [], []
-        for req in meta.requests:
-            step[req.req_id] = req
-            row = self._row(req.req_id)
-            if req.first_slots[g] >= 0:
-                slots.append(req.first_slots[g])
-                rows.append(row)
-            if req.tokens:
-                start, tokens = req.token_start, req.tokens
-                end = start + len(tokens)
-                if end > tables.tokens.shape[1]:
-                    tables.ensure(row + 1, end)
-                if len(tokens) == 1:  # a decode step's (no list -> array conversion)
-                    tables.tokens[row, start] = tokens[0]
-                else:
-                    tables.tokens[row, start:end] = tokens
-                if end > tables.lens[row]:
-                    tables.lens[row] = end
-        keys = np.array(slots, dtype=np.int64)
-        order = np.argsort(keys, kind="stable")
-        self._by_slot = (keys[order], np.array(rows, dtype=np.int64)[order])
+        self._step = meta
+        rows_of, tables = self._rows, self.tables
+        rows = [rows_of.get(rid) or self._row(rid) for rid in meta.req_ids]  # (row 0: padding)
+        end = max(map(operator.add, meta.token_starts, meta.token_counts), default=0)
+        if end > tables.tokens.shape[1]:
+            tables.ensure(self._num_rows, end)
+        self._by_slot = _meta_nb(
+            np.array(rows, dtype=np.int64), np.array(meta.first_slots, dtype=np.int64),
+            np.array(meta.token_starts, dtype=np.int64), np.array(meta.token_counts, dtype=np.int64),
+            np.array(meta.tokens, dtype=np.int64), tables.tokens, tables.lens,
+        )  # fmt: skip
 
     def _row(self, rid: str) -> int:
         """Request ``rid``'s row of the tables (a fresh one the first time)."""
@@ -500,12 +489,14 @@ class VllmCanaryWorker:
         request with their (computed, scheduled) counts, when it is the only one; else a row
         of their own for this step (no token ids known). Fills ``rows`` in; the step's input
         ids again when a request was found."""
-        found = False
+        found, step = False, self._step
         for r in np.flatnonzero(rows < 0).tolist():
             k, e = int(prefix[r]), int(ql[r])
-            cands = [q for q in self._step.values() if q.num_computed == k and q.num_scheduled == e]
+            cands = [rid for rid, k2, e2 in zip(step.req_ids, step.num_computed,
+                                                step.num_scheduled, strict=True)
+                     if k2 == k and e2 == e]  # fmt: skip
             if len(cands) == 1:
-                rows[r], found = self._row(cands[0].req_id), True
+                rows[r], found = self._row(cands[0]), True
                 continue
             if not self._unmatched_warned:
                 self._unmatched_warned = True
@@ -653,6 +644,25 @@ def _batch_nb(qsl, seq_lens, key_slots, keys, key_rows, tokens, lens):
     for r in range(n):
         unmatched |= rows[r] < 0
     return ql, prefix, prefix + ql, positions, max_seq, may_depend and n > 1, rows, ids, unmatched
+
+
+@numba.njit(cache=True)
+def _meta_nb(rows, first_slots, starts, counts, tokens, store, lens):
+    """:meth:`VllmCanaryWorker.on_meta`'s columns: each request's token ids into its row of
+    the token store (``store``, lengths ``lens``: the known prefix grows); returns (the
+    first slots that are allocated, sorted; their requests' rows)."""
+    at = 0
+    for i in range(rows.shape[0]):
+        row, start, count = rows[i], starts[i], counts[i]
+        for j in range(count):
+            store[row, start + j] = tokens[at + j]
+        at += count
+        if start + count > lens[row]:
+            lens[row] = start + count
+    keep = first_slots >= 0
+    keys, key_rows = first_slots[keep], rows[keep]
+    order = np.argsort(keys, kind="mergesort")  # (stable: the first of equal slots first)
+    return keys[order], key_rows[order]
 
 
 @numba.njit(cache=True)
