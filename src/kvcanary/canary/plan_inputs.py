@@ -62,12 +62,12 @@ def plan_inputs_from_batch(
 def host_inputs_from_batch(
     fb: Any,
     req_to_token: np.ndarray,
-    token_table: tuple[np.ndarray, torch.Tensor] | None = None,
+    token_table: tuple[np.ndarray, np.ndarray] | None = None,
     expected_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> HostInputs:
     """:func:`plan_inputs_from_batch` as numpy views of the batch's (CPU) tensors, for the
     row planner, which checks the shapes. ``req_to_token``: the pool's table as numpy;
-    ``token_table``: (the pool's token table as numpy, its per-row valid lengths) when
+    ``token_table``: (the pool's token table, its per-row valid lengths; numpy) when
     tokens are verified."""
     table = lens = ids = positions = None
     arrays = getattr(fb, "host_arrays", None)  # the host's own views (ForwardBatchView)
@@ -76,7 +76,7 @@ def host_inputs_from_batch(
                   fb.extend_seq_lens.numpy(), fb.input_ids.numpy(), fb.positions.numpy(),
                   fb.out_cache_loc.numpy())  # fmt: skip
     if token_table is not None:
-        table, lens = token_table[0], token_table[1].numpy()[arrays[0]]
+        table, lens = token_table[0], token_table[1][arrays[0]]
     if expected_inputs is not None:
         ids, positions = expected_inputs[0].numpy(), expected_inputs[1].numpy()
     rows, prefix, extend, input_ids, input_positions, out_cache_loc = arrays

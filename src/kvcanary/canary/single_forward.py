@@ -124,6 +124,8 @@ class SingleForwardManager:
                 for g, capacity in zip(runtime.groups, runtime.verify_capacities, strict=True)
             ]  # fmt: skip
         self._req_to_token: tuple[torch.Tensor, np.ndarray] | None = None
+        # The token mirror's tables and their numpy views (made again when one is replaced).
+        self._token_views: tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray] | None = None
         # A host's persistent batch arrays -> (their HostInputs, its batch block or None).
         self._host_cache: tuple[tuple[np.ndarray, ...], HostInputs, np.ndarray | None] | None
         self._host_cache = None
@@ -324,7 +326,11 @@ class SingleForwardManager:
         token_table = None
         if self.rt.config.verify_tokens:  # install_canary checked the mirror is there
             mirror = cast(TokenMirror, pool)
-            token_table = (mirror.token_ids.numpy(), mirror.token_lens)
+            ids, lens = mirror.token_ids, mirror.token_lens
+            views = self._token_views
+            if views is None or views[0] is not ids or views[1] is not lens:
+                views = self._token_views = (ids, lens, ids.numpy(), lens.numpy())
+            token_table = (views[2], views[3])
         host = host_inputs_from_batch(fb, self._req_to_token[1], token_table, expected_inputs)
         if arrays is not None and token_table is None and expected_inputs is None:
             # Nothing in it changes per forward; nor in its batch block (fused launches).
