@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvcanary.canary import fused_rows
 from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 from kvcanary.integrations.vllm.options import parse_options
 from kvcanary.integrations.vllm.worker import VllmCanaryWorker
@@ -143,3 +144,43 @@ def test_a_block_table_entry_pointing_elsewhere_is_reported() -> None:
     rows = v.violations()
     assert rows and {r.launch_tag for r in rows} >= {"HEAD_K_FULL"}
     assert "verify_chain_hash" in {reason for r in rows for reason in r.fail_reasons}
+
+
+def test_a_token_id_the_scheduler_sent_differently_is_reported_through_the_batch_block() -> None:
+    """verify_tokens (the default): the token ids the scheduler sent are the expectation the
+    records are checked against. One of them changed in the worker's token store after it
+    was written (as a scheduler bug resending another id would) is reported by the next
+    HEAD as verify_token at that token's slot; the step's batch reached the canary as host
+    arrays (no tensors made) and HEAD as a batch block carrying the token table."""
+    v = FakeVllm()
+    v.add("a", list(range(10, 19)))
+    v.add("b", list(range(50, 56)))
+    v.step(["a", "b"])
+    v.step(["b", "a"])
+    w = v.worker
+    seen = []
+    before_forward = w.managers[0].before_forward
+
+    def spy(batch: Any, *args: Any) -> None:
+        seen.append((batch.host_arrays is not None, batch._tensors is None))
+        before_forward(batch, *args)
+
+    w.managers[0].before_forward = spy  # type: ignore[method-assign]
+    blocks = []
+    batch_block = fused_rows.FusedRowLaunches.batch_block
+
+    def spy_block(host: Any) -> Any:
+        blocks.append(batch_block(host))
+        return blocks[-1]
+
+    fused_rows.FusedRowLaunches.batch_block = staticmethod(spy_block)  # type: ignore[method-assign]
+    try:
+        w.tables.tokens[w._rows["a"], 4] += 1
+        v.step(["a", "b"])
+    finally:
+        fused_rows.FusedRowLaunches.batch_block = staticmethod(batch_block)  # type: ignore[method-assign]
+    assert seen == [(True, True)]
+    assert len(blocks) == 1 and blocks[0] is not None and blocks[0][17] == 1  # a token table
+    rows = v.violations()
+    assert rows and {r.fail_reasons for r in rows} == {("verify_token",)}
+    assert {(r.slot_idx, r.position) for r in rows} == {(v.blocks["a"][1] * BS, 4)}  # block 1, offset 0

@@ -397,11 +397,13 @@ class FusedRowLaunches:
         if has_table:
             table, lens = cast(tuple[np.ndarray, np.ndarray],
                                (host.expected_token_table, host.expected_token_lens))  # fmt: skip
-        for a in (*arrays, lens):  # (per forward: no numpy flags / ctypes objects, ~50 us cold)
-            if a.dtype is not _INT64 or a.ndim != 1 or (a.shape[0] > 1 and a.strides[0] != 8):
+        # (per forward: no numpy flags / ctypes objects, ~50 us cold; dtypes compared by
+        # value: numba's arrays carry an int64 descr other than np.dtype(np.int64))
+        for a in (*arrays, lens):
+            if a.dtype != _INT64 or a.ndim != 1 or (a.shape[0] > 1 and a.strides[0] != 8):
                 return None
         rows, cols = table.shape if table.ndim == 2 else (0, 0)
-        if table.dtype is not _INT64 or table.ndim != 2 or (rows > 1 and table.strides[0] != 8 * cols) or (
+        if table.dtype != _INT64 or table.ndim != 2 or (rows > 1 and table.strides[0] != 8 * cols) or (
                 cols > 1 and table.strides[1] != 8):  # fmt: skip
             return None
         global _batch_block_entry
