@@ -390,7 +390,8 @@ class VllmCanaryWorker:
         outs = [self._group_rows(spec, md, n, num_tokens, prefix, seq, max_seq, rows)
                 for spec, md in zip(self.specs, metadata, strict=True)]  # fmt: skip
         if dev.type == "cpu" and not may_depend:  # the usual step: numpy, no tensors made
-            batches = [StepBatch(None, (rows, prefix, ql, input_ids, positions, out)) for out in outs]
+            batches = [StepBatch(None, (rows, prefix, ql, input_ids, positions, out.numpy()))
+                       for out in outs]  # fmt: skip
             for manager, batch in zip(self.managers, batches, strict=True):
                 manager.before_forward(batch)
             self._open = [batches]
@@ -398,7 +399,6 @@ class VllmCanaryWorker:
         tables.publish(rows)
         row_idx, prefix_t, ql_t, positions_t, ids_t = (
             _tensor(a, dev) for a in (rows, prefix, ql, positions, input_ids))  # fmt: skip
-        outs_t = [_tensor(out, dev) for out in outs]
         levels = [0] * n
         if may_depend:
             # Only a row that starts this step on a prefix (a prefix hit, a resumed
@@ -407,7 +407,7 @@ class VllmCanaryWorker:
                                                  output_size=num_tokens)  # fmt: skip
             deps: list[set[int]] = [set() for _ in range(n)]
             pos = torch.arange(max_seq, device=dev)
-            for spec, out in zip(self.specs, outs_t, strict=True):
+            for spec, out in zip(self.specs, outs, strict=True):
                 table = tables.r2t[spec.index][row_idx, :max_seq]
                 verify_slots = torch.where(pos[None, :] < prefix_t[:, None], table, 0)
                 self._add_dependencies(deps, verify_slots, out, token_rows)
@@ -417,7 +417,7 @@ class VllmCanaryWorker:
             idx = row_idx if level == 0 and not any(levels) else torch.where(
                 torch.tensor(levels, device=dev) == level, row_idx, 0)  # fmt: skip
             passes.append([StepBatch((idx, prefix_t, ql_t, ids_t, positions_t, out))
-                           for out in outs_t])  # fmt: skip
+                           for out in outs])  # fmt: skip
         for manager, batch in zip(self.managers, passes[0], strict=True):
             manager.before_forward(batch)
         self._open = passes
@@ -510,16 +510,16 @@ class VllmCanaryWorker:
 
     def _group_rows(self, spec: GroupSpec, md: Any, n: int, num_tokens: int,
                     prefix: np.ndarray, seq: np.ndarray, max_seq: int,
-                    rows: np.ndarray) -> np.ndarray:  # fmt: skip
+                    rows: np.ndarray) -> torch.Tensor:  # fmt: skip
         """The batch rows' req->token rows of the group (batch row r -> table row
         ``rows[r]``) from the block table attention reads: position p ->
         ``block_table[r, p // bs] * bs + p % bs``, 0 for the null block, past the sequence
         and (sliding groups) before ``K - W + 1``; returns the step's slots of the group
-        (``slot_mapping``, -1 for padding and the null block) as host numpy."""
+        (``slot_mapping``, -1 for padding and the null block)."""
         bs, tables = spec.block_size, self.tables
         window = spec.sliding_window or 0
         if self.device.type == "cpu":  # one compiled pass (the per-step path on CPU)
-            return cast(np.ndarray, _group_rows_nb(
+            return torch.from_numpy(_group_rows_nb(
                 md.block_table.numpy(), md.slot_mapping.numpy(), seq, prefix, bs, window,
                 tables.r2t_host[spec.index], rows, num_tokens))  # fmt: skip
         table = tables.r2t[spec.index]
@@ -535,7 +535,7 @@ class VllmCanaryWorker:
             valid &= pos[None, :] >= (prefix_t - window + 1)[:, None]
         table[row_idx, :max_seq] = torch.where(valid, blocks * bs + pos % bs, 0)
         out = md.slot_mapping[:num_tokens].long()
-        return _host(torch.where(out >= bs, out, -1))  # padding / the null block
+        return torch.where(out >= bs, out, -1)  # padding / the null block
 
     # -------------------------------------------------------------- inspection
     def stats(self) -> dict[str, Any]:
@@ -611,11 +611,10 @@ def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
 def _batch_nb(qsl, seq_lens, key_slots, keys, key_rows, tokens, lens):
     """A step's batch from ``qsl`` (query start locations [n + 1], from 0) and ``seq_lens``
     ([>= n]): per row its new tokens ``ql``, the tokens computed before them ``prefix`` and
-    their sum;
-    each token's position; the longest sequence (1 without rows); whether some row starts on
-    a prefix with several new tokens (and there are rows to share it); each row's table row
-    (``key_rows[i]`` where ``keys[i]``, sorted, is the key group's slot ``key_slots`` of its
-    first new token; -1 where none is); the input ids from the token store (-1 where not
+    their sum; each token's position; the longest sequence (1 without rows); whether some
+    row starts on a prefix with several new tokens (and there are rows to share it); each
+    row's table row (``key_rows[i]`` where ``keys[i]``, sorted, is the key group's slot
+    ``key_slots`` of its first new token; -1 where none is); the input ids from the token store (-1 where not
     known yet, and for unmatched rows); whether some row is unmatched."""
     n = qsl.shape[0] - 1
     num_tokens = max(qsl[n], 0)
