@@ -262,24 +262,18 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         g = self._key_group
         bs = self.specs[g].block_size if self.specs else 1
         requests, sent = self._requests, self._sent
-        ids, computed_col, scheduled_col = step.req_ids, step.num_computed, step.num_scheduled
-        starts, counts, tokens, firsts = (step.token_starts, step.token_counts, step.tokens,
-                                          step.first_slots)  # fmt: skip
         for rid, num_scheduled in so.num_scheduled_tokens.items():
             request = requests.get(rid)
             k = computed.get(rid, 0 if request is None else request.num_computed_tokens)
             end = k + num_scheduled
             start = sent.get(rid, 0)
-            count = 0
+            tokens: list[int] = []
             if request is not None and end > start:
                 known = request.all_token_ids
                 have = len(known)
-                if end <= have:  # (a decode step's: known already, unless async)
-                    tokens.extend(known[start:end])
-                else:
-                    tokens.extend(known[start:have])
-                    tokens.extend([-1] * (end - max(start, have)))
-                count = end - start
+                tokens = list(known[start:end])
+                if end > have:  # not known to the scheduler yet (async scheduling)
+                    tokens += [-1] * (end - max(start, have))
                 sent[rid] = min(end, have)
             b = 0  # the block of position k (0: none, the null block)
             if req_blocks is not None:  # without listing every block of every group
@@ -288,12 +282,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             elif manager is not None and self.specs:
                 block_ids = manager.get_block_ids(rid)[g]
                 b = block_ids[k // bs] if k // bs < len(block_ids) else 0
-            ids.append(rid)
-            computed_col.append(k)
-            scheduled_col.append(num_scheduled)
-            starts.append(start)
-            counts.append(count)
-            firsts.append(b * bs + k % bs if b else -1)
+            step.add(rid, k, num_scheduled, start, tokens, b * bs + k % bs if b else -1)
         return KVCanaryConnectorMetadata(step)
 
     def _key_group_blocks(self, manager: Any) -> Any:

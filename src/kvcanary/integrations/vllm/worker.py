@@ -614,8 +614,8 @@ def _batch_nb(qsl, seq_lens, key_slots, keys, key_rows, tokens, lens):
     their sum; each token's position; the longest sequence (1 without rows); whether some
     row starts on a prefix with several new tokens (and there are rows to share it); each
     row's table row (``key_rows[i]`` where ``keys[i]``, sorted, is the key group's slot
-    ``key_slots`` of its first new token; -1 where none is); the input ids from the token store (-1 where not
-    known yet, and for unmatched rows); whether some row is unmatched."""
+    ``key_slots`` of its first new token; -1 where none is); the input ids from the token
+    store (-1 where not known yet, and for unmatched rows); whether some row is unmatched."""
     n = qsl.shape[0] - 1
     num_tokens = max(qsl[n], 0)
     ql = np.empty(n, dtype=np.int64)
@@ -623,7 +623,7 @@ def _batch_nb(qsl, seq_lens, key_slots, keys, key_rows, tokens, lens):
     rows = np.full(n, -1, dtype=np.int64)
     positions = np.empty(num_tokens, dtype=np.int64)
     max_seq = 0 if n else 1
-    may_depend = False
+    may_depend = unmatched = False
     at = 0
     for r in range(n):
         e = np.int64(qsl[r + 1] - qsl[r])
@@ -637,11 +637,9 @@ def _batch_nb(qsl, seq_lens, key_slots, keys, key_rows, tokens, lens):
             i = np.searchsorted(keys, np.int64(key_slots[at]))
             if i < keys.shape[0] and keys[i] == key_slots[at]:
                 rows[r] = key_rows[i]
+        unmatched |= rows[r] < 0
         at += e
     ids = _input_ids_nb(tokens, lens, rows, prefix, ql, num_tokens)
-    unmatched = False
-    for r in range(n):
-        unmatched |= rows[r] < 0
     return ql, prefix, prefix + ql, positions, max_seq, may_depend and n > 1, rows, ids, unmatched
 
 
