@@ -93,6 +93,13 @@ KVCANARY_CPU_GEMM: EnvVar[str] = EnvVar(
     "batch, torch = F.linear",
 )  # fmt: skip
 
+KVCANARY_CPU_DECODE: EnvVar[str] = EnvVar(
+    "KVCANARY_CPU_DECODE", "compiled", _choice("compiled", "eager"),
+    "one of compiled, eager",
+    "a CPU decode forward of a plain float32 decoder: compiled = every layer in one numba call "
+    "(engine/decode_cpu.py; where it applies), eager = module by module",
+)  # fmt: skip
+
 ALL_ENV_VARS: tuple[EnvVar, ...] = (
     KVCANARY_KV_CANARY_RING_CAPACITY,
     KVCANARY_KV_CANARY_VERIFY_CAPACITY_FACTOR,
@@ -100,6 +107,7 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     KVCANARY_KV_CANARY_COMPILE_STATIC_PLANS,
     KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL,
     KVCANARY_CPU_GEMM,
+    KVCANARY_CPU_DECODE,
 )
 
 

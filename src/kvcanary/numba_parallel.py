@@ -50,14 +50,20 @@ def parallel_threads() -> int:
 _threads_set = threading.local()
 
 
+def set_threads() -> None:
+    """Give numba :func:`parallel_threads` on this thread (call under the lock, before a
+    compiled call that enters parallel kernels)."""
+    threads = parallel_threads()
+    if getattr(_threads_set, "count", 0) != threads:
+        numba.set_num_threads(threads)
+        _threads_set.count = threads
+
+
 def run_parallel(kernel: Any, *args: Any) -> Any:
     """``kernel(*args)`` (a ``parallel=True`` dispatcher) on :func:`parallel_threads`
     threads, under the lock."""
     with parallel_lock:
-        threads = parallel_threads()
-        if getattr(_threads_set, "count", 0) != threads:
-            numba.set_num_threads(threads)
-            _threads_set.count = threads
+        set_threads()
         return kernel(*args)
 
 

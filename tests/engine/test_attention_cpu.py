@@ -18,6 +18,14 @@ from kvcanary import SamplingParams
 from kvcanary.engine import attention_cpu
 
 
+@pytest.fixture(autouse=True)
+def _eager_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are of the eager decode forward's calls (a layer's rope_forward,
+    decode_layer, the kernels under them), which the compiled decode forward
+    (engine/decode_cpu.py, tests/engine/test_decode_cpu.py) runs without them."""
+    monkeypatch.setenv("KVCANARY_CPU_DECODE", "eager")
+
+
 def _reference(q, k_buf, v_buf, slots, num_keys, scale):  # type: ignore[no-untyped-def]
     """Gather + masked SDPA, one request and KV head at a time (rows without keys see
     slot 0, as the backend's masks make them)."""

@@ -14,12 +14,13 @@ before ``key_start`` may already be evicted from the SWA pool; they are never re
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from numba.typed import List as typed_list
 
 from kvcanary.engine import attention_cpu
 from kvcanary.engine.forward_batch import ForwardBatch
@@ -224,6 +225,7 @@ class PagedAttentionBackend:
         # layer -> (its K, V buffers, their numpy views): the CPU decode kernel's arguments.
         self._kv_np: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]] = {}
         self._fused_layers: dict[int, tuple[Any, ...]] = {}  # layer -> rope_forward's entry
+        self._decode_lists: tuple[Any, ...] | None = None  # decode_buffers' lists, per layers
 
     # ----------------------------------------------------------- metadata
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -421,6 +423,52 @@ class PagedAttentionBackend:
         if k_out is not None:
             self._observe(observers, entry[1], view.write_loc, k_out, qkv, layer)
         return out
+
+    def decode_buffers(self, layers: Sequence[AttentionLayerSpec]) -> tuple[Any, ...] | None:
+        """What :mod:`.decode_cpu`'s compiled decode forward needs of every layer in
+        ``layers`` (in order): ``(K buffers, V buffers)`` as numba typed lists of numpy
+        views, each layer's sliding flag (int64) and scale (float32), and the full and
+        sliding key tables ``(slots, write slots, key counts, tasks a request, split)``
+        (sliding: the full ones again when no layer slides); None where some layer would
+        not take :meth:`rope_forward`'s fused call, or would with a store observer."""
+        full, sliding = self._full, self._sliding
+        if full is None or full.host is None:
+            return None
+        entries = []
+        for layer in layers:
+            view = sliding if layer.is_sliding else full
+            if view is None or view.host is None:
+                return None
+            entry = self._fused_layers.get(layer.layer_id)
+            if entry is None or (entry and (entry[0].k_buffer[entry[1]] is not entry[2]
+                                            or entry[0].v_buffer[entry[1]] is not entry[3])):  # fmt: skip
+                entry = self._fused_layers[layer.layer_id] = self._fused_entry(layer)
+            if not entry or _direct_store(entry[0], entry[1]) != ():
+                return None
+            entries.append(entry)
+        key = tuple(id(e) for e in entries)
+        cached = self._decode_lists
+        if cached is None or cached[0] != key:
+            ks, vs = typed_list(), typed_list()
+            for e in entries:
+                ks.append(e[4])
+                vs.append(e[5])
+            flags = np.array([int(layer.is_sliding) for layer in layers], dtype=np.int64)
+            scales = np.array([layer.scaling for layer in layers], dtype=np.float32)
+            cached = self._decode_lists = (key, ks, vs, flags, scales, entries)
+        tables: list[tuple[Any, ...]] = []
+        for view, kind in ((full, False), (sliding, True)):
+            if view is None or view.host is None:
+                tables.append(tables[0])
+                continue
+            k_np = next((e[4] for e, layer in zip(entries, layers, strict=True)
+                         if layer.is_sliding == kind), entries[0][4])  # fmt: skip
+            slots, _, loc, num_keys = view.host
+            if not all(a.dtype == np.int64 and a.flags.c_contiguous for a in (slots, loc, num_keys)):
+                return None  # (the compiled forward is typed for these)
+            split, parts = attention_cpu._split(slots.shape[0], k_np, slots)
+            tables.append((slots, loc, num_keys, parts, split))
+        return cached[1], cached[2], cached[3], cached[4], tables[0], tables[1]
 
     @staticmethod
     def _observe(observers: tuple[Observer, ...], local: int, loc: torch.Tensor,

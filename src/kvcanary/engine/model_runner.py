@@ -24,11 +24,12 @@ import torch
 
 from kvcanary.config import EngineConfig
 from kvcanary.engine.attention import PagedAttentionBackend
+from kvcanary.engine.decode_cpu import CompiledDecode
 from kvcanary.engine.dsv4_attention import DSV4AttentionBackend
 from kvcanary.engine.forward_batch import ForwardBatch
 from kvcanary.engine.hooks import ForwardHooks
 from kvcanary.memory.allocator import PagedAllocator, make_allocator
-from kvcanary.memory.base import resolve_device
+from kvcanary.memory.base import HOST, resolve_device
 from kvcanary.memory.dsv4_pool import DSV4KVPool
 from kvcanary.memory.mha_pool import MHAKVPool
 from kvcanary.memory.req_to_token import ReqToTokenPool
@@ -117,6 +118,8 @@ class ModelRunner:
         else:
             self.attn_backend = PagedAttentionBackend(pool, self.req_to_token_pool, self.sliding_window)
         self.forward_ct = 0
+        # The CPU decode forward in one compiled call (engine/decode_cpu.py), where it applies.
+        self._compiled_decode = CompiledDecode(self.model) if self.device == HOST else None
         self.is_draft_worker = False  # a speculative draft worker would hold token p + 1 at p
         # Set by kvcanary.integrations.engine_host; None: no canary, no cost.
         self.canary: ForwardHooks | None = None
@@ -152,7 +155,11 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(fb)
         if static is not None:
             static()
-        hidden = self.model(fb.input_ids, fb.positions, fb)
+        hidden = None
+        if fb.is_decode and self._compiled_decode is not None:
+            hidden = self._compiled_decode.forward(fb.input_ids, fb.positions, fb)
+        if hidden is None:
+            hidden = self.model(fb.input_ids, fb.positions, fb)
         if hooks is not None:
             hooks.after_forward(fb)
         # A decode forward's rows are its requests' last tokens already (no gathered copy).

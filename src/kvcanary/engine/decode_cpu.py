@@ -1,0 +1,352 @@
+"""A CPU decode forward of a :class:`~kvcanary.model.decoder.HybridDecoder` in one compiled
+call (numba): embeddings, every layer (norms, QKV GEMM, the fused RoPE + K/V store +
+attention of :func:`.attention_cpu.decode_layer`, o-projection, MLP) and the final norm.
+
+The eager forward of a tiny model's decode step is mostly Python: ~9 calls a layer into
+torch or numba, each a few microseconds of dispatch around microseconds of work (tiny-swa
+batch 16, py-spy: ~25 % of a step inside ``ModelRunner.forward`` is neither a GEMM nor a
+compiled pass). Here the layers run in one compiled loop with the same kernels:
+
+    per layer                     eager                         here
+    input norm (+ residual add)   norm_cpu.add_rms_norm         the same compiled rows
+    QKV / o / gate-up / down      F.linear (MKL sgemm)          MKL's sgemm_, called from
+                                                                numba with F.linear's
+                                                                arguments: the same bits
+    RoPE, K/V store, attention    attention_cpu.decode_layer    the same kernel
+    silu(gate) * up               torch silu, mul_              a compiled pass (exp: a
+                                                                Cody-Waite polynomial, within
+                                                                a few float32 ulps of torch's)
+
+so a step's hidden states differ from the eager forward's only by the activation's rounding
+(``tests/engine/test_decode_cpu.py`` compares logits, greedy tokens and KV). The GEMM is
+the Fortran ``sgemm_`` torch's CPU library exports (MKL, linked into ``libtorch_cpu``);
+:func:`available` checks once per process that calling it from here gives ``F.linear``'s
+bits on a few shapes, and the path is off where it does not (or the symbol is missing).
+
+It runs a decode forward where every layer would take the eager path's fused decode layer
+without observers (no store check wrapper, no fault's wrapper: :meth:`.attention.
+PagedAttentionBackend.decode_buffers`), every linear would run through ``F.linear`` at this
+batch size (not oneDNN-packed: weights under 1 MiB, ``KVCANARY_CPU_GEMM`` auto or torch),
+and the model is a plain pre-norm decoder: float32, no biases, no sandwich norms, no embed
+scale, one rotary table, q/k norms folded into the rotation or absent, SiLU.
+``KVCANARY_CPU_DECODE=eager`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any, cast
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+from numba.typed import List
+from torch.nn import functional as F
+
+from kvcanary import envs, numba_parallel
+from kvcanary.engine import attention_cpu
+from kvcanary.model import norm_cpu, rope_cpu
+from kvcanary.model.decoder import HybridDecoder
+from kvcanary.model.gemm import MIN_PACKED_BYTES, SMALL_PACKED_ROWS, cpu_gemm_mode
+
+# Scratch of one sgemm_ call: int32 [m, n, k, lda, ldb, ldc, transa, transb], float32
+# [alpha, beta] (Fortran passes every argument by address).
+_M, _N, _K, _LDA, _LDB, _LDC, _TA, _TB = range(8)
+
+
+@intrinsic
+def _call_sgemm(typingctx, fn, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):  # type: ignore[no-untyped-def]
+    """Call the Fortran ``sgemm_`` at address ``fn`` with the 13 argument addresses."""
+    sig = types.void(*([types.int64] * 14))
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        ptr = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [ptr] * 13)
+        callee = builder.inttoptr(args[0], fnty.as_pointer())
+        builder.call(callee, [builder.inttoptr(a, ptr) for a in args[1:]])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_sgemm_call: Any = _call_sgemm  # (the intrinsic's typing context argument confuses mypy)
+
+
+@numba.njit(cache=True, boundscheck=False, nogil=True)
+def _linear(fn, x, w, out, si, sf):  # type: ignore[no-untyped-def]
+    """``out [m, n] = x [m, k] @ w [n, k]^T`` (C-contiguous float32) by sgemm_ at ``fn``, as
+    ``F.linear`` calls it: column-major ``out^T = w^T' x^T`` (``transa = T``)."""
+    m, k = x.shape
+    n = w.shape[0]
+    si[_M], si[_N], si[_K] = n, m, k
+    si[_LDA], si[_LDB], si[_LDC] = k, k, n
+    si[_TA], si[_TB] = 84, 78  # 'T', 'N'
+    sf[0], sf[1] = np.float32(1.0), np.float32(0.0)
+    ip, fp = si.ctypes.data, sf.ctypes.data
+    _sgemm_call(fn, ip + 4 * _TA, ip + 4 * _TB, ip + 4 * _M, ip + 4 * _N, ip + 4 * _K, fp,
+                w.ctypes.data, ip + 4 * _LDA, x.ctypes.data, ip + 4 * _LDB, fp + 4,
+                out.ctypes.data, ip + 4 * _LDC)  # fmt: skip
+
+
+@numba.njit(cache=True, boundscheck=False, nogil=True, fastmath=False)
+def _silu_mul(gu, inter, out, buf, bits):  # type: ignore[no-untyped-def]
+    """``out[t] = silu(gu[t, :inter]) * gu[t, inter:]`` with ``silu(g) = g / (1 + e^-g)``;
+    ``e^x`` as :func:`.attention_cpu._exp_nonpositive` computes it (clamped to
+    ``[-87, 88]``: no overflow of ``2^k``), in loops the compiler vectorises."""
+    for t in range(gu.shape[0]):
+        for j in range(inter):
+            v = min(max(-gu[t, j], np.float32(-87.0)), np.float32(88.0))
+            k = np.floor(v * np.float32(1.44269504088896341) + np.float32(0.5))
+            r = v - k * np.float32(0.693359375) - k * np.float32(-2.12194440e-4)
+            p = ((((np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)) * r
+                   + np.float32(8.3334519073e-3)) * r + np.float32(4.1665795894e-2)) * r
+                 + np.float32(1.6666665459e-1)) * r + np.float32(5.0000001201e-1)  # fmt: skip
+            buf[j] = p * (r * r) + r + np.float32(1.0)
+            bits[j] = (np.int32(k) + np.int32(127)) << np.int32(23)
+        scale = bits[:inter].view(np.float32)
+        for j in range(inter):
+            g = gu[t, j]
+            out[t, j] = g / (np.float32(1.0) + buf[j] * scale[j]) * gu[t, inter + j]
+
+
+@numba.njit(cache=True, boundscheck=False, nogil=True)
+def _forward_nb(fn, ids, embed, vecs, mats, k_bufs, v_bufs, sliding, scales, full, swa,  # type: ignore[no-untyped-def]
+                num_heads, eps, lanes, qk_eps, qk_lanes, has_qk, cos, sin, norm_split, hidden):  # fmt: skip
+    """The forward (module doc) into ``hidden [bs, H]`` (after the final norm). ``vecs``:
+    per layer input norm, post-attention norm, then the final norm's weight; ``mats``: per
+    layer QKV, q/k norm weight (``[heads + kv heads, dim]``, or a placeholder), o, gate-up,
+    down. ``full`` / ``swa``: the key tables (slots, write slots, key counts, tasks a
+    request, split) of full and sliding layers. Returns -1, or the layer whose fused decode
+    call refused its inputs (nothing after it ran; the caller runs the eager forward)."""
+    bs, width = ids.shape[0], embed.shape[1]
+    si = np.empty(8, dtype=np.int32)
+    sf = np.empty(2, dtype=np.float32)
+    x = np.empty((bs, width), dtype=np.float32)
+    total = np.empty((bs, width), dtype=np.float32)
+    normed = np.empty((bs, width), dtype=np.float32)
+    mlp = np.empty((bs, width), dtype=np.float32)
+    no_k_out = np.zeros((0, 1, 1), dtype=np.float32)
+    for t in range(bs):
+        for e in range(width):
+            x[t, e] = embed[ids[t], e]
+    num_layers = sliding.shape[0]
+    for i in range(num_layers):
+        w_qkv, w_qk, w_o, w_gu, w_down = mats[5 * i], mats[5 * i + 1], mats[5 * i + 2], \
+            mats[5 * i + 3], mats[5 * i + 4]  # fmt: skip
+        if i == 0:
+            if norm_split:
+                norm_cpu._rms_rows_parallel(x, vecs[0], True, eps, lanes, normed)
+            else:
+                norm_cpu._rms_rows(x, vecs[0], True, eps, lanes, normed)
+        else:  # x + the previous layer's MLP output
+            if norm_split:
+                norm_cpu._add_rms_rows_parallel(x, mlp, vecs[2 * i], eps, lanes, total, normed)
+            else:
+                norm_cpu._add_rms_rows(x, mlp, vecs[2 * i], eps, lanes, total, normed)
+            x, total = total, x
+        qkv = np.empty((bs, w_qkv.shape[0]), dtype=np.float32)
+        _linear(fn, normed, w_qkv, qkv, si, sf)
+        dim = cos.shape[1]
+        heads3 = qkv.reshape(bs, w_qkv.shape[0] // dim, dim)
+        att = np.empty((bs, num_heads, dim), dtype=np.float32)
+        tb = swa if sliding[i] else full
+        slots, loc, num_keys, parts, split = tb
+        if split:
+            status = attention_cpu._layer_parallel(
+                heads3, num_heads, w_qk, has_qk, qk_eps, qk_lanes, cos, sin, k_bufs[i],
+                v_bufs[i], loc, slots, num_keys, scales[i], att, no_k_out,
+                parts)  # fmt: skip
+        else:
+            status = attention_cpu._layer_serial(
+                heads3, num_heads, w_qk, has_qk, qk_eps, qk_lanes, cos, sin, k_bufs[i],
+                v_bufs[i], loc, slots, num_keys, scales[i], att, no_k_out,
+                parts)  # fmt: skip
+        if status == attention_cpu._LAYER_REFUSED:
+            return i
+        o = np.empty((bs, width), dtype=np.float32)
+        _linear(fn, att.reshape(bs, num_heads * dim), w_o, o, si, sf)
+        if norm_split:
+            norm_cpu._add_rms_rows_parallel(x, o, vecs[2 * i + 1], eps, lanes, total, normed)
+        else:
+            norm_cpu._add_rms_rows(x, o, vecs[2 * i + 1], eps, lanes, total, normed)
+        x, total = total, x
+        inter = w_gu.shape[0] // 2
+        gu = np.empty((bs, 2 * inter), dtype=np.float32)
+        _linear(fn, normed, w_gu, gu, si, sf)
+        act = np.empty((bs, inter), dtype=np.float32)
+        _silu_mul(gu, inter, act, np.empty(inter, dtype=np.float32),
+                  np.empty(inter, dtype=np.int32))  # fmt: skip
+        _linear(fn, act, w_down, mlp, si, sf)
+    if norm_split:
+        norm_cpu._add_rms_rows_parallel(x, mlp, vecs[2 * num_layers], eps, lanes, total, hidden)
+    else:
+        norm_cpu._add_rms_rows(x, mlp, vecs[2 * num_layers], eps, lanes, total, hidden)
+    return -1
+
+
+# ----------------------------------------------------------------- the BLAS and its check
+
+_sgemm: int | None = None  # sgemm_'s address; 0: not available (probed once)
+
+
+def _probe_sgemm() -> int:
+    """sgemm_'s address in torch's CPU library when calling it gives ``F.linear``'s bits on
+    a few decode shapes (module doc); else 0."""
+    if not torch.backends.mkl.is_available():  # type: ignore[no-untyped-call]
+        return 0
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        addr = ctypes.cast(lib.sgemm_, ctypes.c_void_p).value or 0
+    except (OSError, AttributeError):
+        return 0
+    if not addr:
+        return 0
+    gen = torch.Generator().manual_seed(0)
+    si, sf = np.empty(8, dtype=np.int32), np.empty(2, dtype=np.float32)
+    for m, n, k in ((1, 24, 16), (5, 40, 32), (16, 96, 64), (33, 17, 48)):
+        x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+        out = torch.empty(m, n)
+        _linear(addr, x.numpy(), w.numpy(), out.numpy(), si, sf)
+        if not torch.equal(out, F.linear(x, w)):
+            return 0
+    return addr
+
+
+def sgemm_address() -> int:
+    """:func:`_probe_sgemm`, once per process."""
+    global _sgemm
+    if _sgemm is None:
+        _sgemm = _probe_sgemm()
+    return _sgemm
+
+
+# ----------------------------------------------------------------- the model's side
+
+
+class CompiledDecode:
+    """The compiled decode forward of one model (weights as numpy views, checked per call
+    against the tensors' addresses); :meth:`forward` or None (the eager forward)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._weights: tuple[int, ...] | None = None
+        self._tensors: list[torch.Tensor] = []
+        self._packable = self._big = False
+        self._vecs: Any = None
+        self._mats: Any = None
+        self._ok = self._eligible(model)
+
+    @staticmethod
+    def _eligible(model: Any) -> bool:
+        """The model-level conditions (module doc); the per-forward ones are :meth:`forward`'s."""
+        if not isinstance(model, HybridDecoder) or envs.KVCANARY_CPU_DECODE.get() != "compiled":
+            return False
+        m: Any = model  # (its layers are DecoderLayers)
+        c = m.config
+        if (c.sandwich_norm or c.norm_weight_offset or model.embed_scale is not None
+                or model.local_rotary is not None or c.hidden_act != "silu" or c.qkv_bias
+                or c.o_bias or c.mlp_bias or model.embed_tokens.weight.dtype is not torch.float32
+                or model.embed_tokens.weight.device.type != "cpu"):  # fmt: skip
+            return False
+        for layer in m.layers:
+            attn = layer.self_attn
+            if attn._qk_fold is False:  # (q/k norms that run apart)
+                return False
+            weights = (attn.qkv_weight, attn.o_proj.weight, layer.mlp.gate_up_weight,
+                       layer.mlp.down_proj.weight)  # fmt: skip
+            if any(not w.is_contiguous() for w in weights):
+                return False
+        return bool(sgemm_address()) and norm_cpu.lanes() > 0
+
+    def _packs(self, rows: int) -> bool:
+        """Whether the eager forward's linears would take oneDNN's packed GEMM at ``rows``
+        rows (:class:`~kvcanary.model.gemm.PackedLinear`'s policy): then this path's GEMMs
+        would not be theirs."""
+        mode = cpu_gemm_mode()
+        if mode != "auto":
+            return mode == "onednn" and self._packable
+        small = SMALL_PACKED_ROWS.get(torch.float32)
+        return self._big or (self._packable and small is not None and rows >= small[0])
+
+    def _bind_weights(self) -> None:
+        """The weights as numpy views in typed lists (once; again when a tensor moved)."""
+        model = self.model
+        tensors: list[torch.Tensor] = []
+        vecs, mats = List(), List()
+        for layer in model.layers:
+            attn = layer.self_attn
+            qk = (attn._qk_norm_weight(torch.float32) if attn._qk_fold
+                  else torch.ones(1, 1))  # fmt: skip
+            vecs.append(layer.input_layernorm.weight.detach().numpy())
+            vecs.append(layer.post_attention_layernorm.weight.detach().numpy())
+            for w in (attn.qkv_weight, qk, attn.o_proj.weight, layer.mlp.gate_up_weight,
+                      layer.mlp.down_proj.weight):  # fmt: skip
+                mats.append(w.detach().numpy())
+            tensors += [attn.qkv_weight, attn.o_proj.weight, layer.mlp.gate_up_weight,
+                        layer.mlp.down_proj.weight, layer.input_layernorm.weight,
+                        layer.post_attention_layernorm.weight]  # fmt: skip
+            if attn._qk_fold:  # (the q/k weight above is made of these)
+                tensors += [cast(Any, attn.q_norm).weight, cast(Any, attn.k_norm).weight]
+        vecs.append(model.norm.weight.detach().numpy())
+        tensors += [model.embed_tokens.weight, model.norm.weight]
+        linears = [w for layer in model.layers
+                   for w in (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
+                             layer.mlp.gate_up_weight, layer.mlp.down_proj.weight)]  # fmt: skip
+        # (PackedLinear never packs a weight that requires grad or is an inference tensor)
+        packable = [w for w in linears if not (w.requires_grad or w.is_inference())]
+        self._packable = bool(packable)
+        self._big = any(w.numel() * w.element_size() >= MIN_PACKED_BYTES for w in packable)
+        self._vecs, self._mats = vecs, mats
+        self._weights = self._key(tensors)
+        self._tensors = tensors
+
+    @staticmethod
+    def _key(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+        """Where each tensor lies and, but for inference tensors (no counter), how often it
+        was written in place (the q/k weight is derived from two of them)."""
+        return tuple(t.data_ptr() for t in tensors) + tuple(
+            0 if t.is_inference() else t._version for t in tensors)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: Any) -> torch.Tensor | None:
+        """The decode forward's hidden states ``[bs, H]`` (after the final norm), or None with
+        nothing done where this path does not apply."""
+        if not self._ok:
+            return None
+        model = self.model
+        bs = input_ids.shape[0]
+        if bs == 0 or input_ids.dtype is not torch.int64:
+            return None
+        if self._weights is None or self._key(self._tensors) != self._weights:
+            self._bind_weights()
+        if self._packs(bs):
+            return None
+        backend = fb.attn_backend
+        decode_buffers = getattr(backend, "decode_buffers", None)
+        if decode_buffers is None:
+            return None
+        tables = decode_buffers(model.attention_specs)
+        if tables is None:
+            return None
+        attn0 = model.layers[0].self_attn
+        cos, sin = model.rotary.cos_sin(positions)
+        dim = attn0.spec.head_dim
+        cos_np, sin_np = rope_cpu.tables(cos, sin, bs, dim)
+        has_qk = attn0._qk_fold is True
+        qk_eps = np.float32(attn0.q_norm.eps if has_qk else 0.0)
+        hidden = torch.empty((bs, model.config.hidden_size), dtype=torch.float32)
+        width = model.config.hidden_size
+        norm_split = bs >= norm_cpu._PARALLEL_MIN_ROWS and bs * width >= norm_cpu._PARALLEL_MIN_ELEMENTS
+        lanes = norm_cpu.lanes()
+        with numba_parallel.parallel_lock:
+            numba_parallel.set_threads()
+            bad = _forward_nb(  # type: ignore[call-arg]
+                sgemm_address(), input_ids.numpy(), model.embed_tokens.weight.detach().numpy(),
+                self._vecs, self._mats, *tables, attn0.spec.num_heads,
+                np.float32(model.norm.eps), lanes, qk_eps, lanes if has_qk else 0, has_qk,
+                cos_np, sin_np, norm_split, hidden.numpy(),
+            )  # fmt: skip
+        return None if bad >= 0 else hidden

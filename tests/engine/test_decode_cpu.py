@@ -1,0 +1,172 @@
+"""The CPU decode forward in one compiled call (kvcanary.engine.decode_cpu) against the
+eager, module-by-module forward: the same greedy tokens, logprobs and KV within float
+rounding, its GEMM bit for bit F.linear's, and the eager forward wherever a store must be
+seen (the canary's store check, a fault's wrapper) or the path is turned off."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from engine_utils import make_prompts
+from torch.nn import functional as F
+
+from kvcanary import Engine, EngineConfig, SamplingParams
+from kvcanary.canary.config import CanaryConfig
+from kvcanary.engine import decode_cpu
+from kvcanary.engine.attention import PagedAttentionBackend
+from kvcanary.memory.mha_pool import MHAKVPool
+
+
+def _engine(monkeypatch: pytest.MonkeyPatch, mode: str, **overrides: Any) -> Engine:
+    monkeypatch.setenv("KVCANARY_CPU_DECODE", mode)
+    base: dict[str, Any] = dict(model="builtin:tiny-swa", page_size=4, max_total_tokens=4096,
+                                max_context_len=1024)  # fmt: skip
+    base.update(overrides)
+    return Engine(EngineConfig(**base))
+
+
+def _count_compiled(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the compiled forwards that ran to the end (the real kernel, wrapped)."""
+    real, calls = decode_cpu._forward_nb, []
+
+    def counting(*args: Any) -> Any:
+        bad = real(*args)
+        calls.append(int(bad))
+        return bad
+
+    monkeypatch.setattr(decode_cpu, "_forward_nb", counting)
+    return calls
+
+
+def _kv(engine: Engine) -> list[torch.Tensor]:
+    pool = engine.runner.token_to_kv_pool
+    subs = [pool.full_kv_pool, pool.swa_kv_pool] if hasattr(pool, "swa_kv_pool") else [pool]
+    return [b.clone() for sub in subs for b in (*sub.k_buffer, *sub.v_buffer)]
+
+
+def _run(engine: Engine, prompts: list[list[int]], n: int = 20) -> list[Any]:
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=2)
+    return engine.generate(prompts, params)
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny-swa", "builtin:tiny-mha", "builtin:tiny-swa-all"])
+def test_compiled_decode_matches_the_eager_forward(monkeypatch: pytest.MonkeyPatch, model: str) -> None:
+    """Greedy tokens equal, every sampled token's logprob within 1e-4 and every K/V row
+    within 1e-4 of the eager forward's (they differ by the SiLU's rounding only), over
+    decode batches of several sizes, window eviction included (prompts past the window)."""
+    prompts = make_prompts(9, 20, 70, seed=3)
+    eager = _engine(monkeypatch, "eager", model=model)
+    want = _run(eager, prompts)
+    want_kv = _kv(eager)
+    calls = _count_compiled(monkeypatch)
+    compiled = _engine(monkeypatch, "compiled", model=model)
+    got = _run(compiled, prompts)
+    assert calls and all(c == -1 for c in calls)  # decode forwards ran compiled, to the end
+    assert [o.output_ids for o in got] == [o.output_ids for o in want]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose([t.logprob for t in a.logprobs], [t.logprob for t in b.logprobs],
+                                   atol=1e-4)  # fmt: skip
+    for a, b in zip(_kv(compiled), want_kv, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_decode_is_off_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _count_compiled(monkeypatch)
+    _run(_engine(monkeypatch, "eager"), make_prompts(3, 10, 20), 5)
+    assert calls == []
+
+
+def test_a_bad_switch_value_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCANARY_CPU_DECODE", "fast")
+    with pytest.raises(ValueError, match="KVCANARY_CPU_DECODE.*fast.*compiled, eager"):
+        Engine(EngineConfig(model="builtin:tiny-swa", page_size=4, max_total_tokens=4096,
+                            max_context_len=1024))  # fmt: skip
+
+
+def test_a_wrapped_store_runs_the_eager_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault's wrapper on a sub-pool's set_kv_buffer (put on the real pool, as fault
+    injection does) must see every store: the compiled forward steps aside, the wrapper
+    sees the decode steps' stores, and the outputs are the eager forward's."""
+    prompts = make_prompts(4, 10, 40, seed=1)
+    want = [o.output_ids for o in _run(_engine(monkeypatch, "eager"), prompts, 8)]
+    calls = _count_compiled(monkeypatch)
+    engine = _engine(monkeypatch, "compiled")
+    sub = engine.runner.token_to_kv_pool.full_kv_pool
+    assert isinstance(sub, MHAKVPool)
+    real, stores = sub.set_kv_buffer, []
+
+    def watching(layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *a: Any, **kw: Any) -> Any:
+        stores.append(int(loc.shape[0]))
+        return real(layer, loc, k, v, *a, **kw)
+
+    sub.set_kv_buffer = watching  # type: ignore[method-assign]
+    got = [o.output_ids for o in _run(engine, prompts, 8)]
+    assert calls == []
+    assert got == want
+    # every forward's full layers stored through it: decode steps store one row a request
+    assert stores.count(4) >= 2 * 7
+
+
+def test_the_store_check_runs_the_eager_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The canary's real-data store check observes each store: with it on, decode layers
+    take the fused per-layer call (which hands it the rows) and never the compiled forward;
+    with the canary in log mode (no store check) decode runs compiled."""
+    calls = _count_compiled(monkeypatch)
+    prompts = make_prompts(3, 10, 30)
+    _run(_engine(monkeypatch, "compiled", canary=CanaryConfig(mode="log", real_data="all")), prompts, 6)
+    assert calls == []
+    _run(_engine(monkeypatch, "compiled", canary=CanaryConfig(mode="log")), prompts, 6)
+    assert calls and all(c == -1 for c in calls)
+
+
+def test_packed_linears_run_the_eager_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the eager forward's linears would take oneDNN's packed GEMM its bits are not
+    sgemm's: the compiled forward steps aside."""
+    monkeypatch.setenv("KVCANARY_CPU_GEMM", "onednn")
+    from kvcanary.model.gemm import cpu_gemm_mode
+
+    cpu_gemm_mode.cache_clear()
+    try:
+        calls = _count_compiled(monkeypatch)
+        _run(_engine(monkeypatch, "compiled"), make_prompts(2, 10, 20), 4)
+        assert calls == []
+    finally:
+        monkeypatch.delenv("KVCANARY_CPU_GEMM")
+        cpu_gemm_mode.cache_clear()
+
+
+def test_no_decode_buffers_without_host_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend whose forward has no host key tables (nothing initialised) gives none."""
+    engine = _engine(monkeypatch, "compiled")
+    backend = engine.runner.attn_backend
+    assert isinstance(backend, PagedAttentionBackend)
+    assert backend.decode_buffers(engine.runner.model.attention_specs) is None
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+def test_sgemm_call_is_f_linear_bit_for_bit(m: int) -> None:
+    addr = decode_cpu.sgemm_address()
+    assert addr
+    gen = torch.Generator().manual_seed(m)
+    si, sf = np.empty(8, dtype=np.int32), np.empty(2, dtype=np.float32)
+    for n, k in ((384, 128), (259, 128), (128, 256), (7, 5)):
+        x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+        out = torch.full((m, n), float("nan"))
+        decode_cpu._linear(addr, x.numpy(), w.numpy(), out.numpy(), si, sf)
+        assert torch.equal(out, F.linear(x, w))
+
+
+def test_silu_mul_within_a_few_ulps_of_torch() -> None:
+    gen = torch.Generator().manual_seed(0)
+    inter = 67
+    gu = torch.randn(5, 2 * inter, generator=gen) * 8
+    gu[0, :6] = torch.tensor([-200.0, -88.5, -30.0, 0.0, 30.0, 200.0])
+    out = np.empty((5, inter), dtype=np.float32)
+    decode_cpu._silu_mul(gu.numpy(), inter, out, np.empty(inter, dtype=np.float32),
+                         np.empty(inter, dtype=np.int32))  # fmt: skip
+    want = F.silu(gu[:, :inter]) * gu[:, inter:]
+    assert np.isfinite(out).all()
+    torch.testing.assert_close(torch.from_numpy(out), want, rtol=4e-7 * 8, atol=1e-30)
