@@ -123,6 +123,7 @@ def _generate(monkeypatch: pytest.MonkeyPatch, use_kernel: bool, counted: tuple[
 
         return call
 
+    monkeypatch.setenv("KVCANARY_CPU_DECODE", "eager")  # (again: undone below)
     for name in counted:
         monkeypatch.setattr(attention_cpu, name, counting(getattr(attention_cpu, name)))
     if not use_kernel:  # the torch path: no kernel

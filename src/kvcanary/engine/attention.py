@@ -176,6 +176,14 @@ _NOT_WRAPPED = object()
 Observer = tuple[Callable[..., None], Callable[..., bool] | None]
 
 
+def _plain_store(sub: MHAKVPool) -> bool:
+    """Whether ``sub`` stores through :class:`MHAKVPool`'s own method, nothing on the
+    instance (or that very bound method put back, as a fault's undo does)."""
+    store = vars(sub).get("set_kv_buffer")
+    return store is None or (getattr(store, "__func__", None) is MHAKVPool.set_kv_buffer
+                             and getattr(store, "__self__", None) is sub)  # fmt: skip
+
+
 def _direct_store(sub: MHAKVPool, layer: int) -> tuple[Observer, ...] | None:
     """Whether a backend may store ``sub``'s layer ``layer`` itself, skipping nothing that
     ``sub.set_kv_buffer`` would do: the observers it must then call with what it stored
@@ -430,7 +438,8 @@ class PagedAttentionBackend:
         views, each layer's sliding flag (int64) and scale (float32), and the full and
         sliding key tables ``(slots, write slots, key counts, tasks a request, split)``
         (sliding: the full ones again when no layer slides); None where some layer would
-        not take :meth:`rope_forward`'s fused call, or would with a store observer."""
+        not take :meth:`rope_forward`'s fused call, or its sub-pool's store is wrapped
+        (a fault's wrapper, or the canary's store check, which must see the stores)."""
         full, sliding = self._full, self._sliding
         if full is None or full.host is None:
             return None
@@ -443,7 +452,7 @@ class PagedAttentionBackend:
             if entry is None or (entry and (entry[0].k_buffer[entry[1]] is not entry[2]
                                             or entry[0].v_buffer[entry[1]] is not entry[3])):  # fmt: skip
                 entry = self._fused_layers[layer.layer_id] = self._fused_entry(layer)
-            if not entry or _direct_store(entry[0], entry[1]) != ():
+            if not entry or not _plain_store(entry[0]):
                 return None
             entries.append(entry)
         key = tuple(id(e) for e in entries)

@@ -235,6 +235,7 @@ class CompiledDecode:
         self.model = model
         self._weights: tuple[int, ...] | None = None
         self._tensors: list[torch.Tensor] = []
+        self._derived_from: list[torch.Tensor] = []
         self._packable = self._big = False
         self._vecs: Any = None
         self._mats: Any = None
@@ -276,6 +277,7 @@ class CompiledDecode:
         """The weights as numpy views in typed lists (once; again when a tensor moved)."""
         model = self.model
         tensors: list[torch.Tensor] = []
+        derived_from: list[torch.Tensor] = []
         vecs, mats = List(), List()
         for layer in model.layers:
             attn = layer.self_attn
@@ -289,8 +291,8 @@ class CompiledDecode:
             tensors += [attn.qkv_weight, attn.o_proj.weight, layer.mlp.gate_up_weight,
                         layer.mlp.down_proj.weight, layer.input_layernorm.weight,
                         layer.post_attention_layernorm.weight]  # fmt: skip
-            if attn._qk_fold:  # (the q/k weight above is made of these)
-                tensors += [cast(Any, attn.q_norm).weight, cast(Any, attn.k_norm).weight]
+            if attn._qk_fold:  # (the q/k weight above is made of these: versions too)
+                derived_from += [cast(Any, attn.q_norm).weight, cast(Any, attn.k_norm).weight]
         vecs.append(model.norm.weight.detach().numpy())
         tensors += [model.embed_tokens.weight, model.norm.weight]
         linears = [w for layer in model.layers
@@ -301,15 +303,15 @@ class CompiledDecode:
         self._packable = bool(packable)
         self._big = any(w.numel() * w.element_size() >= MIN_PACKED_BYTES for w in packable)
         self._vecs, self._mats = vecs, mats
-        self._weights = self._key(tensors)
-        self._tensors = tensors
+        self._tensors, self._derived_from = tensors, derived_from
+        self._weights = self._key()
 
-    @staticmethod
-    def _key(tensors: list[torch.Tensor]) -> tuple[int, ...]:
-        """Where each tensor lies and, but for inference tensors (no counter), how often it
-        was written in place (the q/k weight is derived from two of them)."""
-        return tuple(t.data_ptr() for t in tensors) + tuple(
-            0 if t.is_inference() else t._version for t in tensors)
+    def _key(self) -> tuple[int, ...]:
+        """Where each weight lies (the views see in-place writes) and how often the q/k
+        norm weights were written (the q/k weight is a copy of them; an inference tensor
+        has no counter and cannot be written outside inference mode)."""
+        return tuple([t.data_ptr() for t in self._tensors] + [
+            0 if t.is_inference() else t._version for t in self._derived_from])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: Any) -> torch.Tensor | None:
         """The decode forward's hidden states ``[bs, H]`` (after the final norm), or None with
@@ -320,7 +322,7 @@ class CompiledDecode:
         bs = input_ids.shape[0]
         if bs == 0 or input_ids.dtype is not torch.int64:
             return None
-        if self._weights is None or self._key(self._tensors) != self._weights:
+        if self._weights is None or self._key() != self._weights:
             self._bind_weights()
         if self._packs(bs):
             return None
