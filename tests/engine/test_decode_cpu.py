@@ -52,17 +52,22 @@ def _run(engine: Engine, prompts: list[list[int]], n: int = 20) -> list[Any]:
     return engine.generate(prompts, params)
 
 
-@pytest.mark.parametrize("model", ["builtin:tiny-swa", "builtin:tiny-mha", "builtin:tiny-swa-all"])
-def test_compiled_decode_matches_the_eager_forward(monkeypatch: pytest.MonkeyPatch, model: str) -> None:
+@pytest.mark.parametrize(("model", "graphs"), [
+    ("builtin:tiny-swa", ()), ("builtin:tiny-swa", (1, 2, 4, 8, 16)), ("builtin:tiny-mha", ()),
+    ("builtin:tiny-swa-all", (4, 16)),
+])  # fmt: skip
+def test_compiled_decode_matches_the_eager_forward(monkeypatch: pytest.MonkeyPatch, model: str,
+                                                   graphs: tuple[int, ...]) -> None:  # fmt: skip
     """Greedy tokens equal, every sampled token's logprob within 1e-4 and every K/V row
     within 1e-4 of the eager forward's (they differ by the SiLU's rounding only), over
-    decode batches of several sizes, window eviction included (prompts past the window)."""
+    decode batches of several sizes (graph buckets: padding rows too), window eviction
+    included (prompts past the window)."""
     prompts = make_prompts(9, 20, 70, seed=3)
-    eager = _engine(monkeypatch, "eager", model=model)
+    eager = _engine(monkeypatch, "eager", model=model, graph_batch_sizes=graphs)
     want = _run(eager, prompts)
     want_kv = _kv(eager)
     calls = _count_compiled(monkeypatch)
-    compiled = _engine(monkeypatch, "compiled", model=model)
+    compiled = _engine(monkeypatch, "compiled", model=model, graph_batch_sizes=graphs)
     got = _run(compiled, prompts)
     assert calls and all(c == -1 for c in calls)  # decode forwards ran compiled, to the end
     assert [o.output_ids for o in got] == [o.output_ids for o in want]
@@ -71,6 +76,21 @@ def test_compiled_decode_matches_the_eager_forward(monkeypatch: pytest.MonkeyPat
                                    atol=1e-4)  # fmt: skip
     for a, b in zip(_kv(compiled), want_kv, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    if graphs:
+        assert compiled.stats.padded_rows > 0  # padding rows went through it too
+
+
+def test_a_token_outside_the_vocabulary_raises_as_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode token id past the embedding is not read: the eager forward runs and raises
+    the embedding's error."""
+    engine = _engine(monkeypatch, "compiled")
+    calls = _count_compiled(monkeypatch)
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.step()  # prefill
+    engine.override_next_token(rid, engine.runner.vocab_size + 3)
+    with pytest.raises(IndexError):
+        engine.step()
+    assert calls == [decode_cpu._BAD_TOKEN]
 
 
 def test_compiled_decode_is_off_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,16 +130,45 @@ def test_a_wrapped_store_runs_the_eager_forward(monkeypatch: pytest.MonkeyPatch)
     assert stores.count(4) >= 2 * 7
 
 
-def test_the_store_check_runs_the_eager_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The canary's real-data store check observes each store: with it on, decode layers
-    take the fused per-layer call (which hands it the rows) and never the compiled forward;
-    with the canary in log mode (no store check) decode runs compiled."""
+@pytest.mark.parametrize("real_data", ["partial", "all"])
+def test_the_store_check_observes_the_compiled_stores(monkeypatch: pytest.MonkeyPatch,
+                                                      real_data: str) -> None:  # fmt: skip
+    """With the canary's store check on, decode still runs compiled and the check's observers
+    get each observed layer's stored rows: the very rows in the K/V buffers at the write
+    slots (else the check would report lost stores: none is), as many observations as the
+    eager forward makes, the same tokens."""
+    prompts = make_prompts(5, 10, 50, seed=2)
+    canary = CanaryConfig(mode="log", real_data=real_data, real_data_layers="all")
+    seen: list[int] = []
+    real_observe = PagedAttentionBackend._observe
+
+    def observing(observers: Any, local: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        seen.append(int(loc.shape[0]))
+        real_observe(observers, local, loc, k, v)
+
+    monkeypatch.setattr(PagedAttentionBackend, "_observe", staticmethod(observing))
+    eager = _engine(monkeypatch, "eager", canary=canary)
+    want = [o.output_ids for o in _run(eager, prompts, 8)]
+    eager_seen, seen[:] = list(seen), []
     calls = _count_compiled(monkeypatch)
-    prompts = make_prompts(3, 10, 30)
-    _run(_engine(monkeypatch, "compiled", canary=CanaryConfig(mode="log", real_data="all")), prompts, 6)
-    assert calls == []
-    _run(_engine(monkeypatch, "compiled", canary=CanaryConfig(mode="log")), prompts, 6)
+    engine = _engine(monkeypatch, "compiled", canary=canary)
+    stored: list[bool] = []
+    real_decode = PagedAttentionBackend.observe_decode
+
+    def checking(observed: Any, k_rows: Any, v_rows: Any) -> None:
+        backend = engine.runner.attn_backend
+        for (i, _, local, loc), k, v in zip(observed, k_rows, v_rows, strict=True):
+            sub, _ = backend._store_of(engine.runner.model.attention_specs[i].layer_id)
+            stored.append(torch.equal(sub.k_buffer[local][loc], k) and torch.equal(sub.v_buffer[local][loc], v))
+        real_decode(observed, k_rows, v_rows)
+
+    monkeypatch.setattr(PagedAttentionBackend, "observe_decode", staticmethod(checking))
+    got = [o.output_ids for o in _run(engine, prompts, 8)]
     assert calls and all(c == -1 for c in calls)
+    assert stored and all(stored)
+    assert got == want
+    assert sorted(seen) == sorted(eager_seen) and seen
+    assert engine.canary is not None and engine.canary.violations == []
 
 
 def test_packed_linears_run_the_eager_forward(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -429,22 +429,26 @@ class PagedAttentionBackend:
         ):  # fmt: skip
             return None
         if k_out is not None:
-            self._observe(observers, entry[1], view.write_loc, k_out, qkv, layer)
+            first_v = layer.num_heads + layer.num_kv_heads
+            v = qkv.view(bs, -1, dim)[:, first_v : first_v + layer.num_kv_heads]
+            self._observe(observers, entry[1], view.write_loc, k_out, v)
         return out
 
     def decode_buffers(self, layers: Sequence[AttentionLayerSpec]) -> tuple[Any, ...] | None:
         """What :mod:`.decode_cpu`'s compiled decode forward needs of every layer in
         ``layers`` (in order): ``(K buffers, V buffers)`` as numba typed lists of numpy
-        views, each layer's sliding flag (int64) and scale (float32), and the full and
-        sliding key tables ``(slots, write slots, key counts, tasks a request, split)``
-        (sliding: the full ones again when no layer slides); None where some layer would
-        not take :meth:`rope_forward`'s fused call, or its sub-pool's store is wrapped
-        (a fault's wrapper, or the canary's store check, which must see the stores)."""
+        views, each layer's sliding flag (int64) and scale (float32), the full and sliding
+        key tables ``(slots, write slots, key counts, tasks a request, split)`` (sliding: the
+        full ones again when no layer slides), then the layers whose store the canary's
+        store check observes (``[(layer index, observers, sub-pool layer, write slots)]``,
+        for :meth:`observe_decode`). None where some layer would not take
+        :meth:`rope_forward`'s fused call, or its store is wrapped by anything else (a
+        fault's wrapper must see the store)."""
         full, sliding = self._full, self._sliding
         if full is None or full.host is None:
             return None
-        entries = []
-        for layer in layers:
+        entries, observed = [], []
+        for i, layer in enumerate(layers):
             view = sliding if layer.is_sliding else full
             if view is None or view.host is None:
                 return None
@@ -452,8 +456,14 @@ class PagedAttentionBackend:
             if entry is None or (entry and (entry[0].k_buffer[entry[1]] is not entry[2]
                                             or entry[0].v_buffer[entry[1]] is not entry[3])):  # fmt: skip
                 entry = self._fused_layers[layer.layer_id] = self._fused_entry(layer)
-            if not entry or not _plain_store(entry[0]):
+            if not entry:
                 return None
+            if not _plain_store(entry[0]):
+                observers = _direct_store(entry[0], entry[1])
+                if observers is None:
+                    return None
+                if observers:
+                    observed.append((i, observers, entry[1], view.write_loc))
             entries.append(entry)
         key = tuple(id(e) for e in entries)
         cached = self._decode_lists
@@ -477,24 +487,33 @@ class PagedAttentionBackend:
                 return None  # (the compiled forward is typed for these)
             split, parts = attention_cpu._split(slots.shape[0], k_np, slots)
             tables.append((slots, loc, num_keys, parts, split))
-        return cached[1], cached[2], cached[3], cached[4], tables[0], tables[1]
+        return cached[1], cached[2], cached[3], cached[4], tables[0], tables[1], observed
+
+    @classmethod
+    def observe_decode(cls, observed: Sequence[tuple[Any, ...]], k_rows: Sequence[torch.Tensor],
+                       v_rows: Sequence[torch.Tensor]) -> None:  # fmt: skip
+        """After a compiled decode forward: each observed layer's store (:meth:`decode_buffers`)
+        handed to its observers, its stored k and v rows ``[bs, kv heads, dim]`` given."""
+        for (_, observers, local, loc), k, v in zip(observed, k_rows, v_rows, strict=True):
+            cls._observe(observers, local, loc, k, v)
 
     @staticmethod
     def _observe(observers: tuple[Observer, ...], local: int, loc: torch.Tensor,
-                 k_out: torch.Tensor, qkv: torch.Tensor, layer: AttentionLayerSpec) -> None:  # fmt: skip
+                 k_out: torch.Tensor, v: torch.Tensor) -> None:  # fmt: skip
         """Hand each observer what a fused decode layer stored at ``loc``: the k rows it
-        wrote to ``k_out`` and the v rows of ``qkv`` (float32, as the buffers store them),
-        from addresses where the observer reads them so (contiguous rows), else as tensors."""
-        bs, dim, kv_heads = qkv.shape[0], layer.head_dim, layer.num_kv_heads
-        first_v = (layer.num_heads + kv_heads) * dim
+        wrote to ``k_out`` and the v rows ``v [bs, kv heads, dim]`` (float32, as the buffers
+        store them; each row contiguous, rows ``v.stride(0)`` apart: a view of the QKV
+        projection), from addresses where the observer reads them so (contiguous rows),
+        else as tensors."""
+        bs, kv_heads, dim = v.shape
         row_bytes = kv_heads * dim * 4
         for observe, observe_rows in observers:
             if observe_rows is not None and loc.dtype is torch.int64 and loc.stride(0) == 1 and observe_rows(
                 local, loc.shape[0], loc.data_ptr(), bs, k_out.data_ptr(), row_bytes,
-                qkv.data_ptr() + first_v * 4, qkv.stride(0) * 4, row_bytes,
+                v.data_ptr(), v.stride(0) * 4, row_bytes,
             ):  # fmt: skip
                 continue
-            observe(local, loc, k_out, qkv[:, first_v:].view(bs, kv_heads, dim))
+            observe(local, loc, k_out, v)
 
     def _fused_entry(self, layer: AttentionLayerSpec) -> tuple[Any, ...] | tuple[()]:
         """Layer ``layer``'s (sub-pool, its layer index, K, V buffers and their numpy views)

@@ -24,8 +24,9 @@ the Fortran ``sgemm_`` torch's CPU library exports (MKL, linked into ``libtorch_
 bits on a few shapes, and the path is off where it does not (or the symbol is missing).
 
 It runs a decode forward where every layer would take the eager path's fused decode layer
-without observers (no store check wrapper, no fault's wrapper: :meth:`.attention.
-PagedAttentionBackend.decode_buffers`), every linear would run through ``F.linear`` at this
+and its store is the pool's own or the canary store check's wrapper of it, whose observers
+get the rows it stored, as the fused layer hands them (never under a fault's wrapper, which
+must see the store: :meth:`.attention.PagedAttentionBackend.decode_buffers`), every linear would run through ``F.linear`` at this
 batch size (not oneDNN-packed: weights under 1 MiB, ``KVCANARY_CPU_GEMM`` auto or torch),
 and the model is a plain pre-norm decoder: float32, no biases, no sandwich norms, no embed
 scale, one rotary table, q/k norms folded into the rotation or absent, SiLU.
@@ -113,15 +114,23 @@ def _silu_mul(gu, inter, out, buf, bits):  # type: ignore[no-untyped-def]
             out[t, j] = g / (np.float32(1.0) + buf[j] * scale[j]) * gu[t, inter + j]
 
 
+_BAD_TOKEN = 1 << 30  # _forward_nb: a token id outside the embedding
+_NO_ROWS = np.zeros((0, 1, 1), dtype=np.float32)  # _forward_nb: a layer's rows not kept
+
+
 @numba.njit(cache=True, boundscheck=False, nogil=True)
 def _forward_nb(fn, ids, embed, vecs, mats, k_bufs, v_bufs, sliding, scales, full, swa,  # type: ignore[no-untyped-def]
-                num_heads, eps, lanes, qk_eps, qk_lanes, has_qk, cos, sin, norm_split, hidden):  # fmt: skip
+                k_outs, v_outs, num_heads, eps, lanes, qk_eps, qk_lanes, has_qk, cos, sin,
+                norm_split, hidden):  # fmt: skip
     """The forward (module doc) into ``hidden [bs, H]`` (after the final norm). ``vecs``:
     per layer input norm, post-attention norm, then the final norm's weight; ``mats``: per
     layer QKV, q/k norm weight (``[heads + kv heads, dim]``, or a placeholder), o, gate-up,
     down. ``full`` / ``swa``: the key tables (slots, write slots, key counts, tasks a
-    request, split) of full and sliding layers. Returns -1, or the layer whose fused decode
-    call refused its inputs (nothing after it ran; the caller runs the eager forward)."""
+    request, split) of full and sliding layers. ``k_outs`` / ``v_outs``: per layer
+    ``[bs, kv heads, dim]`` arrays that get the k / v rows it stores (for a store check's
+    observers), or ``[0, 1, 1]`` placeholders. Returns -1, or the layer whose fused decode
+    call refused its inputs (nothing after it ran; the caller runs the eager forward), or
+    :data:`_BAD_TOKEN` for a token id outside the embedding (nothing ran)."""
     bs, width = ids.shape[0], embed.shape[1]
     si = np.empty(8, dtype=np.int32)
     sf = np.empty(2, dtype=np.float32)
@@ -129,7 +138,9 @@ def _forward_nb(fn, ids, embed, vecs, mats, k_bufs, v_bufs, sliding, scales, ful
     total = np.empty((bs, width), dtype=np.float32)
     normed = np.empty((bs, width), dtype=np.float32)
     mlp = np.empty((bs, width), dtype=np.float32)
-    no_k_out = np.zeros((0, 1, 1), dtype=np.float32)
+    for t in range(bs):
+        if ids[t] < 0 or ids[t] >= embed.shape[0]:
+            return _BAD_TOKEN  # (the eager forward raises the embedding's error)
     for t in range(bs):
         for e in range(width):
             x[t, e] = embed[ids[t], e]
@@ -158,15 +169,23 @@ def _forward_nb(fn, ids, embed, vecs, mats, k_bufs, v_bufs, sliding, scales, ful
         if split:
             status = attention_cpu._layer_parallel(
                 heads3, num_heads, w_qk, has_qk, qk_eps, qk_lanes, cos, sin, k_bufs[i],
-                v_bufs[i], loc, slots, num_keys, scales[i], att, no_k_out,
+                v_bufs[i], loc, slots, num_keys, scales[i], att, k_outs[i],
                 parts)  # fmt: skip
         else:
             status = attention_cpu._layer_serial(
                 heads3, num_heads, w_qk, has_qk, qk_eps, qk_lanes, cos, sin, k_bufs[i],
-                v_bufs[i], loc, slots, num_keys, scales[i], att, no_k_out,
+                v_bufs[i], loc, slots, num_keys, scales[i], att, k_outs[i],
                 parts)  # fmt: skip
         if status == attention_cpu._LAYER_REFUSED:
             return i
+        v_out = v_outs[i]
+        if v_out.shape[0]:  # the v rows it stored, for the observers
+            kv_heads = v_out.shape[1]
+            first_v = heads3.shape[1] - kv_heads
+            for t in range(bs):
+                for h in range(kv_heads):
+                    for e in range(dim):
+                        v_out[t, h, e] = heads3[t, first_v + h, e]
         o = np.empty((bs, width), dtype=np.float32)
         _linear(fn, att.reshape(bs, num_heads * dim), w_o, o, si, sf)
         if norm_split:
@@ -238,6 +257,7 @@ class CompiledDecode:
         self._derived_from: list[torch.Tensor] = []
         self._packable = self._big = False
         self._vecs: Any = None
+        self._no_rows: Any = None
         self._mats: Any = None
         self._ok = self._eligible(model)
 
@@ -303,6 +323,7 @@ class CompiledDecode:
         self._packable = bool(packable)
         self._big = any(w.numel() * w.element_size() >= MIN_PACKED_BYTES for w in packable)
         self._vecs, self._mats = vecs, mats
+        self._no_rows = List([_NO_ROWS] * len(model.layers))  # (no store observed)
         self._tensors, self._derived_from = tensors, derived_from
         self._weights = self._key()
 
@@ -330,9 +351,10 @@ class CompiledDecode:
         decode_buffers = getattr(backend, "decode_buffers", None)
         if decode_buffers is None:
             return None
-        tables = decode_buffers(model.attention_specs)
-        if tables is None:
+        buffers = decode_buffers(model.attention_specs)
+        if buffers is None:
             return None
+        *tables, observed = buffers
         attn0 = model.layers[0].self_attn
         cos, sin = model.rotary.cos_sin(positions)
         dim = attn0.spec.head_dim
@@ -343,12 +365,24 @@ class CompiledDecode:
         width = model.config.hidden_size
         norm_split = bs >= norm_cpu._PARALLEL_MIN_ROWS and bs * width >= norm_cpu._PARALLEL_MIN_ELEMENTS
         lanes = norm_cpu.lanes()
+        k_outs, v_outs, rows = self._no_rows, self._no_rows, []
+        if observed:  # the stored rows of the layers a store check observes
+            k_outs, v_outs = List(self._no_rows), List(self._no_rows)
+            shape = (bs, attn0.spec.num_kv_heads, dim)
+            for i, *_ in observed:
+                k, v = torch.empty(shape), torch.empty(shape)
+                k_outs[i], v_outs[i] = k.numpy(), v.numpy()
+                rows.append((k, v))
         with numba_parallel.parallel_lock:
             numba_parallel.set_threads()
             bad = _forward_nb(  # type: ignore[call-arg]
                 sgemm_address(), input_ids.numpy(), model.embed_tokens.weight.detach().numpy(),
-                self._vecs, self._mats, *tables, attn0.spec.num_heads,
+                self._vecs, self._mats, *tables, k_outs, v_outs, attn0.spec.num_heads,
                 np.float32(model.norm.eps), lanes, qk_eps, lanes if has_qk else 0, has_qk,
                 cos_np, sin_np, norm_split, hidden.numpy(),
             )  # fmt: skip
-        return None if bad >= 0 else hidden
+        if bad >= 0:
+            return None
+        if observed:
+            backend.observe_decode(observed, [k for k, _ in rows], [v for _, v in rows])
+        return hidden
