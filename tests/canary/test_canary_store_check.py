@@ -140,9 +140,12 @@ def test_graph_runner_decode_takes_the_fast_head_and_still_checks_stores(
 
 
 @pytest.mark.parametrize(("model", "group"), CASES)
-def test_a_misdirected_store_is_caught_although_records_are_right(model: str, group: str) -> None:
+def test_a_misdirected_store_is_caught_although_records_are_right(
+    monkeypatch: pytest.MonkeyPatch, model: str, group: str
+) -> None:
     """Two tokens' store targets swapped inside attention (the unfused layer's store):
     each slot holds self-consistent bytes, only not its own token's."""
+    monkeypatch.setenv("KVCANARY_CPU_DECODE", "eager")  # (the store through _write, below)
     engine = tiny_engine(model=model, canary=CanaryConfig(mode="log", real_data="partial"),
                          graph_batch_sizes=())  # fmt: skip
     start_decoding(engine, PROMPTS)

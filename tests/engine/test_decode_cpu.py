@@ -219,3 +219,27 @@ def test_silu_mul_within_a_few_ulps_of_torch() -> None:
     want = F.silu(gu[:, :inter]) * gu[:, inter:]
     assert np.isfinite(out).all()
     torch.testing.assert_close(torch.from_numpy(out), want, rtol=4e-7 * 8, atol=1e-30)
+
+
+@pytest.mark.parametrize("where", ["module", "global"])
+def test_a_forward_hook_runs_the_eager_forward(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """A forward hook on a module (a fault's, a user's instrumentation) must see its module
+    run: with one, decode runs eagerly and the hook fires every decode step; without it
+    again, compiled."""
+    engine = _engine(monkeypatch, "compiled")
+    calls = _count_compiled(monkeypatch)
+    fired: list[int] = []
+
+    def hook(module: Any, args: Any, out: Any) -> None:
+        fired.append(int(args[0].shape[0]))
+
+    mlp = engine.runner.model.layers[2].mlp
+    handle = (mlp.register_forward_hook(hook) if where == "module"
+              else torch.nn.modules.module.register_module_forward_hook(hook))  # fmt: skip
+    try:
+        _run(engine, make_prompts(3, 10, 20), 5)
+    finally:
+        handle.remove()
+    assert calls == [] and len(fired) >= 5
+    _run(engine, make_prompts(3, 10, 20), 5)
+    assert calls and all(c == -1 for c in calls)

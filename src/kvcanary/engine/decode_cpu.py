@@ -18,19 +18,23 @@ compiled pass). Here the layers run in one compiled loop with the same kernels:
                                                                 a few float32 ulps of torch's)
 
 so a step's hidden states differ from the eager forward's only by the activation's rounding
-(``tests/engine/test_decode_cpu.py`` compares logits, greedy tokens and KV). The GEMM is
+(``tests/engine/test_decode_cpu.py`` compares logprobs, greedy tokens and KV). The GEMM is
 the Fortran ``sgemm_`` torch's CPU library exports (MKL, linked into ``libtorch_cpu``);
-:func:`available` checks once per process that calling it from here gives ``F.linear``'s
-bits on a few shapes, and the path is off where it does not (or the symbol is missing).
+:func:`sgemm_address` checks once per process that calling it from here gives
+``F.linear``'s bits on a few shapes, and the path is off where it does not (or torch has
+no MKL, or the symbol is missing).
 
 It runs a decode forward where every layer would take the eager path's fused decode layer
 and its store is the pool's own or the canary store check's wrapper of it, whose observers
 get the rows it stored, as the fused layer hands them (never under a fault's wrapper, which
-must see the store: :meth:`.attention.PagedAttentionBackend.decode_buffers`), every linear would run through ``F.linear`` at this
-batch size (not oneDNN-packed: weights under 1 MiB, ``KVCANARY_CPU_GEMM`` auto or torch),
-and the model is a plain pre-norm decoder: float32, no biases, no sandwich norms, no embed
-scale, one rotary table, q/k norms folded into the rotation or absent, SiLU.
-``KVCANARY_CPU_DECODE=eager`` turns it off.
+must see the store: :meth:`.attention.PagedAttentionBackend.decode_buffers`); where every
+linear would run through ``F.linear`` at this batch size (not oneDNN-packed: weights under
+1 MiB, ``KVCANARY_CPU_GEMM`` auto or torch); and where the model is a plain pre-norm
+decoder: float32, no biases, no sandwich norms, no embed scale, one rotary table, q/k norms
+folded into the rotation or absent, SiLU, and no module has a forward hook (a hook must see
+its module run: a fault's, a user's). A layer whose fused call refuses its inputs (a
+slot outside the buffers) or a token id outside the embedding hands the forward back to
+the eager path, which raises the error. ``KVCANARY_CPU_DECODE=eager`` turns it off.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from numba.core import types
 from numba.extending import intrinsic
 from numba.typed import List
 from torch.nn import functional as F
+from torch.nn.modules import module as torch_module
 
 from kvcanary import envs, numba_parallel
 from kvcanary.engine import attention_cpu
@@ -245,6 +250,9 @@ def sgemm_address() -> int:
 
 # ----------------------------------------------------------------- the model's side
 
+# torch's hooks on every module's forward (dicts updated in place by register_module_*)
+_GLOBAL_HOOKS = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks)
+
 
 class CompiledDecode:
     """The compiled decode forward of one model (weights as numpy views, checked per call
@@ -258,6 +266,7 @@ class CompiledDecode:
         self._packable = self._big = False
         self._vecs: Any = None
         self._no_rows: Any = None
+        self._hook_dicts: list[Any] = []
         self._mats: Any = None
         self._ok = self._eligible(model)
 
@@ -322,6 +331,10 @@ class CompiledDecode:
         packable = [w for w in linears if not (w.requires_grad or w.is_inference())]
         self._packable = bool(packable)
         self._big = any(w.numel() * w.element_size() >= MIN_PACKED_BYTES for w in packable)
+        # Every module's forward (pre-)hook dicts: a hook must see its module run (a fault's
+        # hook, a user's instrumentation), so a model with one runs eagerly.
+        self._hook_dicts = [d for mod in model.modules()
+                            for d in (mod._forward_hooks, mod._forward_pre_hooks)]  # fmt: skip
         self._vecs, self._mats = vecs, mats
         self._no_rows = List([_NO_ROWS] * len(model.layers))  # (no store observed)
         self._tensors, self._derived_from = tensors, derived_from
@@ -345,7 +358,7 @@ class CompiledDecode:
             return None
         if self._weights is None or self._key() != self._weights:
             self._bind_weights()
-        if self._packs(bs):
+        if self._packs(bs) or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or any(self._hook_dicts):
             return None
         backend = fb.attn_backend
         decode_buffers = getattr(backend, "decode_buffers", None)
