@@ -267,6 +267,7 @@ class CompiledDecode:
         self._vecs: Any = None
         self._no_rows: Any = None
         self._hook_dicts: list[Any] = []
+        self._rows_cache: dict[tuple[int, tuple[int, ...]], Any] = {}
         self._mats: Any = None
         self._ok = self._eligible(model)
 
@@ -347,6 +348,27 @@ class CompiledDecode:
         return tuple([t.data_ptr() for t in self._tensors] + [
             0 if t.is_inference() else t._version for t in self._derived_from])
 
+    def _rows_for(self, bs: int, layers: tuple[int, ...]) -> tuple[Any, Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """(k rows, v rows) arrays ``[bs, kv heads, dim]`` for ``layers`` (placeholders for the
+        others) as typed lists, and those layers' (k, v) tensors; made once per batch size and
+        layer set (a typed list costs ~10 us an element to fill from Python; the observers
+        fold the rows they are given before the next forward)."""
+        key = (bs, layers)
+        cached = self._rows_cache.get(key)
+        if cached is None:
+            if len(self._rows_cache) >= 16:
+                self._rows_cache.clear()
+            spec = self.model.attention_specs[0]
+            shape = (bs, spec.num_kv_heads, spec.head_dim)
+            k_outs, v_outs = List(self._no_rows), List(self._no_rows)
+            rows = []
+            for i in layers:
+                k, v = torch.empty(shape), torch.empty(shape)
+                k_outs[i], v_outs[i] = k.numpy(), v.numpy()
+                rows.append((k, v))
+            cached = self._rows_cache[key] = (k_outs, v_outs, rows)
+        return cached
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: Any) -> torch.Tensor | None:
         """The decode forward's hidden states ``[bs, H]`` (after the final norm), or None with
         nothing done where this path does not apply."""
@@ -378,14 +400,10 @@ class CompiledDecode:
         width = model.config.hidden_size
         norm_split = bs >= norm_cpu._PARALLEL_MIN_ROWS and bs * width >= norm_cpu._PARALLEL_MIN_ELEMENTS
         lanes = norm_cpu.lanes()
-        k_outs, v_outs, rows = self._no_rows, self._no_rows, []
+        k_outs, v_outs = self._no_rows, self._no_rows
+        rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         if observed:  # the stored rows of the layers a store check observes
-            k_outs, v_outs = List(self._no_rows), List(self._no_rows)
-            shape = (bs, attn0.spec.num_kv_heads, dim)
-            for i, *_ in observed:
-                k, v = torch.empty(shape), torch.empty(shape)
-                k_outs[i], v_outs[i] = k.numpy(), v.numpy()
-                rows.append((k, v))
+            k_outs, v_outs, rows = self._rows_for(bs, tuple(i for i, *_ in observed))
         with numba_parallel.parallel_lock:
             numba_parallel.set_threads()
             bad = _forward_nb(  # type: ignore[call-arg]
