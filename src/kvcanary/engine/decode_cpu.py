@@ -270,6 +270,14 @@ class CompiledDecode:
         self._rows_cache: dict[tuple[int, tuple[int, ...]], Any] = {}
         self._mats: Any = None
         self._ok = self._eligible(model)
+        if self._ok:  # (the sizes gemm.PackedLinear decides by: fixed with the model)
+            linears = [w for layer in model.layers
+                       for w in (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
+                                 layer.mlp.gate_up_weight, layer.mlp.down_proj.weight)]  # fmt: skip
+            # (PackedLinear never packs a weight that requires grad or is an inference tensor)
+            packable = [w for w in linears if not (w.requires_grad or w.is_inference())]
+            self._packable = bool(packable)
+            self._big = any(w.numel() * w.element_size() >= MIN_PACKED_BYTES for w in packable)
 
     @staticmethod
     def _eligible(model: Any) -> bool:
@@ -325,13 +333,6 @@ class CompiledDecode:
                 derived_from += [cast(Any, attn.q_norm).weight, cast(Any, attn.k_norm).weight]
         vecs.append(model.norm.weight.detach().numpy())
         tensors += [model.embed_tokens.weight, model.norm.weight]
-        linears = [w for layer in model.layers
-                   for w in (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
-                             layer.mlp.gate_up_weight, layer.mlp.down_proj.weight)]  # fmt: skip
-        # (PackedLinear never packs a weight that requires grad or is an inference tensor)
-        packable = [w for w in linears if not (w.requires_grad or w.is_inference())]
-        self._packable = bool(packable)
-        self._big = any(w.numel() * w.element_size() >= MIN_PACKED_BYTES for w in packable)
         # Every module's forward (pre-)hook dicts: a hook must see its module run (a fault's
         # hook, a user's instrumentation), so a model with one runs eagerly.
         self._hook_dicts = [d for mod in model.modules()
@@ -378,9 +379,11 @@ class CompiledDecode:
         bs = input_ids.shape[0]
         if bs == 0 or input_ids.dtype is not torch.int64:
             return None
+        if self._packs(bs):  # (a model of weights >= 1 MiB: every forward, at once)
+            return None
         if self._weights is None or self._key() != self._weights:
             self._bind_weights()
-        if self._packs(bs) or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or any(self._hook_dicts):
+        if _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or any(self._hook_dicts):
             return None
         backend = fb.attn_backend
         decode_buffers = getattr(backend, "decode_buffers", None)
