@@ -97,7 +97,8 @@ def _exp_nonpositive(x, bits, n):  # type: ignore[no-untyped-def]
     attention at tiny-swa's shapes). Cody-Waite reduction ``x = k ln2 + r``, ``|r| <= ln2 / 2``,
     Cephes' ``expf`` polynomial for ``e^r``, ``2^k`` built in ``bits`` (int32 scratch, ``n``
     long); within 5 float32 ulps of the exact value (libm's: 1), below ``-87`` (weights past
-    ``1e-38`` of the peak's) ``e^-87``."""
+    ``1e-38`` of the peak's) ``e^-87``. Exact up to ``x = 88`` too (``2^k`` stays a normal
+    float): :func:`.decode_cpu._silu_mul`'s ``e^-g``, clamped there."""
     for j in range(n):
         v = max(x[j], np.float32(-87.0))
         k = np.floor(v * np.float32(1.44269504088896341) + np.float32(0.5))

@@ -100,23 +100,15 @@ def _linear(fn, x, w, out, si, sf):  # type: ignore[no-untyped-def]
 
 @numba.njit(cache=True, boundscheck=False, nogil=True, fastmath=False)
 def _silu_mul(gu, inter, out, buf, bits):  # type: ignore[no-untyped-def]
-    """``out[t] = silu(gu[t, :inter]) * gu[t, inter:]`` with ``silu(g) = g / (1 + e^-g)``;
-    ``e^x`` as :func:`.attention_cpu._exp_nonpositive` computes it (clamped to
+    """``out[t] = silu(gu[t, :inter]) * gu[t, inter:]`` with ``silu(g) = g / (1 + e^-g)``,
+    ``e^-g`` by :func:`.attention_cpu._exp_nonpositive` (its argument clamped to
     ``[-87, 88]``: no overflow of ``2^k``), in loops the compiler vectorises."""
     for t in range(gu.shape[0]):
         for j in range(inter):
-            v = min(max(-gu[t, j], np.float32(-87.0)), np.float32(88.0))
-            k = np.floor(v * np.float32(1.44269504088896341) + np.float32(0.5))
-            r = v - k * np.float32(0.693359375) - k * np.float32(-2.12194440e-4)
-            p = ((((np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)) * r
-                   + np.float32(8.3334519073e-3)) * r + np.float32(4.1665795894e-2)) * r
-                 + np.float32(1.6666665459e-1)) * r + np.float32(5.0000001201e-1)  # fmt: skip
-            buf[j] = p * (r * r) + r + np.float32(1.0)
-            bits[j] = (np.int32(k) + np.int32(127)) << np.int32(23)
-        scale = bits[:inter].view(np.float32)
+            buf[j] = min(-gu[t, j], np.float32(88.0))
+        attention_cpu._exp_nonpositive(buf, bits, inter)
         for j in range(inter):
-            g = gu[t, j]
-            out[t, j] = g / (np.float32(1.0) + buf[j] * scale[j]) * gu[t, inter + j]
+            out[t, j] = gu[t, j] / (np.float32(1.0) + buf[j]) * gu[t, inter + j]
 
 
 _BAD_TOKEN = 1 << 30  # _forward_nb: a token id outside the embedding
