@@ -97,7 +97,11 @@ def test_kernel_matches_attention_with_peaked_scores() -> None:
     q = 60 * torch.randn(bs, heads, dim, generator=gen)
     want = _reference(q, k_buf, v_buf, slots, num_keys, 1 / math.sqrt(dim))
     got = attention_cpu.decode_attention(q, k_buf, v_buf, slots, num_keys, 1 / math.sqrt(dim))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Scores of a few hundred carry float32 rounding of ~3e-5 (half an ulp at 256-512), which
+    # the softmax turns into weight errors of that relative size; the kernel's fast-math sums
+    # run in an order set by the CPU's vector code: within 1e-5 on a Zen 4 machine, 1.9e-5
+    # absolute / 1.4e-4 relative on an Emerald Rapids one (session 26).
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_applies_only_to_cpu_float32() -> None:
@@ -310,8 +314,9 @@ def test_engine_decode_tables_equal_the_torch_path(
         monkeypatch.setattr(PagedAttentionBackend, "_init_decode_cpu", fast)
         want = (self._full, self._sliding, self._q_index, self._q_valid, self._dense_q)
         for g, w in zip(got[:2], want[:2], strict=True):
-            for name in ("slots", "mask", "write_loc", "num_keys"):
+            for name in ("slots", "write_loc", "num_keys"):
                 assert torch.equal(getattr(g, name), getattr(w, name)), name
+            assert torch.equal(g.visible(), w.visible())  # (the torch path's made on first use)
         assert got[1] is not None and got[1].host is not None
         assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3]) and got[4] is want[4]
         checked["n"] += 1
@@ -370,7 +375,7 @@ def test_additive_gqa_mask_gives_the_bool_masks_results(monkeypatch: pytest.Monk
     params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=0)
     outs = [tiny_engine(model="builtin:tiny-swa").generate(prompts, params)]
     with monkeypatch.context() as m:  # the bool mask, as SDPA got it before
-        m.setattr(_KeyView, "grouped_mask", lambda self, group, dtype: self.mask[:, None, None]
+        m.setattr(_KeyView, "grouped_mask", lambda self, group, dtype: self.visible()[:, None, None]
                   .expand(self.mask.shape[0], 1, group, *self.mask.shape[1:])
                   .reshape(self.mask.shape[0], 1, group * self.mask.shape[1], self.mask.shape[2]))  # fmt: skip
         outs.append(tiny_engine(model="builtin:tiny-swa").generate(prompts, params))
@@ -610,7 +615,7 @@ def _extend_reference(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, 
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 32), (16, 8, 64)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 32), (16, 8, 64), (4, 4, 32), (6, 2, 20), (12, 2, 18)])
 @pytest.mark.parametrize("window", [0, 5, 32])
 def test_extend_kernel_matches_masked_attention(monkeypatch: pytest.MonkeyPatch, heads, kv_heads, dim,
                                                 window) -> None:  # fmt: skip

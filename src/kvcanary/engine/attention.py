@@ -35,7 +35,7 @@ from kvcanary.model.base import AttentionLayerSpec
 @dataclass
 class _KeyView:
     slots: torch.Tensor  # int64 [bs, max_keys] slot table (0 where padded)
-    mask: torch.Tensor  # bool [bs, max_q, max_keys]
+    mask: torch.Tensor | None  # bool [bs, max_q, max_keys]; None: mask_of makes it on first use
     write_loc: torch.Tensor  # int64 [num_tokens] where this forward's K/V go
     num_keys: torch.Tensor  # int64 [bs] keys of each request: slots[b, :num_keys[b]] (host)
     # CPU extend forwards: each request's first query's column in slots, where
@@ -43,7 +43,18 @@ class _KeyView:
     first_col: np.ndarray | None = None
     # The four as numpy arrays (CPU decode tables: StaticKeyBuffers.fill copies these).
     host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    # A CPU extend forward's mask, made only if the torch path reads it (the compiled
+    # extend attention needs none; at tiny-swa's batch-64 prefill the masks cost ~15 ms).
+    mask_of: Callable[[], torch.Tensor] | None = None
     _grouped: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def visible(self) -> torch.Tensor:
+        """``mask``, made by ``mask_of`` where it was deferred."""
+        if self.mask is None:
+            if self.mask_of is None:
+                raise RuntimeError("attention backend: a key view without a mask")
+            self.mask = self.mask_of()
+        return self.mask
 
     def grouped_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
         """``[bs, 1, group * max_q, max_keys]``: the mask for queries folded by GQA group,
@@ -56,8 +67,9 @@ class _KeyView:
         reused by the capture and stay the capture step's: wrong outputs, seen on an H100)."""
         key = (group, dtype)
         if key not in self._grouped:
-            bs, max_q, max_k = self.mask.shape
-            m = self.mask[:, None, None].expand(bs, 1, group, max_q, max_k)
+            mask = self.visible()
+            bs, max_q, max_k = mask.shape
+            m = mask[:, None, None].expand(bs, 1, group, max_q, max_k)
             m = m.reshape(bs, 1, group * max_q, max_k)
             if m.device == HOST:
                 m = torch.zeros(m.shape, dtype=dtype).masked_fill_(~m, float("-inf"))
@@ -101,11 +113,11 @@ class StaticKeyBuffers:
             *view.host, *self._host, width
         ):  # fmt: skip
             return last[1]  # the CPU decode tables, in one compiled copy
-        slots, mask = last[1].slots, last[1].mask
+        slots, mask = last[1].slots, last[1].visible()
         slots.zero_()
         slots[:, :k].copy_(view.slots)
         mask.fill_(False)
-        mask[:, :, :k].copy_(view.mask)
+        mask[:, :, :k].copy_(view.visible())
         self.write_loc[:n].copy_(view.write_loc)
         self.num_keys[:n].copy_(view.num_keys)
         return last[1]
@@ -151,20 +163,42 @@ def key_view(
     padded), which keys each query sees ``[bs, max_q, max_k]`` (causal, and within
     ``window`` when given; padded query rows see key 0 only, so a softmax stays finite) and
     how many keys each request has ``[bs]`` (on the host: only the CPU decode kernel reads it)."""
-    seq, q_pos = layout.seq, layout.q_pos
-    num_keys = seq - key_start
-    max_k = int(num_keys.max()) if seq.numel() else 0
+    slots, num_keys = key_slots(req_to_token, rows, layout, key_start, device)
+    return slots, key_mask(layout, key_start, num_keys, window, device), num_keys
+
+
+def key_slots(
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    layout: QueryLayout,
+    key_start: torch.Tensor,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`key_view`'s slot table and key counts, without the mask."""
+    num_keys = layout.seq - key_start
+    max_k = int(num_keys.max()) if num_keys.numel() else 0
     kj = torch.arange(max_k)
-    k_pos = key_start[:, None] + kj[None, :]  # [bs, max_k]
     k_valid = kj[None, :] < num_keys[:, None]
-    cols = torch.where(k_valid, k_pos, torch.zeros_like(k_pos)).to(device)
+    cols = torch.where(k_valid, key_start[:, None] + kj[None, :], 0).to(device)  # [bs, max_k]
     slots = req_to_token[rows[:, None], cols].to(torch.int64)
     slots = torch.where(k_valid.to(device), slots, torch.zeros_like(slots))
-    vis = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+    return slots, num_keys
+
+
+def key_mask(
+    layout: QueryLayout, key_start: torch.Tensor, num_keys: torch.Tensor, window: int | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """:func:`key_view`'s mask ``[bs, max_q, max_k]``."""
+    max_k = int(num_keys.max()) if num_keys.numel() else 0
+    kj = torch.arange(max_k)
+    k_pos = key_start[:, None] + kj[None, :]  # [bs, max_k]
+    q_pos = layout.q_pos
+    vis = (kj[None, :] < num_keys[:, None])[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
     if window is not None:
         vis &= k_pos[:, None, :] > q_pos[:, :, None] - window
     vis[:, :, 0] |= ~layout.valid_cpu
-    return slots, vis.to(device), num_keys
+    return vis.to(device)
 
 
 _NOT_WRAPPED = object()
@@ -243,35 +277,44 @@ class PagedAttentionBackend:
         layout = QueryLayout.of(fb)
         self._q_valid, self._dense_q, self._q_index = layout.valid, layout.dense, layout.flat_index
         rows = fb.req_pool_indices.to(torch.int64)
-        table = self.req_to_token_pool.req_to_token
         bs = fb.batch_size
-        full_slots, full_mask, full_keys = key_view(
-            table, rows, layout, torch.zeros(bs, dtype=torch.int64), None, device
-        )
-        self._full = _KeyView(full_slots, full_mask, fb.out_cache_loc, full_keys)
-        self._sliding = None
         self._extend_rows = None
         if device == HOST:  # CPU extend attention's request rows (attention_cpu.extend_attention)
-            ext, pre = layout.ext.numpy(), layout.pre.numpy()
+            ext = layout.ext.numpy()
             self._extend_rows = (np.cumsum(ext) - ext, ext)
-            if attention_cpu.extend_pays(pre, ext, 0, full_slots.shape[1]):
-                self._full.first_col = pre
+        self._full = self._key_view(layout, rows, torch.zeros(bs, dtype=torch.int64), None, device)
+        self._full.write_loc = fb.out_cache_loc
+        self._sliding = None
         if self.sliding_window is not None:
             w = self.sliding_window
             key_start = (layout.pre - w + 1).clamp(min=0)
-            slots, mask, num_keys = key_view(table, rows, layout, key_start, w, device)
-            write_loc = fb.out_cache_loc
+            view = self._key_view(layout, rows, key_start, w, device)
+            slots, write_loc = view.slots, fb.out_cache_loc
             if self.swa_pool is not None:
                 # One gather for this forward's write locations and the whole read table.
                 both = torch.cat([fb.out_cache_loc.to(torch.int64), slots.reshape(-1)])
                 swa = self.swa_pool.translate_loc_from_full_to_swa(both).clamp(min=0)
                 write_loc = swa[: fb.num_tokens]
-                slots = swa[fb.num_tokens :].reshape(slots.shape)
-            self._sliding = _KeyView(slots, mask, write_loc, num_keys)
-            if self._extend_rows is not None:
-                first_col = (layout.pre - key_start).numpy()
-                if attention_cpu.extend_pays(first_col, self._extend_rows[1], w, slots.shape[1]):
-                    self._sliding.first_col = first_col
+                view.slots = swa[fb.num_tokens :].reshape(slots.shape)
+            view.write_loc = write_loc
+            self._sliding = view
+
+    def _key_view(self, layout: QueryLayout, rows: torch.Tensor, key_start: torch.Tensor,
+                  window: int | None, device: torch.device) -> _KeyView:  # fmt: skip
+        """An extend forward's key view (:func:`key_view`; ``write_loc`` left to the caller).
+        On the host, where :func:`.attention_cpu.extend_attention` pays (``first_col`` set),
+        the mask is deferred: that kernel reads none."""
+        table = self.req_to_token_pool.req_to_token
+        slots, num_keys = key_slots(table, rows, layout, key_start, device)
+        view = _KeyView(slots, None, slots.new_empty(0), num_keys,
+                        mask_of=lambda: key_mask(layout, key_start, num_keys, window, device))  # fmt: skip
+        if self._extend_rows is not None:
+            first_col = (layout.pre - key_start).numpy()
+            if attention_cpu.extend_pays(first_col, self._extend_rows[1], window or 0, slots.shape[1]):
+                view.first_col = first_col
+        if view.first_col is None:
+            view.visible()  # (off the host, as before: made now, not inside a captured graph)
+        return view
 
     def _init_decode_cpu(self, fb: ForwardBatch) -> bool:
         """:meth:`init_forward_metadata` of a CPU decode forward in one compiled pass

@@ -220,7 +220,7 @@ def _decode_layer(qkv, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,
         return _LAYER_REFUSED
     q = np.empty((bs, num_heads, dim), dtype=np.float32)
     for t in prange(bs):  # 1. rope (and q/k norm) of q and k; k and v stored at loc
-        a = np.empty(dim, dtype=np.float32)
+        a = np.empty(2 * dim, dtype=np.float32)  # (rope_head_nb's scratch: two rows)
         acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
         for h in range(num_heads):
             rope_head_nb(qkv, t, h, weight, has_weight, norm_eps, lanes, cos, sin, q[t, h], a,

@@ -33,21 +33,26 @@ from kvcanary.model.norm_cpu import SQ_SUM_SCRATCH, inv_rms_nb
 @numba.njit(cache=True, inline="always")
 def _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, dst, a, acc):
     """Head ``h`` of token ``t`` of ``x``, normed, weighted and rotated, into the row ``dst``
-    (``a``, ``acc``: scratch)."""
+    (``a`` ``[>= 2 dim]``, ``acc``: scratch). The row goes to ``a[:dim]`` and its halves
+    swapped to ``a[dim:]``, so the rotation is one loop over ``dim`` that the compiler
+    vectorises (two rows written in one loop it did not: tiny-swa's 4096-token rope 1.0 ->
+    0.6 ms on one thread), with the same products and sums, so the same bits."""
     dim = x.shape[2]
     half = dim // 2
     for d in range(dim):
         a[d] = x[t, h, d]
     if lanes:  # rms_norm first (norm_cpu: the same bits as F.rms_norm)
-        r = inv_rms_nb(a, norm_eps, lanes, acc)
+        r = inv_rms_nb(a[:dim], norm_eps, lanes, acc)
         for d in range(dim):
             a[d] = a[d] * r
     if has_weight:
         for d in range(dim):
             a[d] = a[d] * weight[h, d]
     for d in range(half):
-        dst[d] = a[d] * cos[t, d] + a[d + half] * sin[t, d]
-        dst[d + half] = a[d + half] * cos[t, d + half] + a[d] * sin[t, d + half]
+        a[dim + d] = a[d + half]
+        a[dim + half + d] = a[d]
+    for d in range(dim):
+        dst[d] = a[d] * cos[t, d] + a[dim + d] * sin[t, d]
 
 
 @numba.njit(cache=True, inline="always")
@@ -67,7 +72,7 @@ def rope_head_nb(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, dst, a,
 
 @numba.njit(cache=True, boundscheck=False, nogil=True)
 def _rope(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
-    a = np.empty(x.shape[2], dtype=np.float32)
+    a = np.empty(2 * x.shape[2], dtype=np.float32)
     acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
     for t in range(x.shape[0]):
         _rope_token(x, t, weight, has_weight, norm_eps, lanes, cos, sin, out, a, acc)
@@ -76,7 +81,7 @@ def _rope(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
 @numba.njit(cache=True, boundscheck=False, nogil=True, parallel=True)
 def _rope_parallel(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
     for t in prange(x.shape[0]):
-        a = np.empty(x.shape[2], dtype=np.float32)
+        a = np.empty(2 * x.shape[2], dtype=np.float32)
         acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
         _rope_token(x, t, weight, has_weight, norm_eps, lanes, cos, sin, out, a, acc)
 
