@@ -35,8 +35,8 @@ def _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, dst, a, a
     """Head ``h`` of token ``t`` of ``x``, normed, weighted and rotated, into the row ``dst``
     (``a`` ``[>= 2 dim]``, ``acc``: scratch). The row goes to ``a[:dim]`` and its halves
     swapped to ``a[dim:]``, so the rotation is one loop over ``dim`` that the compiler
-    vectorises (two rows written in one loop it did not: tiny-swa's 4096-token rope 1.0 ->
-    0.6 ms on one thread), with the same products and sums, so the same bits."""
+    vectorises (writing both halves in one loop it did not: a ``[4096, 6, 32]`` rotation
+    alone, one thread, 1.0 -> 0.6 ms), with the same products and sums, so the same bits."""
     dim = x.shape[2]
     half = dim // 2
     for d in range(dim):
