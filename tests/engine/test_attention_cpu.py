@@ -344,6 +344,43 @@ def test_graph_buckets_rebuild_the_gqa_mask_each_step(monkeypatch: pytest.Monkey
         torch.testing.assert_close(lp[0], lp[1], rtol=0, atol=1e-5)
 
 
+def test_extend_masks_are_made_only_when_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU prefill whose attention the compiled extend kernel takes never builds the key
+    masks (they cost ~15 ms at tiny-swa's batch-64 prefill); made on first use they are
+    :func:`key_view`'s, and where the torch path reads them (``attention_cpu.applies``
+    False) they are made and the tokens are the same."""
+    from kvcanary.engine.attention import PagedAttentionBackend, QueryLayout, key_view
+
+    real = PagedAttentionBackend.init_forward_metadata
+    seen: list[tuple[object, ...]] = []
+
+    def record(self, fb):  # type: ignore[no-untyped-def]
+        real(self, fb)
+        if not fb.is_decode:
+            layout = QueryLayout.of(fb)
+            rows = fb.req_pool_indices.to(torch.int64)
+            w = self.sliding_window
+            starts = (torch.zeros(fb.batch_size, dtype=torch.int64), (layout.pre - w + 1).clamp(min=0))
+            seen.append((self._full, self._sliding, [
+                key_view(self.req_to_token_pool.req_to_token, rows, layout, st, win, torch.device("cpu"))[1]
+                for st, win in zip(starts, (None, w), strict=True)]))  # fmt: skip
+
+    monkeypatch.setattr(PagedAttentionBackend, "init_forward_metadata", record)
+    prompts = make_prompts(6, 40, 90, seed=5)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    compiled = [o.output_ids for o in tiny_engine(model="builtin:tiny-swa").generate(prompts, params)]
+    assert seen
+    for full, sliding, want in seen:
+        for view, mask in zip((full, sliding), want, strict=True):
+            assert view.first_col is not None and view.mask is None  # the kernel took it: none made
+            assert torch.equal(view.visible(), mask)
+    seen.clear()
+    monkeypatch.setattr(attention_cpu, "applies", lambda *a: False)  # SDPA, which reads them
+    eager = [o.output_ids for o in tiny_engine(model="builtin:tiny-swa").generate(prompts, params)]
+    assert seen and all(v.mask is not None for full, sliding, _ in seen for v in (full, sliding))
+    assert eager == compiled
+
+
 def test_additive_gqa_mask_gives_the_bool_masks_results(monkeypatch: pytest.MonkeyPatch) -> None:
     """The backend hands SDPA the additive mask (0 / -inf, built once per forward) that SDPA
     would make of the bool one on every call: its values are that conversion's, and the
