@@ -226,8 +226,11 @@ def _cmd_bench_vllm(a: argparse.Namespace) -> int:
         "model": r["model"], "outputs_identical": r["outputs_identical"],
         **{f"{k}_{side}": r[k][side] for k in ("prefill_tok_s", "decode_tok_s")
            for side in ("plain", "canary", "overhead_pct")},
+        **{f"{k}_control_difference_pct": v["difference_pct"]
+           for k, v in r.get("noise_floor", {}).items()},
         "plain_decode_step_ms": r["per_step"]["plain_decode_step_ms"],
         "canary_ms_per_step": r["per_step"]["canary_total_ms"],
+        "canary_vs_plain_decode_step_pct": r["per_step"]["canary_vs_plain_decode_step_pct"],
     }  # fmt: skip
     emit("kvcanary bench vllm (plain vs canary connector)", summary, None)
     if a.json:

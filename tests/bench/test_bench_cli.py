@@ -3,6 +3,7 @@ and one-line errors for bad flags (no timing is asserted)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 
 from kvcanary.bench.vllm_peer import VllmPeer, VllmPeerError
 from kvcanary.cli import main
+from kvcanary.integrations.vllm.bench import add_bench_vllm_flags, check_bench_vllm_args
 
 
 @pytest.fixture(autouse=True)
@@ -207,3 +209,17 @@ def test_bench_engine_warms_every_system_at_every_batch_size() -> None:
     timed = [("a", 1, 20), ("b", 1, 20), ("a", 3, 17), ("b", 3, 17)] * 2
     assert calls == warm + timed
     assert all(len(results[b, s][0]) == 2 for b in (1, 3) for s in "ab")
+
+
+def test_bench_vllm_flags_control_engine_and_bad_values() -> None:
+    """``kvcanary bench vllm``'s flags parse without vLLM: the control engine (a second plain
+    engine, the noise floor) is on unless ``--no-control``; bad values name the flag."""
+    ap = argparse.ArgumentParser()
+    add_bench_vllm_flags(ap)
+    assert ap.parse_args([]).control is True
+    assert ap.parse_args(["--no-control"]).control is False
+    check_bench_vllm_args(ap.parse_args([]))
+    with pytest.raises(ValueError, match=r"--rounds=0 is invalid: allowed an integer >= 1"):
+        check_bench_vllm_args(ap.parse_args(["--rounds", "0"]))
+    with pytest.raises(ValueError, match=r"--canary='\[1\]' is invalid: allowed a JSON object"):
+        check_bench_vllm_args(ap.parse_args(["--canary", "[1]"]))

@@ -1,12 +1,14 @@
 """vLLM with and without the canary connector, side by side on one workload:
 ``python -m kvcanary.integrations.vllm.bench [--model DIR] [--json OUT]``.
 
-Two spawned processes, one engine each (vLLM keeps one connector per process), both kept
+Spawned processes, one engine each (vLLM keeps one connector per process), all kept
 warm; the passes alternate between them for ``--rounds`` rounds, so interference from
-other jobs on a shared machine hits both alike, and the best (minimum) time of each pass
+other jobs on a shared machine hits them alike, and the best (minimum) time of each pass
 counts. Passes: prefill (``max_tokens=1``) and full (``max_tokens=--output-len``), each
 on a reset prefix cache; decode tok/s = generated tokens after the first / (full -
-prefill). Outputs of the plain and canary engines must be identical.
+prefill). Outputs of the plain and canary engines must be identical. With ``--control``
+(default) a second plain engine runs the same passes: its difference from the first is
+the noise floor of the overhead figures on this machine (``noise_floor``).
 
 Without ``--model`` a tiny random Llama checkpoint (fp32, 4 layers, hidden 64, head_dim 32)
 is written to a temporary directory. Needs the vLLM venv (``make test-vllm`` builds it);
@@ -122,6 +124,9 @@ def add_bench_vllm_flags(ap: argparse.ArgumentParser) -> None:
                     help=f"alternating passes per engine; the best time counts {d}")
     ap.add_argument("--canary", default='{"mode": "log"}',
                     help=f"kv_connector_extra_config of the canary engine, as JSON {d}")
+    ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run a second plain engine; its difference from the first is "
+                         f"the noise floor of the overhead figures {d}")  # fmt: skip
     ap.add_argument("--json", metavar="OUT", help="also write the result as JSON to OUT")
 
 
@@ -169,7 +174,10 @@ def bench_vllm(a: argparse.Namespace) -> dict[str, Any]:
     canary = json.loads(a.canary)
     ctx = mp.get_context("spawn")
     pipes, procs = {}, []
-    for name, extra in (("plain", None), ("canary", canary)):
+    engines: list[tuple[str, dict[str, Any] | None]] = [("plain", None), ("canary", canary)]
+    if a.control:
+        engines.append(("control", None))
+    for name, extra in engines:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_serve, args=({**base, "canary": extra}, child))
         proc.start()
@@ -209,6 +217,7 @@ def bench_vllm(a: argparse.Namespace) -> dict[str, Any]:
         "method": "best of --rounds alternating passes (min seconds); decode = "
                   "(output tokens - 1 per prompt) / (full pass - prefill pass)",
     }
+    noise: dict[str, Any] = {}
     for key, rate in (
         ("prefill_tok_s", lambda t: n_in / min(t["prefill"])),
         ("decode_tok_s", lambda t: n_out / max(min(t["full"]) - min(t["prefill"]), 1e-9)),
@@ -216,6 +225,12 @@ def bench_vllm(a: argparse.Namespace) -> dict[str, Any]:
         plain, with_canary = rate(times["plain"]), rate(times["canary"])
         result[key] = {"plain": round(plain, 1), "canary": round(with_canary, 1),
                        "overhead_pct": round(100 * (plain / with_canary - 1), 1)}  # fmt: skip
+        if a.control:  # the same formula between two plain engines
+            control = rate(times["control"])
+            noise[key] = {"plain": round(plain, 1), "control": round(control, 1),
+                          "difference_pct": round(100 * (plain / control - 1), 1)}  # fmt: skip
+    if a.control:
+        result["noise_floor"] = noise
     # Where the time goes, measured inside one run (interference-proof): the canary's own
     # milliseconds per step against the plain engine's best milliseconds per decode step.
     plain_step_ms = 1e3 * (min(times["plain"]["full"]) - min(times["plain"]["prefill"])) / max(
