@@ -224,6 +224,8 @@ def _cmd_bench_vllm(a: argparse.Namespace) -> int:
     r = bench_vllm(a)
     summary = {
         "model": r["model"], "outputs_identical": r["outputs_identical"],
+        **({"control_outputs_identical": r["control_outputs_identical"]}
+           if "control_outputs_identical" in r else {}),
         **{f"{k}_{side}": r[k][side] for k in ("prefill_tok_s", "decode_tok_s")
            for side in ("plain", "canary", "overhead_pct")},
         **{f"{k}_control_difference_pct": v["difference_pct"]

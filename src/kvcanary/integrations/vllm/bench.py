@@ -8,7 +8,8 @@ counts. Passes: prefill (``max_tokens=1``) and full (``max_tokens=--output-len``
 on a reset prefix cache; decode tok/s = generated tokens after the first / (full -
 prefill). Outputs of the plain and canary engines must be identical. With ``--control``
 (default) a second plain engine runs the same passes: its difference from the first is
-the noise floor of the overhead figures on this machine (``noise_floor``).
+the noise floor of the overhead figures on this machine (``noise_floor``), and its outputs
+must equal the first's (``control_outputs_identical``: greedy decoding is deterministic).
 
 Without ``--model`` a tiny random Llama checkpoint (fp32, 4 layers, hidden 64, head_dim 32)
 is written to a temporary directory. Needs the vLLM venv (``make test-vllm`` builds it);
@@ -231,6 +232,10 @@ def bench_vllm(a: argparse.Namespace) -> dict[str, Any]:
                           "difference_pct": round(100 * (plain / control - 1), 1)}  # fmt: skip
     if a.control:
         result["noise_floor"] = noise
+        # Greedy decoding of one checkpoint: two plain engines agree, or the canary's
+        # outputs_identical means little on this machine.
+        result["control_outputs_identical"] = bool(outputs["plain"]) and (
+            outputs["plain"] == outputs["control"])  # fmt: skip
     # Where the time goes, measured inside one run (interference-proof): the canary's own
     # milliseconds per step against the plain engine's best milliseconds per decode step.
     plain_step_ms = 1e3 * (min(times["plain"]["full"]) - min(times["plain"]["prefill"])) / max(
