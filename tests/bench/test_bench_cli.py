@@ -1,5 +1,6 @@
 """`kvcanary bench overhead` and `kvcanary bench engine` on tiny settings: what they report,
-and one-line errors for bad flags (no timing is asserted)."""
+and one-line errors for bad flags (no timing is asserted); `kvcanary bench vllm`'s flags
+(the bench itself needs the vLLM venv)."""
 
 from __future__ import annotations
 
