@@ -282,31 +282,30 @@ class PagedAttentionBackend:
         if device == HOST:  # CPU extend attention's request rows (attention_cpu.extend_attention)
             ext = layout.ext.numpy()
             self._extend_rows = (np.cumsum(ext) - ext, ext)
-        self._full = self._key_view(layout, rows, torch.zeros(bs, dtype=torch.int64), None, device)
-        self._full.write_loc = fb.out_cache_loc
+        loc = fb.out_cache_loc
+        self._full = self._key_view(layout, rows, torch.zeros(bs, dtype=torch.int64), None, device,
+                                    loc)  # fmt: skip
         self._sliding = None
         if self.sliding_window is not None:
             w = self.sliding_window
             key_start = (layout.pre - w + 1).clamp(min=0)
-            view = self._key_view(layout, rows, key_start, w, device)
-            slots, write_loc = view.slots, fb.out_cache_loc
+            view = self._key_view(layout, rows, key_start, w, device, loc)
             if self.swa_pool is not None:
                 # One gather for this forward's write locations and the whole read table.
-                both = torch.cat([fb.out_cache_loc.to(torch.int64), slots.reshape(-1)])
+                both = torch.cat([loc.to(torch.int64), view.slots.reshape(-1)])
                 swa = self.swa_pool.translate_loc_from_full_to_swa(both).clamp(min=0)
-                write_loc = swa[: fb.num_tokens]
-                view.slots = swa[fb.num_tokens :].reshape(slots.shape)
-            view.write_loc = write_loc
+                view.write_loc = swa[: fb.num_tokens]
+                view.slots = swa[fb.num_tokens :].reshape(view.slots.shape)
             self._sliding = view
 
     def _key_view(self, layout: QueryLayout, rows: torch.Tensor, key_start: torch.Tensor,
-                  window: int | None, device: torch.device) -> _KeyView:  # fmt: skip
-        """An extend forward's key view (:func:`key_view`; ``write_loc`` left to the caller).
-        On the host, where :func:`.attention_cpu.extend_attention` pays (``first_col`` set),
-        the mask is deferred: that kernel reads none."""
+                  window: int | None, device: torch.device, write_loc: torch.Tensor) -> _KeyView:  # fmt: skip
+        """An extend forward's key view (:func:`key_view`). On the host, where
+        :func:`.attention_cpu.extend_attention` pays (``first_col`` set), the mask is
+        deferred: that kernel reads none."""
         table = self.req_to_token_pool.req_to_token
         slots, num_keys = key_slots(table, rows, layout, key_start, device)
-        view = _KeyView(slots, None, slots.new_empty(0), num_keys,
+        view = _KeyView(slots, None, write_loc, num_keys,
                         mask_of=lambda: key_mask(layout, key_start, num_keys, window, device))  # fmt: skip
         if self._extend_rows is not None:
             first_col = (layout.pre - key_start).numpy()
