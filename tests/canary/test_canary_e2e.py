@@ -217,6 +217,28 @@ def test_verify_tokens_catches_a_wrong_token(graphs: tuple[int, ...]) -> None:
 
 
 @GRAPHS
+def test_verify_tokens_checks_the_token_the_forward_before_wrote(graphs: tuple[int, ...]) -> None:
+    """The rows' token counts grow every step: each forward checks its rows' tokens up to
+    their counts now, so the token of the position the forward before wrote is checked too,
+    eager and through the graph runner's persistent batch arrays (whose HostInputs a cache
+    would keep: it must gather the counts again each forward)."""
+    engine = tiny_engine(model="builtin:tiny-mha", canary=CanaryConfig(mode="log", verify_tokens=True),
+                         graph_batch_sizes=graphs)  # fmt: skip
+    start_decoding(engine, DISTINCT)
+    for _ in range(4):
+        engine.step()
+    assert engine.canary.violations == []
+    request = engine.running_requests()[0]
+    position = request.kv_len - 1  # written by the forward before
+    engine.runner.req_to_token_pool.token_ids[request.req_pool_idx, position] += 1
+    engine.step()
+    rows = engine.canary.violations
+    assert rows and {r.fail_reasons for r in rows} == {("verify_token",)}
+    assert {r.position for r in rows} == {position}
+    _check_graphs(engine, graphs)
+
+
+@GRAPHS
 def test_write_input_assertion_armed_mid_run_checks_the_next_forward(graphs: tuple[int, ...]) -> None:
     """``set_expected_inputs`` after forwards already ran (the graph runner's batches were
     seen through its persistent views by then): the next forward checks its inputs."""
