@@ -15,7 +15,10 @@ fixed cost) and win from 512 (0.63-0.95 at 512-4096 rows: a prefill chunk). So
 :data:`PACKED_ROWS` and smaller ones for those of :data:`SMALL_PACKED_ROWS`; everything else,
 and every non-CPU tensor, goes to ``F.linear``. (An earlier 2-core Intel AVX-512 / AMX machine
 measured ``F.linear`` / packed at ``K = 1024``, ``N = 4096``: 348 / 390 us at 1 row, 953 / 543
-at 8, 1504 / 1031 at 32, 12653 / 12731 at 512; bfloat16 (AMX) won from 1 row to ~1024.)
+at 8, 1504 / 1031 at 32, 12653 / 12731 at 512; bfloat16 (AMX) won from 1 row to ~1024.) MKL's
+packed GEMM (``torch.ops.mkl._mkl_linear``, inductor's float32 choice) measured the same as
+oneDNN's on a 2-core Intel Xeon (Emerald Rapids): ``3072 x 1024``, 16 rows, weights in
+rotation, 0.81-0.93 vs 0.83-0.95 ms (``F.linear`` 1.18-1.25).
 
 The packed copy doubles the weight memory of the layers that use it (vLLM drops the
 original; we keep it: row counts outside the packed range, checkpoint export and parity
