@@ -44,15 +44,24 @@ def _reference(q, k_buf, v_buf, slots, num_keys, scale):  # type: ignore[no-unty
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 16), (4, 2, 32), (16, 4, 64)])
+# dims: whole 32-float runs (16: one 8-float vector; 40: 32 + 8) for the vector kernels; 12
+# (not whole vectors) and a K/V buffer whose rows are not of unit stride for the loops.
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,strided",
+    [(4, 4, 16, False), (4, 2, 32, False), (16, 4, 64, False), (8, 2, 40, False),
+     (4, 2, 12, False), (4, 2, 32, True)],
+)  # fmt: skip
 @pytest.mark.parametrize("bs,max_keys", [(1, 7), (5, 40), (24, 300)])
 def test_kernel_matches_gathered_attention(
-    monkeypatch: pytest.MonkeyPatch, heads, kv_heads, dim, bs, max_keys
+    monkeypatch: pytest.MonkeyPatch, heads, kv_heads, dim, strided, bs, max_keys
 ) -> None:
     gen = torch.Generator().manual_seed(bs * 1000 + max_keys + heads + dim)
     num_slots = 4 * bs * max_keys + 1
     k_buf = torch.randn(num_slots, kv_heads, dim, generator=gen)
     v_buf = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    if strided:  # every other float of wider rows
+        k_buf = torch.randn(num_slots, kv_heads, 2 * dim, generator=gen)[:, :, ::2]
+        v_buf = torch.randn(num_slots, kv_heads, 2 * dim, generator=gen)[:, :, ::2]
     slots = torch.stack([torch.randperm(num_slots, generator=gen)[:max_keys] for _ in range(bs)])
     num_keys = torch.randint(1, max_keys + 1, (bs,), generator=gen)
     num_keys[0] = max_keys
@@ -77,7 +86,7 @@ def test_softmax_exp_within_a_few_ulps() -> None:
     -87, exactly 1 for the peak's score, and no more than e^-87 below (never negative)."""
     x = np.concatenate([np.linspace(-120, 0, 200_001), [0.0, -1e-30, -87.0, -87.5]]).astype(np.float32)
     got = x.copy()
-    attention_cpu._exp_nonpositive(got, np.empty(x.shape[0], dtype=np.int32), x.shape[0])
+    attention_cpu._exp_nonpositive(got, x.shape[0])
     exact = np.exp(x.astype(np.float64))
     live = x >= -87
     assert (np.abs(got[live] - exact[live]) <= 5 * 2.0**-23 * exact[live]).all()

@@ -214,8 +214,7 @@ def test_silu_mul_within_a_few_ulps_of_torch() -> None:
     gu = torch.randn(5, 2 * inter, generator=gen) * 8
     gu[0, :6] = torch.tensor([-200.0, -88.5, -30.0, 0.0, 30.0, 200.0])
     out = np.empty((5, inter), dtype=np.float32)
-    decode_cpu._silu_mul(gu.numpy(), inter, out, np.empty(inter, dtype=np.float32),
-                         np.empty(inter, dtype=np.int32))  # fmt: skip
+    decode_cpu._silu_mul(gu.numpy(), inter, out, np.empty(inter, dtype=np.float32))
     want = F.silu(gu[:, :inter]) * gu[:, inter:]
     assert np.isfinite(out).all()
     torch.testing.assert_close(torch.from_numpy(out), want, rtol=4e-7 * 8, atol=1e-30)

@@ -59,20 +59,21 @@ from kvcanary.model import norm_cpu
 from kvcanary.model.norm_cpu import SQ_SUM_SCRATCH
 from kvcanary.model.rope_cpu import rope_head_nb
 from kvcanary.numba_prefetch import prefetch
+from kvcanary.numba_simd import LANES, axpy1, axpy4, dot8, f32_from_bits
 
 # bs x kv heads x keys x dim below which one thread does the work.
 PARALLEL_MIN_WORK = 1 << 15
 # _decode_layer's status when it did nothing (a shape or a slot it does not take).
 _LAYER_REFUSED = -2
-# _attend asks for a key's K rows this many keys before it reads them (4 and 8 measured
-# alike; 16 no better), and for its V rows when it reads its K, when a key's rows of the
-# task's heads are at most _PREFETCH_MAX_FLOATS long. Microbenchmark, 64 MB written between
-# calls, pages of 4 slots in random order, us (none / ahead 4): 64 requests x 32 keys
-# tiny-swa shapes (2 KV heads x 32) 359 / 226, x 130 keys 988 / 615; 8 tasks x 300 keys of
-# one 128-wide head 267 / 205 (warm: 83 / 86). A key's rows of Qwen3-0.6B's 8 heads (4 KB,
-# a task per request at batch 16) are long runs the hardware prefetcher follows: 1073 /
-# 1211 with every line asked for.
-_PREFETCH_KEYS = 4
+# _attend asks for a key's K rows this many keys before it reads them (one block of the
+# vector kernels' 8 keys; 4 and 8 measured alike a key at a time, 16 no better), and for its
+# V rows when it reads its K, when a key's rows of the task's heads are at most
+# _PREFETCH_MAX_FLOATS long. Microbenchmark, 64 MB written between calls, pages of 4 slots
+# in random order, us (none / ahead 4): 64 requests x 32 keys tiny-swa shapes (2 KV heads x
+# 32) 359 / 226, x 130 keys 988 / 615; 8 tasks x 300 keys of one 128-wide head 267 / 205
+# (warm: 83 / 86). A key's rows of Qwen3-0.6B's 8 heads (4 KB, a task per request at batch
+# 16) are long runs the hardware prefetcher follows: 1073 / 1211 with every line asked for.
+_PREFETCH_KEYS = 8
 _PREFETCH_MAX_FLOATS = 128
 _LINE_FLOATS = 16  # float32s in a 64-byte cache line
 
@@ -91,26 +92,29 @@ def _check_reads(slots, num_keys, num_slots, bs):  # type: ignore[no-untyped-def
 
 
 @numba.njit(cache=True, inline="always")
-def _exp_nonpositive(x, bits, n):  # type: ignore[no-untyped-def]
-    """``x[:n] = exp(x[:n])`` for ``x <= 0`` (softmax's shifted scores), in loops the compiler
+def _exp_nonpositive(x, n):  # type: ignore[no-untyped-def]
+    """``x[:n] = exp(x[:n])`` for ``x <= 0`` (softmax's shifted scores), in a loop the compiler
     vectorises (``np.exp`` is a scalar libm call per score: a quarter of a decode layer's
     attention at tiny-swa's shapes). Cody-Waite reduction ``x = k ln2 + r``, ``|r| <= ln2 / 2``,
-    Cephes' ``expf`` polynomial for ``e^r``, ``2^k`` built in ``bits`` (int32 scratch, ``n``
-    long); within 5 float32 ulps of the exact value (libm's: 1), below ``-87`` (weights past
-    ``1e-38`` of the peak's) ``e^-87``. Exact up to ``x = 88`` too (``2^k`` stays a normal
-    float): :func:`.decode_cpu._silu_mul`'s ``e^-g``, clamped there."""
+    Cephes' ``expf`` polynomial for ``e^r``, ``2^k`` built from its bits
+    (:func:`~kvcanary.numba_simd.f32_from_bits`); within 5 float32 ulps of the exact value
+    (libm's: 1), below ``-87`` (weights past ``1e-38`` of the peak's) ``e^-87``. Exact up to
+    ``x = 88`` too (``2^k`` stays a normal float): :func:`.decode_cpu._silu_mul`'s ``e^-g``,
+    clamped there."""
     for j in range(n):
-        v = max(x[j], np.float32(-87.0))
-        k = np.floor(v * np.float32(1.44269504088896341) + np.float32(0.5))
-        r = v - k * np.float32(0.693359375) - k * np.float32(-2.12194440e-4)
-        p = ((((np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)) * r
-               + np.float32(8.3334519073e-3)) * r + np.float32(4.1665795894e-2)) * r
-             + np.float32(1.6666665459e-1)) * r + np.float32(5.0000001201e-1)  # fmt: skip
-        x[j] = p * (r * r) + r + np.float32(1.0)
-        bits[j] = (np.int32(k) + np.int32(127)) << np.int32(23)
-    scale = bits[:n].view(np.float32)
-    for j in range(n):
-        x[j] *= scale[j]
+        x[j] = _exp_one(x[j])
+
+
+@numba.njit(cache=True, inline="always")
+def _exp_one(x):  # type: ignore[no-untyped-def]
+    """:func:`_exp_nonpositive` of one float32 (inlined into loops the compiler vectorises)."""
+    v = max(x, np.float32(-87.0))
+    k = np.floor(v * np.float32(1.44269504088896341) + np.float32(0.5))
+    r = v - k * np.float32(0.693359375) - k * np.float32(-2.12194440e-4)
+    p = ((((np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)) * r
+           + np.float32(8.3334519073e-3)) * r + np.float32(4.1665795894e-2)) * r
+         + np.float32(1.6666665459e-1)) * r + np.float32(5.0000001201e-1)  # fmt: skip
+    return (p * (r * r) + r + np.float32(1.0)) * f32_from_bits(np.int32((np.int32(k) + np.int32(127)) << np.int32(23)))
 
 
 @numba.njit(cache=True, inline="always")
@@ -125,14 +129,17 @@ def _prefetch_rows(buf, s, h0, h1, dim):  # type: ignore[no-untyped-def]
 def _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts):  # type: ignore[no-untyped-def]
     """Part ``c`` of request ``b``, ``task = b * parts + c``: the query heads of KV heads
     ``[c * kv heads // parts, (c + 1) * kv heads // parts)``, their scores, softmax and
-    weighted sum into ``out[b]``. Keys are the outer loops: a key's K (then V) rows of the
-    part's heads are read together, one stream through the pool per request (a task per KV
-    head read every other run of a slot's lines: ~30 % slower with the K/V out of the
-    caches, as a decode step finds them), short rows (:data:`_PREFETCH_MAX_FLOATS`) asked
-    for ahead: each key's K rows :data:`_PREFETCH_KEYS` keys before, its V rows with its K
-    (:mod:`kvcanary.numba_prefetch`: the hardware prefetcher cannot follow a slot table's
-    jumps between pages). Each head's sums run in the same order whatever ``parts``: the
-    same bits."""
+    weighted sum into ``out[b]``. Keys are the outer loops, in blocks of 8 (one key at a
+    time where rows are not whole 8-float vectors of unit stride): a block's K (then V)
+    rows of the part's heads are read together, one stream through the pool per request (a
+    task per KV head read every other run of a slot's lines: ~30 % slower with the K/V out
+    of the caches, as a decode step finds them), short rows (:data:`_PREFETCH_MAX_FLOATS`)
+    asked for ahead: each key's K rows :data:`_PREFETCH_KEYS` keys (a block) before, its V
+    rows with its K (:mod:`kvcanary.numba_prefetch`: the hardware prefetcher cannot follow
+    a slot table's jumps between pages). Scores and weighted sums by
+    :mod:`kvcanary.numba_simd`'s vector kernels (8 keys' scores a call, the output rows in
+    registers across a block). Each head's sums run in the same order whatever ``parts``:
+    the same bits."""
     dim = q.shape[2]
     kv_heads = k_buf.shape[1]
     group = q.shape[1] // kv_heads
@@ -142,8 +149,9 @@ def _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts):  # type:
     nq = ((c + 1) * kv_heads // parts - h0) * group  # query heads q0.. of this part
     q0 = h0 * group
     n = max(num_keys[b], 1)
-    scores = np.empty((nq, n), dtype=np.float32)
-    bits = np.empty(n, dtype=np.int32)  # (_exp_nonpositive's scratch)
+    vec = dim % LANES == 0 and k_buf.strides[2] == 4 and v_buf.strides[2] == 4
+    step = LANES if vec else 1
+    scores = np.empty((nq, (n + LANES - 1) // LANES * LANES), dtype=np.float32)
     acc_out = np.zeros((nq, dim), dtype=np.float32)
     q_rows = np.empty((nq, dim), dtype=np.float32)  # (q may be a strided view: read once)
     h1 = h0 + nq // group
@@ -153,37 +161,53 @@ def _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts):  # type:
     for i in range(nq):
         for e in range(dim):
             q_rows[i, e] = q[b, q0 + i, e]
-    for j in range(n):
-        s = slots[b, j]
+    for j0 in range(0, n, step):
+        j1 = min(j0 + step, n)
         if ahead:
-            if j + ahead < n:
-                _prefetch_rows(k_buf, slots[b, j + ahead], h0, h1, dim)
-            _prefetch_rows(v_buf, s, h0, h1, dim)  # (read after the softmax: cached by then)
+            for j in range(j0 + ahead, min(j1 + ahead, n)):
+                _prefetch_rows(k_buf, slots[b, j], h0, h1, dim)
+            for j in range(j0, j1):  # (read after the softmax: cached by then)
+                _prefetch_rows(v_buf, slots[b, j], h0, h1, dim)
         for i in range(nq):
             h = h0 + i // group
-            acc = np.float32(0.0)
-            for e in range(dim):
-                acc += q_rows[i, e] * k_buf[s, h, e]
-            scores[i, j] = acc * scale
+            if vec:
+                dot8(q_rows, i, k_buf, h, slots, b, j0, j1 - j0, scores, scale)
+            else:
+                s = slots[b, j0]
+                acc = np.float32(0.0)
+                for e in range(dim):
+                    acc += q_rows[i, e] * k_buf[s, h, e]
+                scores[i, j0] = acc * scale
+    totals = np.empty(nq, dtype=np.float32)
     for i in range(nq):
         peak = np.float32(-np.inf)
         for j in range(n):
             peak = max(peak, scores[i, j])
-        for j in range(n):
-            scores[i, j] -= peak
-        _exp_nonpositive(scores[i], bits, n)
-    for j in range(n):
-        s = slots[b, j]
-        for i in range(nq):
-            h = h0 + i // group
-            p = scores[i, j]
-            for e in range(dim):
-                acc_out[i, e] += p * v_buf[s, h, e]
-    for i in range(nq):
         total = np.float32(0.0)
         for j in range(n):
-            total += scores[i, j]
-        inv = np.float32(1.0) / total
+            x = _exp_one(scores[i, j] - peak)
+            scores[i, j] = x
+            total += x
+        totals[i] = total
+    for j0 in range(0, n, step):
+        j1 = min(j0 + step, n)
+        for i in range(nq):
+            h = h0 + i // group
+            if vec:
+                e0 = 0
+                while e0 + 4 * LANES <= dim:
+                    axpy4(acc_out, i, e0, scores, v_buf, h, slots, b, j0, j1)
+                    e0 += 4 * LANES
+                while e0 < dim:
+                    axpy1(acc_out, i, e0, scores, v_buf, h, slots, b, j0, j1)
+                    e0 += LANES
+            else:
+                s = slots[b, j0]
+                p = scores[i, j0]
+                for e in range(dim):
+                    acc_out[i, e] += p * v_buf[s, h, e]
+    for i in range(nq):
+        inv = np.float32(1.0) / totals[i]
         for e in range(dim):
             out[b, q0 + i, e] = acc_out[i, e] * inv
 
@@ -349,7 +373,6 @@ def _extend_task(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, windo
             kt[e, j] = k_buf[s, h, e]
             vv[j, e] = v_buf[s, h, e]
     scores = np.empty(nk, dtype=np.float32)
-    bits = np.empty(nk, dtype=np.int32)  # (_exp_nonpositive's scratch)
     acc = np.empty(dim, dtype=np.float32)
     q_row = np.empty(dim, dtype=np.float32)
     for i in range(ext[b]):
@@ -380,7 +403,7 @@ def _extend_task(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, windo
                 peak = max(peak, scores[j])
             for j in range(n):
                 scores[j] -= peak
-            _exp_nonpositive(scores, bits, n)
+            _exp_nonpositive(scores, n)
             total = np.float32(0.0)
             for j in range(n):
                 total += scores[j]
