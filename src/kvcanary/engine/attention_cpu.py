@@ -359,9 +359,10 @@ def _extend_task(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, windo
     (:func:`_exp_nonpositive`), weighted sum of the V rows (where they are whole 8-float
     vectors, :func:`~kvcanary.numba_simd.axpy4`: the output row in registers across the
     keys; a tiny-swa prefill chunk of 4096 tokens, both compiled in one process, medians of
-    8 alternated runs: a full layer 4079 -> 3583 us, a windowed one 2275 -> 2222; the same
-    bits). Its scores with keys in the lanes by the same kernel (32 keys' scores in
-    registers across the dims) measured 1.5-2x slower: short rows leave it loop overhead."""
+    8 alternated runs: a full layer 4079 -> 3583 us, a windowed one 2275 -> 2222; on those
+    chunks the outputs were bit for bit the four-keys-a-pass loop's). Its scores with keys
+    in the lanes by the same kernel (32 keys' scores in registers across the dims) measured
+    1.5-2x slower: short rows leave it loop overhead."""
     dim = q.shape[2]
     kv_heads = k_buf.shape[1]
     group = q.shape[1] // kv_heads
