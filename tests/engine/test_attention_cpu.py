@@ -44,7 +44,7 @@ def _reference(q, k_buf, v_buf, slots, num_keys, scale):  # type: ignore[no-unty
     return out
 
 
-# dims: whole 32-float runs (16: one 8-float vector; 40: 32 + 8) for the vector kernels; 12
+# dims: whole 8-float vectors for the vector kernels (16: two 8-float passes; 40: 32 + 8); 12
 # (not whole vectors) and a K/V buffer whose rows are not of unit stride for the loops.
 @pytest.mark.parametrize(
     "heads,kv_heads,dim,strided",
