@@ -28,13 +28,21 @@ from numba.extending import intrinsic
 def array_pointer(context: Any, builder: Any, aty: Any, value: Any, idx: list[Any]) -> Any:
     """IR: the address of element ``idx`` (intp values, one per dimension) of array
     ``value`` of numba type ``aty``, from its strides, no bounds check (for intrinsics'
-    codegen: this module's and :mod:`kvcanary.numba_transpose`'s)."""
+    codegen: this module's, :mod:`kvcanary.numba_transpose`'s and
+    :mod:`kvcanary.numba_simd`'s)."""
     array = context.make_array(aty)(context, builder, value)
     return cgutils.get_item_pointer2(
         context, builder, array.data, cgutils.unpack_tuple(builder, array.shape),
         cgutils.unpack_tuple(builder, array.strides), aty.layout, idx,
         wraparound=False, boundscheck=False,
     )  # fmt: skip
+
+
+def load_index(context: Any, builder: Any, aty: Any, value: Any, idx: list[Any]) -> Any:
+    """IR: element ``idx`` of integer array ``value`` (numba type ``aty``) as an intp (a
+    slot or row number an intrinsic reads from a table), no bounds check."""
+    item = builder.load(array_pointer(context, builder, aty, value, idx))
+    return context.cast(builder, item, aty.dtype, types.intp)
 
 
 @intrinsic

@@ -42,7 +42,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from kvcanary.numba_prefetch import array_pointer
+from kvcanary.numba_prefetch import array_pointer, load_index
 from kvcanary.numba_transpose import vector_pointer
 
 LANES = 8
@@ -155,8 +155,7 @@ def _dot8(typingctx: Any, q_rows: Any, i: Any, k_buf: Any, h: Any, slots: Any, b
         for k in range(LANES):
             kk = ir.Constant(intp, k)
             col = builder.select(builder.icmp_signed("<", kk, c_), builder.add(j_, kk), j_)
-            slot = builder.load(array_pointer(context, builder, st, sv, [b_, col]))
-            slot = context.cast(builder, slot, st.dtype, types.intp)
+            slot = load_index(context, builder, st, sv, [b_, col])
             rows.append(array_pointer(context, builder, kt, kv, [slot, h_, zero]))
         q_row = array_pointer(context, builder, qt, qv, [i_, zero])
 
@@ -200,8 +199,7 @@ def _make_axpy(vectors: int) -> Any:
 
             def body(j: Any, accs: list[Any]) -> list[Any]:
                 p = _splat(builder, builder.load(array_pointer(context, builder, sct, scv, [i_, j])))
-                slot = builder.load(array_pointer(context, builder, st, sv, [b_, j]))
-                slot = context.cast(builder, slot, st.dtype, types.intp)
+                slot = load_index(context, builder, st, sv, [b_, j])
                 v_row = array_pointer(context, builder, vt, vv, [slot, h_, e_])
                 return [_fma(builder, p, _load8(builder, builder.gep(v_row, [ir.Constant(intp, LANES * c)])), a)
                         for c, a in enumerate(accs)]  # fmt: skip

@@ -22,7 +22,7 @@ from typing import Any
 from llvmlite import ir
 from numba.core import types
 
-from kvcanary.numba_prefetch import array_pointer
+from kvcanary.numba_prefetch import array_pointer, load_index
 
 LANES = 8
 _WORDS = (types.int64, types.uint64)
@@ -52,10 +52,8 @@ def load_lines(context: Any, builder: Any, src: tuple[Any, Any], rows: tuple[Any
     lines = []
     for k in range(LANES):
         lane = builder.add(lane0, ir.Constant(intp, k))
-        row = builder.load(array_pointer(context, builder, *rows, [lane]))
-        col = builder.load(array_pointer(context, builder, *cols, [lane]))
-        row = context.cast(builder, row, rows[0].dtype, types.intp)
-        col = context.cast(builder, col, cols[0].dtype, types.intp)
+        row = load_index(context, builder, *rows, [lane])
+        col = load_index(context, builder, *cols, [lane])
         ptr = array_pointer(context, builder, *src, [row, builder.add(col, word)])
         lines.append(builder.load(vector_pointer(builder, ptr, vec), align=8, typ=vec))
     return lines
