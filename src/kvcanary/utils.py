@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative ints."""
@@ -46,3 +48,16 @@ def show(value: object) -> str:
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
         return str(value)
+
+
+def unique_sorted(values: np.ndarray) -> np.ndarray:
+    """``np.unique(values)`` of a 1-D integer array (sorted, each value once) by a sort and
+    a neighbour compare: numpy 2's hash-based ``unique`` costs ~16 us on a decode step's
+    few dozen page ids, this ~7."""
+    out = np.sort(values)
+    if out.size < 2:
+        return out
+    keep = np.empty(out.shape, dtype=np.bool_)
+    keep[0] = True
+    np.not_equal(out[1:], out[:-1], out=keep[1:])
+    return out[keep]

@@ -488,3 +488,18 @@ def test_free_host_path_equals_the_torch_path(page_size: int, ops: list[tuple[st
             assert outcome[0] == outcome[1]
         assert snapshot(host) == snapshot(torch_path)
         assert host.page_quarantined.tolist() == torch_path.page_quarantined.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=-(1 << 40), max_value=1 << 40), max_size=80))
+def test_unique_sorted_is_numpys_unique(values: list[int]) -> None:
+    """The free paths' page ids: sorted, each once, exactly ``np.unique``'s (duplicates,
+    negatives, empty and single-element arrays included)."""
+    import numpy as np
+
+    from kvcanary.utils import unique_sorted
+
+    a = np.array(values, dtype=np.int64)
+    got = unique_sorted(a)
+    assert got.dtype == np.int64 and got.tolist() == np.unique(a).tolist()
+    assert a.tolist() == values  # the input is left as it was

@@ -138,14 +138,21 @@ class KVManager:
     def last_locs(self, reqs: Sequence[Req]) -> torch.Tensor:
         """Each request's last slot (-1 for none): where a paged allocation continues."""
         if self._table_np is not None:  # a host table: read the few entries where they are
-            table = self._table_np
-            return torch.tensor([int(table[r.req_pool_idx, r.kv_len - 1]) if r.kv_len > 0 else -1
-                                 for r in reqs], dtype=torch.int64)  # fmt: skip
+            return self._last_locs_host(*_rows_and_lens(reqs))
         dev = self.req_to_token.device  # kv meets the gathered slots in torch.where
         rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)
         kv = torch.tensor([r.kv_len for r in reqs], device=dev)
         last = self.req_to_token[rows, (kv - 1).clamp(min=0)].to(torch.int64)
         return torch.where(kv > 0, last, torch.full_like(last, -1))
+
+    def _last_locs_host(self, rows: np.ndarray, kv: np.ndarray) -> torch.Tensor:
+        """:meth:`last_locs` of requests in rows ``rows`` holding ``kv`` tokens, read from the
+        host table in one gather (a per-request loop: ~30 us at batch 64, this ~10)."""
+        if self._table_np is None:
+            raise RuntimeError("kv manager: a host read of a device req->token table")
+        last = self._table_np[rows, np.maximum(kv - 1, 0)].astype(np.int64)
+        last[kv <= 0] = -1
+        return torch.from_numpy(last)
 
     def slots(self, req: Req, end: int | None = None) -> torch.Tensor:
         """Full slots of ``req``'s positions ``[0, end)`` (default ``kv_len``), int64."""
@@ -247,14 +254,20 @@ class KVManager:
     def extend_decode(self, reqs: Sequence[Req]) -> torch.Tensor | None:
         """One slot per request at position ``kv_len`` (mapped); None, nothing held, when
         they do not all fit."""
-        seq_lens = [r.kv_len + 1 for r in reqs]
-        last_locs = self.last_locs(reqs)
+        host_rows = None
+        if self._table_np is not None:  # each request's row and length gathered once
+            host_rows = _rows_and_lens(reqs)
+            seq_lens = (host_rows[1] + 1).tolist()
+            last_locs = self._last_locs_host(*host_rows)
+        else:
+            seq_lens = [r.kv_len + 1 for r in reqs]
+            last_locs = self.last_locs(reqs)
         out = self._alloc_or_evict(
             lambda: self.allocator.alloc_decode(seq_lens, last_locs),
             len(reqs) * self.spec.page_size,
         )
-        if out is not None and self._table_np is not None and out.device == HOST:
-            self._table_np[[r.req_pool_idx for r in reqs], [r.kv_len for r in reqs]] = out.numpy()
+        if out is not None and self._table_np is not None and host_rows is not None and out.device == HOST:
+            self._table_np[host_rows] = out.numpy()
         elif out is not None:
             rows = torch.tensor([r.req_pool_idx for r in reqs])
             # An advanced-index write: CPU indices are fine, the values must be on the table's device.
@@ -339,7 +352,7 @@ class KVManager:
             edge = req.kv_len - window - p
             if edge <= start:  # frontier = floor_page(start) <= start: nothing left the window
                 continue
-            frontier = floor_page(edge, p)
+            frontier = edge - edge % p  # floor_page(edge, p) inline (edge > start >= 0)
             if frontier > start:
                 spans.append((req.req_pool_idx, start, frontier))
                 req.swa_evicted_seqlen = frontier
@@ -513,3 +526,10 @@ class KVManager:
         if self.prefix_cache is not None:
             self.prefix_cache.check_integrity()
         return True
+
+
+def _rows_and_lens(reqs: Sequence[Req]) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's req->token row and cached length, as int64 arrays."""
+    n = len(reqs)
+    return (np.fromiter((r.req_pool_idx for r in reqs), np.int64, n),
+            np.fromiter((r.kv_len for r in reqs), np.int64, n))  # fmt: skip

@@ -54,8 +54,12 @@ def sample_batch(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> list[int]:
-    """Tokens for a batch; all-greedy batches take one argmax."""
+    """Tokens for a batch; all-greedy batches take one argmax (of host logits in numpy:
+    torch's splits a batch-64 row block among its threads, ~45 us against ~6; the same
+    first-maximum index, NaN counted the largest, in both)."""
     if all(p.greedy for p in params):
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+            return logits.numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
         return torch.argmax(logits, dim=-1).tolist()
     return [sample_one(logits[i], p, g) for i, (p, g) in enumerate(zip(params, generators, strict=True))]
 

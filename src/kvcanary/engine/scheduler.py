@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvcanary.config import EngineConfig
@@ -266,11 +267,11 @@ class Scheduler:
         seq = [n + 1 for n in kv]
         ones = [1] * len(reqs)
         last = [(r.output_ids or r.prompt_ids)[-1] for r in reqs]  # each request's newest token
-        # One tensor, a row per field (one host-to-device copy, not six).
-        rows, seq_lens, prefix_lens, extend_lens, input_ids, positions = torch.tensor(
-            [[r.req_pool_idx for r in reqs], seq, kv, ones, last, kv],
-            dtype=torch.int64, device=self.runner.device,
-        )  # fmt: skip
+        # One tensor, a row per field (one host-to-device copy, not six; built in numpy:
+        # torch.tensor of the nested lists costs ~2x).
+        rows, seq_lens, prefix_lens, extend_lens, input_ids, positions = torch.from_numpy(
+            np.array([[r.req_pool_idx for r in reqs], seq, kv, ones, last, kv], dtype=np.int64)
+        ).to(self.runner.device)
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             req_pool_indices=rows,
@@ -289,9 +290,10 @@ class Scheduler:
     # ------------------------------------------------------------ results
     def _process(self, batch: ForwardBatch, reqs: list[Req], logits: torch.Tensor) -> list[Req]:
         sample_rows = []
+        extend = not batch.is_decode  # (a property: read once, not per request)
         for i, (req, seq_len) in enumerate(zip(reqs, batch.seq_lens_cpu, strict=True)):
             req.kv_len = seq_len
-            if not batch.is_decode:
+            if extend:
                 self.kv.cache(req)
             if req.kv_len == req.seq_len:  # the whole known sequence is in the cache
                 sample_rows.append(i)

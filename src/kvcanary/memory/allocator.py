@@ -26,6 +26,7 @@ import torch
 
 from kvcanary.memory.base import HOST, Lens, PageAllocator
 from kvcanary.memory.errors import DoubleFreeError, raise_if_problems
+from kvcanary.utils import unique_sorted
 
 
 def _nonempty(pages: torch.Tensor) -> torch.Tensor:
@@ -247,7 +248,7 @@ class PagedAllocator:
         """:meth:`free` on a host pool, in numpy: the same pages freed in the same order and
         the same errors (a decode step frees the pages that left a window: ~8 torch ops on
         tiny tensors, ~5 us each, where these cost ~1 us)."""
-        pages = np.unique(slots.reshape(-1).to(torch.int64).numpy() // self.page_size)
+        pages = unique_sorted(slots.reshape(-1).to(torch.int64).numpy() // self.page_size)
         if pages.size and (pages[0] <= 0 or pages[-1] > self.num_pages):  # (sorted)
             raise ValueError(
                 f"free: slots {slots.tolist()[:16]} fall outside pages [1, {self.num_pages}] "

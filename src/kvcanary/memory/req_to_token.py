@@ -15,6 +15,7 @@ compare what a KV slot claims to hold with what the request really contains.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvcanary.memory.base import HOST
@@ -93,8 +94,9 @@ class ReqToTokenPool:
         """One new token per row at ``positions`` (= the old length)."""
         if self._host is not None:  # the few entries of a decode step, written where they are
             token_ids_np, token_lens_np = self._host
-            token_ids_np[rows, positions] = token_ids
-            token_lens_np[rows] = [p + 1 for p in positions]
+            rows_np, positions_np = np.asarray(rows), np.asarray(positions)  # (converted once)
+            token_ids_np[rows_np, positions_np] = token_ids
+            token_lens_np[rows_np] = positions_np + 1
             return
         r = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
         p = torch.as_tensor(positions, dtype=torch.int64, device=self.device)

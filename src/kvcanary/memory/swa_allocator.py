@@ -25,6 +25,7 @@ from kvcanary.memory.allocator import PagedAllocator, _as_cpu_lens, make_allocat
 from kvcanary.memory.base import HOST, Lens, WindowedAllocator, WindowedKVPool
 from kvcanary.memory.errors import raise_if_problems
 from kvcanary.memory.swa_mapping import SwaIndexMapping
+from kvcanary.utils import unique_sorted
 
 __all__ = ["SWAAllocator", "SwaIndexMapping"]
 
@@ -224,7 +225,7 @@ class SWAAllocator:
         """:meth:`free_swa` on a host pool, in numpy (the same slots freed and unmapped: a
         decode step evicts the pages that left the window, ~10 torch ops on tiny tensors)."""
         p = self.page_size
-        slots = full_slots if p == 1 else (np.unique(full_slots // p)[:, None] * p + np.arange(p)).reshape(-1)
+        slots = full_slots if p == 1 else (unique_sorted(full_slots // p)[:, None] * p + np.arange(p)).reshape(-1)
         swa = self.mapping.translate_host(slots)
         live = swa > 0
         if live.any():
