@@ -487,3 +487,131 @@ def test_host_paths_equal_the_torch_path(page_size: int, ops: list[tuple[str, in
             assert outcome[0] == outcome[1]
         assert snapshot(host) == snapshot(torch_path)
         assert host.mapping.version == torch_path.mapping.version
+
+
+def _numpy_path(a: SWAAllocator) -> SWAAllocator:
+    """``a`` with its compiled free_swa turned off (the SWA pool reports no host flags)."""
+    a.swa_attn_allocator.host_page_flags = lambda: None  # type: ignore[method-assign]
+    return a
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    page_size=st.sampled_from([2, 4]),
+    requests=st.lists(st.integers(1, 9), min_size=1, max_size=5),
+    quarantine=st.lists(st.integers(0, 23), max_size=4),
+    frees=st.lists(st.lists(st.integers(-2, 44), max_size=8), min_size=1, max_size=6),
+)
+def test_compiled_free_swa_equals_the_numpy_path(
+    page_size: int, requests: list[int], quarantine: list[int], frees: list[list[int]]
+) -> None:
+    """free_swa on a host pool through :mod:`kvcanary.memory.free_nb` and through numpy
+    from the same state (requests allocated, some SWA pages quarantined while held): the
+    same free lists (quarantined pages left out), page flags, mapping, mapping version,
+    and the same error, message included (double frees, negative and out-of-range slots,
+    repeats)."""
+    from kvcanary.memory import free_nb
+
+    pools = [SWAAllocator(40, 24, page_size), _numpy_path(SWAAllocator(40, 24, page_size))]
+    for a in pools:
+        for n in requests:
+            a.alloc_extend([0], [n], t([-1]))
+        a.quarantine_swa(t(quarantine))
+    statuses = []
+    real = free_nb.free_swa_pages
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        out = real(*args)
+        statuses.append(out[0])
+        return out
+
+    for values in frees:
+        outcome = []
+        for a in pools:
+            free_nb.free_swa_pages = spy
+            try:
+                a.free_swa(t(values))
+                outcome.append(None)
+            except (ValueError, IndexError, DoubleFreeError) as err:
+                outcome.append((type(err), str(err)))
+            finally:
+                free_nb.free_swa_pages = real
+        assert outcome[0] == outcome[1]
+        assert snapshot(pools[0]) == snapshot(pools[1])
+        assert pools[0].mapping.version == pools[1].mapping.version
+        assert pools[0].check_integrity() and pools[1].check_integrity()
+    assert len(statuses) == sum(1 for v in frees if v)  # every free of the first pool asks it
+
+
+def test_compiled_free_swa_frees_a_window_page_in_one_call() -> None:
+    """An eviction as a decode step makes it: the page's SWA slots unmapped, the SWA page
+    back on the free list (a quarantined one not), the version bumped once, the full
+    side untouched; freeing it again changes nothing."""
+    from kvcanary.memory import free_nb
+
+    a = SWAAllocator(64, 32, 4)
+    full = a.alloc_extend([0], [12], t([-1]))
+    assert full is not None
+    swa = mapped(a, full)
+    a.quarantine_swa(t([swa[4]]))  # the second page's SWA page: held, quarantined
+    free_before, version = a.swa_attn_allocator.free_pages.tolist(), a.mapping.version
+    calls = []
+    real = free_nb.free_swa_pages
+    free_nb.free_swa_pages = lambda *args: calls.append(real(*args)) or calls[-1]  # type: ignore[func-returns-value]
+    try:
+        a.free_swa(full[:8])
+        a.free_swa(full[:8])  # a repeat: nothing mapped, nothing freed
+    finally:
+        free_nb.free_swa_pages = real
+    assert [c[0] for c in calls] == [free_nb.FUSED, free_nb.FUSED]
+    assert mapped(a, full) == [0] * 8 + swa[8:]
+    assert a.swa_attn_allocator.free_pages.tolist() == free_before + [swa[0] // 4]
+    assert a.mapping.version == version + 1
+    assert not a.swa_attn_allocator.page_allocated[swa[4] // 4]
+    assert a.full_attn_allocator.page_allocated[full[0].item() // 4]
+    assert a.check_integrity()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 2, 4]),
+    requests=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    spans=st.lists(st.tuples(st.integers(-1, 4), st.integers(-1, 10), st.integers(-1, 12)),
+                   max_size=5),
+    repeat=st.booleans(),
+)  # fmt: skip
+def test_free_swa_rows_equals_gathering_then_free_swa(
+    page_size: int, requests: list[int], spans: list[tuple[int, int, int]], repeat: bool
+) -> None:
+    """free_swa_rows (the window eviction's call: compiled where it applies) against what it
+    stands for, the rows' slots gathered, the mapped ones counted, then free_swa through
+    numpy: the same count, free lists, flags, mapping, version and error (spans outside the
+    table, empty spans, repeats)."""
+    import numpy as np
+
+    table = np.zeros((5, 16), dtype=np.int32)
+    pools = [SWAAllocator(64, 64, page_size), _numpy_path(SWAAllocator(64, 64, page_size))]
+    for a in pools:
+        for row, n in enumerate(requests, start=1):
+            out = a.alloc_extend([0], [n], t([-1]))
+            assert out is not None
+            table[row, :n] = out.numpy()
+    spans_np = np.array(spans, dtype=np.int64).reshape(-1, 3)
+
+    def reference(a: SWAAllocator) -> int:
+        flat = np.concatenate([table[r, x:y] for r, x, y in spans] or [np.zeros(0, np.int32)])
+        flat = flat.astype(np.int64)
+        count = int((a.mapping.translate_host(flat) > 0).sum())
+        a.free_swa(t(flat.tolist()))
+        return count
+
+    for _ in range(2 if repeat else 1):
+        outcome = []
+        for a, call in ((pools[0], lambda a: a.free_swa_rows(table, spans_np)), (pools[1], reference)):
+            try:
+                outcome.append(call(a))
+            except (ValueError, IndexError, DoubleFreeError) as err:
+                outcome.append((type(err), str(err)))
+        assert outcome[0] == outcome[1]
+        assert snapshot(pools[0]) == snapshot(pools[1])
+        assert pools[0].mapping.version == pools[1].mapping.version

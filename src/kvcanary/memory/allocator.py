@@ -262,6 +262,20 @@ class PagedAllocator:
         kept = pages[~self.page_quarantined.numpy()[pages]]
         self.free_pages = torch.cat([self.free_pages, torch.from_numpy(kept)])
 
+    def host_page_flags(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(allocated, quarantined)`` page flags as numpy views, for a compiled free that
+        does what :meth:`free` does (:mod:`.free_nb`; then :meth:`append_free`); None where
+        :meth:`free` would not free at once in numpy (a device pool, an open free group)."""
+        if self.device != HOST or self._free_group_depth:
+            return None
+        return self.page_allocated.numpy(), self.page_quarantined.numpy()
+
+    def append_free(self, pages: np.ndarray) -> None:
+        """Append freed pages (already marked free, quarantined ones left out) to the free
+        list, as :meth:`free` does last."""
+        if pages.size:
+            self.free_pages = torch.cat([self.free_pages, torch.from_numpy(pages)])
+
     def quarantine(self, slots: torch.Tensor) -> int:
         """Take the pages holding ``slots`` out of circulation for good: free ones leave the
         free list now, allocated ones when freed. Returns pages newly quarantined."""

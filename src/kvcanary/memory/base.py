@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvcanary.memory.radix_types import CachedSpan, MatchResult, RadixNode, SwaLock
     from kvcanary.memory.swa_mapping import SwaIndexMapping
 
@@ -329,6 +331,12 @@ class WindowedAllocator(Allocator, Protocol):
     ) -> torch.Tensor | None: ...
 
     def free_swa(self, full_slots: torch.Tensor) -> None: ...
+
+    def free_swa_rows(self, table: np.ndarray, spans: np.ndarray) -> int:
+        """:meth:`free_swa` of the full slots ``table[row, a:b]`` of each ``(row, a, b)`` in
+        ``spans`` (int64 ``[n, 3]``; ``table``: a host req->token table, the mapping on the
+        host); returns how many of those slots were mapped before."""
+        ...
 
     def set_full_to_swa_mapping(
         self, full_slots: torch.Tensor, swa_slots: torch.Tensor

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvcanary.memory import free_nb
 from kvcanary.memory.allocator import PagedAllocator, _as_cpu_lens, make_allocator
 from kvcanary.memory.base import HOST, Lens, WindowedAllocator, WindowedKVPool
 from kvcanary.memory.errors import raise_if_problems
@@ -221,10 +222,56 @@ class SWAAllocator:
             self.swa_attn_allocator.free(swa[live])
             self.mapping.write(slots[live], 0)
 
+    def _compiled_free_args(self) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, int] | None:
+        """(page size, mapping, SWA page flags allocated / quarantined, SWA pages): what
+        :mod:`.free_nb`'s calls take after the slots; None where the numpy path runs (page
+        size 1, a device mapping or SWA pool, an open free group)."""
+        host_map = self.mapping.host_view
+        if self.page_size == 1 or host_map is None:
+            return None
+        flags = self.swa_attn_allocator.host_page_flags()
+        if flags is None:
+            return None
+        return self.page_size, host_map, flags[0], flags[1], self.swa_attn_allocator.num_pages
+
+    def _compiled_free_done(self, kept: np.ndarray, unmapped: bool) -> None:
+        """After a compiled free (``FUSED``): its SWA pages onto the free list, the mapping's
+        version bumped when it unmapped a slot (as ``free`` and ``write_host`` do)."""
+        self.swa_attn_allocator.append_free(kept)
+        if unmapped:
+            self.mapping.version += 1
+
+    def free_swa_rows(self, table: np.ndarray, spans: np.ndarray) -> int:
+        """:meth:`free_swa` of the full slots ``table[row, a:b]`` of each ``(row, a, b)`` in
+        ``spans`` (int64 ``[n, 3]``; ``table``: the host req->token table; the mapping must
+        be on the host); returns how many of those slots were mapped before (a decode
+        step's window eviction: one compiled call, :mod:`.free_nb`, where it applies)."""
+        if self.mapping.host_view is None:
+            raise RuntimeError("free_swa_rows: the full->SWA mapping is not on the host")
+        args = self._compiled_free_args()
+        if args is not None and spans.ndim == 2 and spans.shape[1] == 3:
+            status, kept, unmapped, num_mapped = free_nb.free_swa_rows(table, spans, *args)
+            if status == free_nb.FUSED:
+                self._compiled_free_done(kept, unmapped)
+                return int(num_mapped)
+        if spans.size == 0:
+            return 0
+        flat = np.concatenate([table[row, a:b] for row, a, b in spans.tolist()]).astype(np.int64)
+        num_mapped = int((self.mapping.translate_host(flat) > 0).sum())
+        self.free_swa(torch.from_numpy(flat))
+        return num_mapped
+
     def _free_swa_host(self, full_slots: np.ndarray) -> None:
-        """:meth:`free_swa` on a host pool, in numpy (the same slots freed and unmapped: a
-        decode step evicts the pages that left the window, ~10 torch ops on tiny tensors)."""
+        """:meth:`free_swa` on a host pool: in one compiled call (:mod:`.free_nb`, paged pools
+        with a host mapping, no open free group), else in numpy (the same slots freed and
+        unmapped, the same errors: a decode step evicts the pages that left the window)."""
         p = self.page_size
+        args = self._compiled_free_args()
+        if args is not None:
+            status, kept, unmapped = free_nb.free_swa_pages(full_slots, *args)
+            if status == free_nb.FUSED:
+                self._compiled_free_done(kept, unmapped)
+                return
         slots = full_slots if p == 1 else (unique_sorted(full_slots // p)[:, None] * p + np.arange(p)).reshape(-1)
         swa = self.mapping.translate_host(slots)
         live = swa > 0

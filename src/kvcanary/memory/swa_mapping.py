@@ -58,6 +58,12 @@ class SwaIndexMapping:
         self._host_array()[full_slots] = swa_slots
         self.version += 1
 
+    @property
+    def host_view(self) -> np.ndarray | None:
+        """The mapping's numpy view on the host (None on a device); a write through it must
+        bump :attr:`version`."""
+        return self._host
+
     def translate_host(self, full_slots: np.ndarray) -> np.ndarray:
         """:meth:`translate` of host indices on a host mapping, as a numpy array."""
         swa: np.ndarray = self._host_array()[full_slots]
