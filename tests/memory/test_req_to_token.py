@@ -129,3 +129,13 @@ def test_host_table_is_the_slot_table_itself_on_the_host_only() -> None:
     pool.host_table[2, 5] = 7
     assert pool.host_table[1, 3] == 42 and int(pool.req_to_token[2, 5]) == 7
     assert ReqToTokenPool(2, 8, device="cpu:0").host_table is None
+
+
+def test_append_no_tokens_is_a_no_op_on_both_paths() -> None:
+    """An empty append (no request sampled) leaves both mirrors as they were."""
+    pools = [ReqToTokenPool(2, 8), ReqToTokenPool(2, 8)]
+    pools[1]._host = None
+    for p in pools:
+        p.set_tokens(1, [3, 4])
+        p.append_tokens([], [], [])
+        assert p.token_ids[1, :2].tolist() == [3, 4] and int(p.token_lens[1]) == 2

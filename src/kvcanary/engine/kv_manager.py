@@ -254,8 +254,8 @@ class KVManager:
     def extend_decode(self, reqs: Sequence[Req]) -> torch.Tensor | None:
         """One slot per request at position ``kv_len`` (mapped); None, nothing held, when
         they do not all fit."""
-        host_rows = None
-        if self._table_np is not None:  # each request's row and length gathered once
+        table, host_rows = self._table_np, None
+        if table is not None:  # each request's row and length gathered once
             host_rows = _rows_and_lens(reqs)
             seq_lens = (host_rows[1] + 1).tolist()
             last_locs = self._last_locs_host(*host_rows)
@@ -266,8 +266,8 @@ class KVManager:
             lambda: self.allocator.alloc_decode(seq_lens, last_locs),
             len(reqs) * self.spec.page_size,
         )
-        if out is not None and self._table_np is not None and host_rows is not None and out.device == HOST:
-            self._table_np[host_rows] = out.numpy()
+        if out is not None and table is not None and host_rows is not None and out.device == HOST:
+            table[host_rows] = out.numpy()
         elif out is not None:
             rows = torch.tensor([r.req_pool_idx for r in reqs])
             # An advanced-index write: CPU indices are fine, the values must be on the table's device.

@@ -59,7 +59,7 @@ def sample_batch(
     first-maximum index, NaN counted the largest, in both)."""
     if all(p.greedy for p in params):
         if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
-            return logits.numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
+            return logits.detach().numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
         return torch.argmax(logits, dim=-1).tolist()
     return [sample_one(logits[i], p, g) for i, (p, g) in enumerate(zip(params, generators, strict=True))]
 

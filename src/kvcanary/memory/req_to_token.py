@@ -94,7 +94,8 @@ class ReqToTokenPool:
         """One new token per row at ``positions`` (= the old length)."""
         if self._host is not None:  # the few entries of a decode step, written where they are
             token_ids_np, token_lens_np = self._host
-            rows_np, positions_np = np.asarray(rows), np.asarray(positions)  # (converted once)
+            rows_np = np.asarray(rows, dtype=np.int64)  # (each converted once)
+            positions_np = np.asarray(positions, dtype=np.int64)
             token_ids_np[rows_np, positions_np] = token_ids
             token_lens_np[rows_np] = positions_np + 1
             return
