@@ -505,12 +505,12 @@ def _numpy_path(a: SWAAllocator) -> SWAAllocator:
 def test_compiled_free_swa_equals_the_numpy_path(
     page_size: int, requests: list[int], quarantine: list[int], frees: list[list[int]]
 ) -> None:
-    """free_swa on a host pool through :mod:`kvcanary.memory.free_nb` and through numpy
+    """free_swa on a host pool through :mod:`kvcanary.memory.pages_nb` and through numpy
     from the same state (requests allocated, some SWA pages quarantined while held): the
     same free lists (quarantined pages left out), page flags, mapping, mapping version,
     and the same error, message included (double frees, negative and out-of-range slots,
     repeats)."""
-    from kvcanary.memory import free_nb
+    from kvcanary.memory import pages_nb
 
     pools = [SWAAllocator(40, 24, page_size), _numpy_path(SWAAllocator(40, 24, page_size))]
     for a in pools:
@@ -518,7 +518,7 @@ def test_compiled_free_swa_equals_the_numpy_path(
             a.alloc_extend([0], [n], t([-1]))
         a.quarantine_swa(t(quarantine))
     statuses = []
-    real = free_nb.free_swa_pages
+    real = pages_nb.free_swa_pages
 
     def spy(*args):  # type: ignore[no-untyped-def]
         out = real(*args)
@@ -528,14 +528,14 @@ def test_compiled_free_swa_equals_the_numpy_path(
     for values in frees:
         outcome = []
         for a in pools:
-            free_nb.free_swa_pages = spy
+            pages_nb.free_swa_pages = spy
             try:
                 a.free_swa(t(values))
                 outcome.append(None)
             except (ValueError, IndexError, DoubleFreeError) as err:
                 outcome.append((type(err), str(err)))
             finally:
-                free_nb.free_swa_pages = real
+                pages_nb.free_swa_pages = real
         assert outcome[0] == outcome[1]
         assert snapshot(pools[0]) == snapshot(pools[1])
         assert pools[0].mapping.version == pools[1].mapping.version
@@ -547,7 +547,7 @@ def test_compiled_free_swa_frees_a_window_page_in_one_call() -> None:
     """An eviction as a decode step makes it: the page's SWA slots unmapped, the SWA page
     back on the free list (a quarantined one not), the version bumped once, the full
     side untouched; freeing it again changes nothing."""
-    from kvcanary.memory import free_nb
+    from kvcanary.memory import pages_nb
 
     a = SWAAllocator(64, 32, 4)
     full = a.alloc_extend([0], [12], t([-1]))
@@ -556,14 +556,14 @@ def test_compiled_free_swa_frees_a_window_page_in_one_call() -> None:
     a.quarantine_swa(t([swa[4]]))  # the second page's SWA page: held, quarantined
     free_before, version = a.swa_attn_allocator.free_pages.tolist(), a.mapping.version
     calls = []
-    real = free_nb.free_swa_pages
-    free_nb.free_swa_pages = lambda *args: calls.append(real(*args)) or calls[-1]  # type: ignore[func-returns-value]
+    real = pages_nb.free_swa_pages
+    pages_nb.free_swa_pages = lambda *args: calls.append(real(*args)) or calls[-1]  # type: ignore[func-returns-value]
     try:
         a.free_swa(full[:8])
         a.free_swa(full[:8])  # a repeat: nothing mapped, nothing freed
     finally:
-        free_nb.free_swa_pages = real
-    assert [c[0] for c in calls] == [free_nb.FUSED, free_nb.FUSED]
+        pages_nb.free_swa_pages = real
+    assert [c[0] for c in calls] == [pages_nb.FUSED, pages_nb.FUSED]
     assert mapped(a, full) == [0] * 8 + swa[8:]
     assert a.swa_attn_allocator.free_pages.tolist() == free_before + [swa[0] // 4]
     assert a.mapping.version == version + 1
@@ -615,3 +615,70 @@ def test_free_swa_rows_equals_gathering_then_free_swa(
         assert outcome[0] == outcome[1]
         assert snapshot(pools[0]) == snapshot(pools[1])
         assert pools[0].mapping.version == pools[1].mapping.version
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 2, 4]),
+    requests=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    evict=st.lists(st.integers(0, 3), max_size=2),
+    steps=st.integers(1, 12),
+    odd=st.sampled_from(["none", "short", "orphan", "outside"]),
+)
+def test_compiled_alloc_decode_equals_the_python_path(
+    page_size: int, requests: list[int], evict: list[int], steps: int, odd: str
+) -> None:
+    """alloc_decode of host lengths through :mod:`kvcanary.memory.pages_nb` and through the
+    Python path (the kernel made to decline) from the same state, step after step until a
+    pool runs out: the same slots (None when short), free lists, flags, mapping, version
+    and error, message included; the last step may be odd: fewer last slots than lengths,
+    a last slot outside the pool, or every request's last page out of the window (a
+    continuing request without an SWA slot)."""
+    from kvcanary.memory import pages_nb
+
+    pools = [SWAAllocator(48, 32, page_size), SWAAllocator(48, 32, page_size)]
+    held: list[list[list[int]]] = [[], []]
+    for a, h in zip(pools, held, strict=True):
+        for n in requests:
+            out = a.alloc_extend([0], [n], t([-1])) if n else t([])
+            h.append([] if out is None else out.tolist())
+        for r in evict:  # the window left a request's first page
+            if r < len(h) and h[r]:
+                a.free_swa(t(h[r][:1]))
+    real, statuses = pages_nb.alloc_decode, []
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        out = real(*args)
+        statuses.append(out[0])
+        return out
+
+    for step in range(steps):
+        outcome = []
+        last_step = step == steps - 1
+        for which, (a, h) in enumerate(zip(pools, held, strict=True)):
+            seq = [len(s) + 1 for s in h]
+            last = [s[-1] if s else -1 for s in h]
+            if last_step and odd == "short":
+                last = last[:-1]
+            elif last_step and odd == "outside":
+                last[0] = 10_000
+            elif last_step and odd == "orphan":
+                a.free_swa(t([x for x in last if x >= 0]))
+            pages_nb.alloc_decode = (lambda *args: (pages_nb.FALL_BACK, args[1][:0], 0)) if which else spy
+            try:
+                out = a.alloc_decode(seq, t(last))
+                outcome.append(None if out is None else out.tolist())
+            except (ValueError, IndexError) as err:
+                outcome.append((type(err), str(err)))
+            finally:
+                pages_nb.alloc_decode = real
+        assert outcome[0] == outcome[1]
+        assert snapshot(pools[0]) == snapshot(pools[1])
+        assert pools[0].mapping.version == pools[1].mapping.version
+        if isinstance(outcome[0], list):
+            assert statuses[-1] == pages_nb.FUSED  # an ordinary step: the compiled call did it
+            for h in held:
+                for s, slot in zip(h, outcome[0], strict=True):
+                    s.append(slot)
+        else:
+            break

@@ -264,7 +264,7 @@ class PagedAllocator:
 
     def host_page_flags(self) -> tuple[np.ndarray, np.ndarray] | None:
         """``(allocated, quarantined)`` page flags as numpy views, for a compiled free that
-        does what :meth:`free` does (:mod:`.free_nb`; then :meth:`append_free`); None where
+        does what :meth:`free` does (:mod:`.pages_nb`; then :meth:`append_free`); None where
         :meth:`free` would not free at once in numpy (a device pool, an open free group)."""
         if self.device != HOST or self._free_group_depth:
             return None

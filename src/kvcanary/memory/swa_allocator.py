@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvcanary.memory import free_nb
+from kvcanary.memory import pages_nb
 from kvcanary.memory.allocator import PagedAllocator, _as_cpu_lens, make_allocator
 from kvcanary.memory.base import HOST, Lens, WindowedAllocator, WindowedKVPool
 from kvcanary.memory.errors import raise_if_problems
@@ -133,6 +133,25 @@ class SWAAllocator:
     def alloc_decode(
         self, seq_lens: Lens, last_locs: torch.Tensor
     ) -> torch.Tensor | None:
+        host_map = self.mapping.host_view
+        full_alloc, swa_alloc = self.full_attn_allocator, self.swa_attn_allocator
+        if (isinstance(seq_lens, list) and host_map is not None and last_locs.device == HOST
+                and full_alloc.device == HOST and swa_alloc.device == HOST):  # fmt: skip
+            # Host lengths on host pools: one compiled call (pages_nb), the same slots, pages,
+            # flags and mapping; anything it will not do runs the path below.
+            status, full_np, taken = pages_nb.alloc_decode(
+                np.asarray(seq_lens, dtype=np.int64), last_locs.reshape(-1).to(torch.int64).numpy(),
+                self.page_size, host_map, full_alloc.free_pages.numpy(),
+                full_alloc.page_allocated.numpy(), swa_alloc.free_pages.numpy(),
+                swa_alloc.page_allocated.numpy(),
+            )  # fmt: skip
+            if status == pages_nb.NO_ROOM:
+                return None
+            if status == pages_nb.FUSED:
+                full_alloc.free_pages = full_alloc.free_pages[taken:]
+                swa_alloc.free_pages = swa_alloc.free_pages[taken:]
+                self.mapping.version += 1
+                return torch.from_numpy(full_np)
         n = self.full_attn_allocator.num_new_pages_decode(seq_lens)
         if not self.new_pages_available(n, n):
             return None
@@ -224,7 +243,7 @@ class SWAAllocator:
 
     def _compiled_free_args(self) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, int] | None:
         """(page size, mapping, SWA page flags allocated / quarantined, SWA pages): what
-        :mod:`.free_nb`'s calls take after the slots; None where the numpy path runs (page
+        :mod:`.pages_nb`'s calls take after the slots; None where the numpy path runs (page
         size 1, a device mapping or SWA pool, an open free group)."""
         host_map = self.mapping.host_view
         if self.page_size == 1 or host_map is None:
@@ -245,13 +264,13 @@ class SWAAllocator:
         """:meth:`free_swa` of the full slots ``table[row, a:b]`` of each ``(row, a, b)`` in
         ``spans`` (int64 ``[n, 3]``; ``table``: the host req->token table; the mapping must
         be on the host); returns how many of those slots were mapped before (a decode
-        step's window eviction: one compiled call, :mod:`.free_nb`, where it applies)."""
+        step's window eviction: one compiled call, :mod:`.pages_nb`, where it applies)."""
         if self.mapping.host_view is None:
             raise RuntimeError("free_swa_rows: the full->SWA mapping is not on the host")
         args = self._compiled_free_args()
         if args is not None and spans.ndim == 2 and spans.shape[1] == 3:
-            status, kept, unmapped, num_mapped = free_nb.free_swa_rows(table, spans, *args)
-            if status == free_nb.FUSED:
+            status, kept, unmapped, num_mapped = pages_nb.free_swa_rows(table, spans, *args)
+            if status == pages_nb.FUSED:
                 self._compiled_free_done(kept, unmapped)
                 return int(num_mapped)
         if spans.size == 0:
@@ -262,14 +281,14 @@ class SWAAllocator:
         return num_mapped
 
     def _free_swa_host(self, full_slots: np.ndarray) -> None:
-        """:meth:`free_swa` on a host pool: in one compiled call (:mod:`.free_nb`, paged pools
+        """:meth:`free_swa` on a host pool: in one compiled call (:mod:`.pages_nb`, paged pools
         with a host mapping, no open free group), else in numpy (the same slots freed and
         unmapped, the same errors: a decode step evicts the pages that left the window)."""
         p = self.page_size
         args = self._compiled_free_args()
         if args is not None:
-            status, kept, unmapped = free_nb.free_swa_pages(full_slots, *args)
-            if status == free_nb.FUSED:
+            status, kept, unmapped = pages_nb.free_swa_pages(full_slots, *args)
+            if status == pages_nb.FUSED:
                 self._compiled_free_done(kept, unmapped)
                 return
         slots = full_slots if p == 1 else (unique_sorted(full_slots // p)[:, None] * p + np.arange(p)).reshape(-1)

@@ -1,5 +1,6 @@
-"""A decode step's SWA eviction in one compiled call (:meth:`.SWAAllocator.free_swa_rows`
-and ``free_swa`` on host pools).
+"""A decode step's page bookkeeping on host SWA pools in compiled calls: the window
+eviction (:meth:`.SWAAllocator.free_swa_rows` and ``free_swa``) and the decode allocation
+(:meth:`.SWAAllocator.alloc_decode`).
 
 ``free_swa`` of a host pool is ~25 numpy and torch calls on a few dozen slots (page ids of
 the full slots, their SWA slots, the SWA pool's free: page ids again, range and double-free
@@ -9,6 +10,9 @@ slots and the count of mapped ones: ``free_swa_rows``). It checks everything bef
 it writes anything; where numpy's path would raise or do something unusual (a negative
 slot, an SWA page out of range or already free) it writes nothing and reports it, and the
 caller runs the numpy path, which then raises (or does) exactly what it always did.
+``alloc_decode`` of host lengths is the same story on the allocation side (~15 list and
+numpy calls: pages to take from both pools, the last slots' SWA slots, the orphan check,
+both pools' slots, flags, the mapping write; ~110 us a batch-64 step).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-FUSED, FALL_BACK = 0, 1
+FUSED, FALL_BACK, NO_ROOM = 0, 1, 2
 
 
 @numba.njit(cache=True)
@@ -113,3 +117,56 @@ def free_swa_pages(full_slots, page_size, mapping, allocated, quarantined, num_p
     for s in live_slots:
         mapping[s] = 0
     return FUSED, kept, True
+
+
+@numba.njit(cache=True)
+def alloc_decode(seq_lens, last_locs, page_size, mapping, full_free, full_allocated,  # type: ignore[no-untyped-def]
+                 swa_free, swa_allocated):  # fmt: skip
+    """One slot per request for position ``seq_len - 1`` in both pools of a host SWA
+    allocator, mapped: a request whose new token starts a page takes the next free page of
+    each pool (``full_free`` / ``swa_free``: the free lists, in order), the others continue
+    their last slot (``last_locs``, full; its SWA slot through ``mapping``, -1 through the
+    sentinel). Returns ``(status, full slots, pages taken from each list)``: ``NO_ROOM``
+    (either pool short; nothing written), ``FALL_BACK`` (lengths and last slots of different
+    counts, a last slot outside the mapping, a continuing request without an SWA slot:
+    nothing written; the caller's path raises) or ``FUSED`` (flags set, mapping written; the
+    caller drops the taken pages from the free lists and bumps the mapping's version)."""
+    n = seq_lens.shape[0]
+    p = page_size
+    starts = np.empty(n, dtype=np.bool_)
+    num_new = 0
+    for i in range(n):
+        starts[i] = (seq_lens[i] - 1) % p == 0
+        num_new += starts[i]
+    if num_new > full_free.shape[0] or num_new > swa_free.shape[0]:
+        return NO_ROOM, np.empty(0, dtype=np.int64), 0
+    if last_locs.shape[0] != n:
+        return FALL_BACK, np.empty(0, dtype=np.int64), 0
+    swa_last = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        loc = last_locs[i]
+        if loc < -1 or loc >= mapping.shape[0]:
+            return FALL_BACK, np.empty(0, dtype=np.int64), 0
+        swa_last[i] = mapping[loc] if loc >= 0 else mapping[mapping.shape[0] - 1]
+        if not starts[i] and swa_last[i] <= 0:
+            return FALL_BACK, np.empty(0, dtype=np.int64), 0
+    full = np.empty(n, dtype=np.int64)
+    swa = np.empty(n, dtype=np.int64)
+    k = 0
+    for i in range(n):
+        if starts[i]:
+            full[i] = full_free[k] * p
+            swa[i] = swa_free[k] * p
+            k += 1
+        else:
+            full[i] = last_locs[i] + 1
+            swa[i] = swa_last[i] + 1
+    for i in range(n):
+        if full[i] < 0 or full[i] >= mapping.shape[0]:
+            return FALL_BACK, np.empty(0, dtype=np.int64), 0
+    for j in range(num_new):  # checked: from here on, write
+        full_allocated[full_free[j]] = True
+        swa_allocated[swa_free[j]] = True
+    for i in range(n):
+        mapping[full[i]] = swa[i]
+    return FUSED, full, num_new
