@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcanary.memory import pages_nb
 from kvcanary.memory.errors import DoubleFreeError, IntegrityError
 from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.utils import cdiv, swa_tail_len
@@ -489,6 +494,29 @@ def test_host_paths_equal_the_torch_path(page_size: int, ops: list[tuple[str, in
         assert host.mapping.version == torch_path.mapping.version
 
 
+@contextlib.contextmanager
+def _patched(name: str, replacement: Callable[..., Any]) -> Iterator[None]:
+    """``kvcanary.memory.pages_nb.<name>`` replaced for the block (restored after it)."""
+    real = getattr(pages_nb, name)
+    setattr(pages_nb, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(pages_nb, name, real)
+
+
+def _recording(name: str, statuses: list[int]) -> Callable[..., Any]:
+    """``pages_nb.<name>`` itself, appending each call's status to ``statuses``."""
+    real = getattr(pages_nb, name)
+
+    def spy(*args: Any) -> Any:
+        out = real(*args)
+        statuses.append(int(out[0]))
+        return out
+
+    return spy
+
+
 def _numpy_path(a: SWAAllocator) -> SWAAllocator:
     """``a`` with its compiled free_swa turned off (the SWA pool reports no host flags)."""
     a.swa_attn_allocator.host_page_flags = lambda: None  # type: ignore[method-assign]
@@ -510,32 +538,21 @@ def test_compiled_free_swa_equals_the_numpy_path(
     same free lists (quarantined pages left out), page flags, mapping, mapping version,
     and the same error, message included (double frees, negative and out-of-range slots,
     repeats)."""
-    from kvcanary.memory import pages_nb
-
     pools = [SWAAllocator(40, 24, page_size), _numpy_path(SWAAllocator(40, 24, page_size))]
     for a in pools:
         for n in requests:
             a.alloc_extend([0], [n], t([-1]))
         a.quarantine_swa(t(quarantine))
-    statuses = []
-    real = pages_nb.free_swa_pages
-
-    def spy(*args):  # type: ignore[no-untyped-def]
-        out = real(*args)
-        statuses.append(out[0])
-        return out
-
+    statuses: list[int] = []
     for values in frees:
         outcome = []
         for a in pools:
-            pages_nb.free_swa_pages = spy
             try:
-                a.free_swa(t(values))
+                with _patched("free_swa_pages", _recording("free_swa_pages", statuses)):
+                    a.free_swa(t(values))
                 outcome.append(None)
             except (ValueError, IndexError, DoubleFreeError) as err:
                 outcome.append((type(err), str(err)))
-            finally:
-                pages_nb.free_swa_pages = real
         assert outcome[0] == outcome[1]
         assert snapshot(pools[0]) == snapshot(pools[1])
         assert pools[0].mapping.version == pools[1].mapping.version
@@ -547,23 +564,17 @@ def test_compiled_free_swa_frees_a_window_page_in_one_call() -> None:
     """An eviction as a decode step makes it: the page's SWA slots unmapped, the SWA page
     back on the free list (a quarantined one not), the version bumped once, the full
     side untouched; freeing it again changes nothing."""
-    from kvcanary.memory import pages_nb
-
     a = SWAAllocator(64, 32, 4)
     full = a.alloc_extend([0], [12], t([-1]))
     assert full is not None
     swa = mapped(a, full)
     a.quarantine_swa(t([swa[4]]))  # the second page's SWA page: held, quarantined
     free_before, version = a.swa_attn_allocator.free_pages.tolist(), a.mapping.version
-    calls = []
-    real = pages_nb.free_swa_pages
-    pages_nb.free_swa_pages = lambda *args: calls.append(real(*args)) or calls[-1]  # type: ignore[func-returns-value]
-    try:
+    statuses: list[int] = []
+    with _patched("free_swa_pages", _recording("free_swa_pages", statuses)):
         a.free_swa(full[:8])
         a.free_swa(full[:8])  # a repeat: nothing mapped, nothing freed
-    finally:
-        pages_nb.free_swa_pages = real
-    assert [c[0] for c in calls] == [pages_nb.FUSED, pages_nb.FUSED]
+    assert statuses == [pages_nb.FUSED, pages_nb.FUSED]
     assert mapped(a, full) == [0] * 8 + swa[8:]
     assert a.swa_attn_allocator.free_pages.tolist() == free_before + [swa[0] // 4]
     assert a.mapping.version == version + 1
@@ -634,8 +645,6 @@ def test_compiled_alloc_decode_equals_the_python_path(
     and error, message included; the last step may be odd: fewer last slots than lengths,
     a last slot outside the pool, or every request's last page out of the window (a
     continuing request without an SWA slot)."""
-    from kvcanary.memory import pages_nb
-
     pools = [SWAAllocator(48, 32, page_size), SWAAllocator(48, 32, page_size)]
     held: list[list[list[int]]] = [[], []]
     for a, h in zip(pools, held, strict=True):
@@ -645,12 +654,10 @@ def test_compiled_alloc_decode_equals_the_python_path(
         for r in evict:  # the window left a request's first page
             if r < len(h) and h[r]:
                 a.free_swa(t(h[r][:1]))
-    real, statuses = pages_nb.alloc_decode, []
+    statuses: list[int] = []
 
-    def spy(*args):  # type: ignore[no-untyped-def]
-        out = real(*args)
-        statuses.append(out[0])
-        return out
+    def declined(*args: Any) -> Any:  # the kernel's answer when it will not: nothing written
+        return pages_nb.FALL_BACK, args[1][:0], 0
 
     for step in range(steps):
         outcome = []
@@ -664,14 +671,13 @@ def test_compiled_alloc_decode_equals_the_python_path(
                 last[0] = 10_000
             elif last_step and odd == "orphan":
                 a.free_swa(t([x for x in last if x >= 0]))
-            pages_nb.alloc_decode = (lambda *args: (pages_nb.FALL_BACK, args[1][:0], 0)) if which else spy
+            kernel = declined if which else _recording("alloc_decode", statuses)
             try:
-                out = a.alloc_decode(seq, t(last))
+                with _patched("alloc_decode", kernel):
+                    out = a.alloc_decode(seq, t(last))
                 outcome.append(None if out is None else out.tolist())
             except (ValueError, IndexError) as err:
                 outcome.append((type(err), str(err)))
-            finally:
-                pages_nb.alloc_decode = real
         assert outcome[0] == outcome[1]
         assert snapshot(pools[0]) == snapshot(pools[1])
         assert pools[0].mapping.version == pools[1].mapping.version
