@@ -98,17 +98,20 @@ def _linear(fn, x, w, out, si, sf):  # type: ignore[no-untyped-def]
                 out.ctypes.data, ip + 4 * _LDC)  # fmt: skip
 
 
-@numba.njit(cache=True, boundscheck=False, nogil=True, fastmath=False)
+@numba.njit(cache=True, boundscheck=False, nogil=True, fastmath=False, error_model="numpy")
 def _silu_mul(gu, inter, out, buf):  # type: ignore[no-untyped-def]
     """``out[t] = silu(gu[t, :inter]) * gu[t, inter:]`` with ``silu(g) = g / (1 + e^-g)``,
     ``e^-g`` by :func:`.attention_cpu._exp_one` (its argument clamped to ``[-87, 88]``: no
     overflow of ``2^k``) into ``buf`` (``inter`` floats), then the product: two loops a row
-    the compiler vectorises (one loop of both is not: ~4x slower)."""
+    the compiler vectorises (one loop of both is not: ~4x slower). numpy's error model:
+    numba's default checks every float division for a zero divisor (Python's
+    ``ZeroDivisionError``), which kept the product's loop scalar (``1 + e^-g >= 1``)."""
     for t in range(gu.shape[0]):
+        gate, up, row = gu[t, :inter], gu[t, inter : 2 * inter], out[t]
         for j in range(inter):
-            buf[j] = attention_cpu._exp_one(min(-gu[t, j], np.float32(88.0)))
+            buf[j] = attention_cpu._exp_one(min(-gate[j], np.float32(88.0)))
         for j in range(inter):
-            out[t, j] = gu[t, j] / (np.float32(1.0) + buf[j]) * gu[t, inter + j]
+            row[j] = gate[j] / (np.float32(1.0) + buf[j]) * up[j]
 
 
 _BAD_TOKEN = 1 << 30  # _forward_nb: a token id outside the embedding

@@ -76,37 +76,40 @@ def sq_sum_nb(row, lanes, acc):
     for j in range(_LEVELS if cascade else 1):
         for c in range(width):
             acc[j, c] = 0
+    # (Rows and segments as slices: an index ``base + c`` keeps numba's negative-index
+    # wrap-around, which left these loops scalar: [64, 128] 16.6 -> 4 us.)
+    acc0 = acc[0]
     i = 0
     while i + level_step <= size:
         for _ in range(level_step):
-            base = i * width
+            seg = row[i * width : (i + 1) * width]
             for c in range(width):
-                v = row[base + c]
-                acc[0, c] += v * v
+                acc0[c] += seg[c] * seg[c]
             i += 1
         for j in range(1, _LEVELS):
+            lower, upper = acc[j - 1], acc[j]
             for c in range(width):
-                acc[j, c] += acc[j - 1, c]
-                acc[j - 1, c] = 0
+                upper[c] += lower[c]
+                lower[c] = 0
             if (i & (level_mask << (j * level_power))) != 0:
                 break
     while i < size:
-        base = i * width
+        seg = row[i * width : (i + 1) * width]
         for c in range(width):
-            v = row[base + c]
-            acc[0, c] += v * v
+            acc0[c] += seg[c] * seg[c]
         i += 1
     for j in range(1, _LEVELS if cascade else 1):
+        upper = acc[j]
         for c in range(width):
-            acc[0, c] += acc[j, c]
+            acc0[c] += upper[c]
     for vec in range(size * _ILP, nvec):  # row_sum's remainder vectors, into partial 0
-        base = vec * lanes
+        seg = row[vec * lanes : (vec + 1) * lanes]
         for lane in range(lanes):
-            v = row[base + lane]
-            acc[0, lane] += v * v
+            acc0[lane] += seg[lane] * seg[lane]
     for k in range(1, _ILP):
+        part = acc0[k * lanes : (k + 1) * lanes]
         for lane in range(lanes):
-            acc[0, lane] += acc[0, k * lanes + lane]
+            acc0[lane] += part[lane]
     total = np.float32(0)
     for e in range(nvec * lanes, d):  # the elements past the last whole vector
         v = row[e]
