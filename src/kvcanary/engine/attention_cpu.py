@@ -351,7 +351,10 @@ def _extend_task(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, windo
     vectors, :func:`~kvcanary.numba_simd.axpy4`: the output row in registers across the
     keys; a tiny-swa prefill chunk of 4096 tokens, both compiled in one process, medians of
     8 alternated runs: a full layer 4079 -> 3583 us, a windowed one 2275 -> 2222; on those
-    chunks the outputs were bit for bit the four-keys-a-pass loop's). Its scores with keys
+    chunks the outputs were bit for bit the four-keys-a-pass loop's). The scores read K
+    through slices of ``kt``'s rows, the softmax's maximum and sum by the row reductions
+    (session 32, the same chunks, 16 alternated calls: full 3121 -> 2658 us, windowed 2174
+    -> 2073). Its scores with keys
     in the lanes by the same kernel (32 keys' scores in registers across the dims) measured
     1.5-2x slower: short rows leave it loop overhead."""
     dim = q.shape[2]
@@ -393,14 +396,16 @@ def _extend_task(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, windo
             e = 0
             while e + 4 <= dim:  # four dims a pass: one load and store of a score per 4 FMAs
                 x0, x1, x2, x3 = q_row[e], q_row[e + 1], q_row[e + 2], q_row[e + 3]
+                # (slices: an index lo + j keeps numba's wrap-around and compiles scalar)
+                k0, k1, k2, k3 = kt[e, lo:c + 1], kt[e + 1, lo:c + 1], kt[e + 2, lo:c + 1], kt[e + 3, lo:c + 1]
                 for j in range(n):
-                    scores[j] += (x0 * kt[e, lo + j] + x1 * kt[e + 1, lo + j]
-                                  + x2 * kt[e + 2, lo + j] + x3 * kt[e + 3, lo + j])  # fmt: skip
+                    scores[j] += x0 * k0[j] + x1 * k1[j] + x2 * k2[j] + x3 * k3[j]
                 e += 4
             while e < dim:
                 x0 = q_row[e]
+                k0 = kt[e, lo:c + 1]
                 for j in range(n):
-                    scores[j] += x0 * kt[e, lo + j]
+                    scores[j] += x0 * k0[j]
                 e += 1
             peak = row_max(scores2, 0, n)
             for j in range(n):
