@@ -134,55 +134,72 @@ def _ints(*values: Any) -> bool:
     return all(isinstance(v, types.Integer) for v in values)
 
 
-@intrinsic
-def _dot8(typingctx: Any, q_rows: Any, i: Any, k_buf: Any, h: Any, slots: Any, b: Any,
-         j0: Any, cnt: Any, scores: Any, scale: Any) -> Any:  # fmt: skip
-    """``scores[i, j0 + k] = scale * (q_rows[i, :] . k_buf[slots[b, j0 + k], h, :])`` for
-    ``k < 8``; lanes ``k >= cnt`` use key ``j0`` (a valid slot) and their scores are not
-    meant to be read. ``q_rows`` / ``scores`` 2-D, ``k_buf`` 3-D float32, ``slots`` 2-D
-    integers, ``scale`` float32."""
-    if not (_float_arrays(q_rows, k_buf, scores) and q_rows.ndim == 2 and k_buf.ndim == 3
-            and scores.ndim == 2 and isinstance(slots, types.Array) and slots.ndim == 2
-            and isinstance(slots.dtype, types.Integer) and _ints(i, h, b, j0, cnt)
-            and scale == types.float32):  # fmt: skip
-        return None
-    sig = types.void(q_rows, i, k_buf, h, slots, b, j0, cnt, scores, scale)
+def _make_dot8(rows: int) -> Any:
+    """The intrinsic scoring 8 keys for ``rows`` query rows that share a KV head
+    (:func:`dot8`, :func:`dot8x2`): each K vector loaded once for all of them."""
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        qt, it, kt, ht, st, bt, jt, ct, sct, _ = signature.args
-        qv, iv, kv, hv, sv, bv, jv, cv, scv, scale_v = args
-        i_, h_, b_, j_, c_ = _indices(context, builder, [(it, iv), (ht, hv), (bt, bv), (jt, jv), (ct, cv)])
-        intp = i_.type
-        zero = ir.Constant(intp, 0)
-        dim = builder.extract_value(context.make_array(kt)(context, builder, kv).shape, 2)
-        rows = []
-        for k in range(LANES):
-            kk = ir.Constant(intp, k)
-            col = builder.select(builder.icmp_signed("<", kk, c_), builder.add(j_, kk), j_)
-            slot = load_index(context, builder, st, sv, [b_, col])
-            rows.append(array_pointer(context, builder, kt, kv, [slot, h_, zero]))
-        q_row = array_pointer(context, builder, qt, qv, [i_, zero])
+    def dot(typingctx: Any, q_rows: Any, i: Any, k_buf: Any, h: Any, slots: Any, b: Any,
+            j0: Any, cnt: Any, scores: Any, scale: Any) -> Any:  # fmt: skip
+        if not (_float_arrays(q_rows, k_buf, scores) and q_rows.ndim == 2 and k_buf.ndim == 3
+                and scores.ndim == 2 and isinstance(slots, types.Array) and slots.ndim == 2
+                and isinstance(slots.dtype, types.Integer) and _ints(i, h, b, j0, cnt)
+                and scale == types.float32):  # fmt: skip
+            return None
+        sig = types.void(q_rows, i, k_buf, h, slots, b, j0, cnt, scores, scale)
 
-        def body(e: Any, accs: list[Any]) -> list[Any]:
-            qx = _load8(builder, builder.gep(q_row, [e]))
-            return [_fma(builder, qx, _load8(builder, builder.gep(r, [e])), a)
-                    for r, a in zip(rows, accs, strict=True)]  # fmt: skip
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            qt, it, kt, ht, st, bt, jt, ct, sct, _ = signature.args
+            qv, iv, kv, hv, sv, bv, jv, cv, scv, scale_v = args
+            i_, h_, b_, j_, c_ = _indices(context, builder, [(it, iv), (ht, hv), (bt, bv), (jt, jv), (ct, cv)])
+            intp = i_.type
+            zero = ir.Constant(intp, 0)
+            dim = builder.extract_value(context.make_array(kt)(context, builder, kv).shape, 2)
+            keys = []
+            for k in range(LANES):
+                kk = ir.Constant(intp, k)
+                col = builder.select(builder.icmp_signed("<", kk, c_), builder.add(j_, kk), j_)
+                slot = load_index(context, builder, st, sv, [b_, col])
+                keys.append(array_pointer(context, builder, kt, kv, [slot, h_, zero]))
+            row_ids = [builder.add(i_, ir.Constant(intp, r)) for r in range(rows)]
+            q_ptrs = [array_pointer(context, builder, qt, qv, [r, zero]) for r in row_ids]
 
-        accs = _loop(builder, zero, dim, LANES, [ir.Constant(_V8, [0.0] * LANES)] * LANES, body)
-        total = builder.fmul(_sum_lanes(builder, accs), _splat(builder, scale_v))
-        out = array_pointer(context, builder, sct, scv, [i_, j_])
-        builder.store(total, vector_pointer(builder, out, _V8), align=4)
-        return context.get_dummy_value()
+            def body(e: Any, accs: list[Any]) -> list[Any]:
+                ks = [_load8(builder, builder.gep(p, [e])) for p in keys]
+                out = []
+                for r, q_ptr in enumerate(q_ptrs):
+                    qx = _load8(builder, builder.gep(q_ptr, [e]))
+                    out += [_fma(builder, qx, kx, a)
+                            for kx, a in zip(ks, accs[r * LANES : (r + 1) * LANES], strict=True)]  # fmt: skip
+                return out
 
-    return sig, codegen
+            zeros = [ir.Constant(_V8, [0.0] * LANES)] * (LANES * rows)
+            accs = _loop(builder, zero, dim, LANES, zeros, body)
+            for r, row in enumerate(row_ids):
+                total = builder.fmul(_sum_lanes(builder, accs[r * LANES : (r + 1) * LANES]),
+                                     _splat(builder, scale_v))  # fmt: skip
+                out = array_pointer(context, builder, sct, scv, [row, j_])
+                builder.store(total, vector_pointer(builder, out, _V8), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    dot.__name__ = dot.__qualname__ = "dot8" if rows == 1 else f"dot8x{rows}"
+    return intrinsic(dot)
 
 
-# (the intrinsics as their callers see them: their typing context argument confuses mypy)
-dot8: Any = _dot8
+dot8: Any = _make_dot8(1)
+"""``scores[i, j0 + k] = scale * (q_rows[i, :] . k_buf[slots[b, j0 + k], h, :])`` for ``k <
+8``; lanes ``k >= cnt`` use key ``j0`` (a valid slot) and their scores are not meant to be
+read. ``q_rows`` / ``scores`` 2-D, ``k_buf`` 3-D float32, ``slots`` 2-D integers, ``scale``
+float32."""
+dot8x2: Any = _make_dot8(2)
+""":data:`dot8` of rows ``i`` and ``i + 1`` (both of KV head ``h``: a GQA group's heads),
+each K vector loaded once for both; each row's scores are :data:`dot8`'s bits."""
 
 
-def _make_axpy(vectors: int) -> Any:
-    """The intrinsic adding ``vectors`` x 8 floats of V rows (:func:`axpy4`, :func:`axpy1`)."""
+def _make_axpy(vectors: int, rows: int = 1) -> Any:
+    """The intrinsic adding ``vectors`` x 8 floats of V rows into ``rows`` accumulator rows
+    (:func:`axpy4`, :func:`axpy1`, :func:`axpy4x2`, :func:`axpy1x2`)."""
 
     def axpy(typingctx: Any, acc: Any, i: Any, e0: Any, scores: Any, v_buf: Any, h: Any,
              slots: Any, b: Any, j0: Any, j1: Any) -> Any:  # fmt: skip
@@ -198,15 +215,23 @@ def _make_axpy(vectors: int) -> Any:
             i_, e_, h_, b_, j_, end = _indices(context, builder, [
                 (it, iv), (et, ev), (ht, hv), (bt, bv), (jt, jv), (j1t, j1v)])  # fmt: skip
             intp = i_.type
-            row = array_pointer(context, builder, at, av, [i_, e_])
-            chunks = [builder.gep(row, [ir.Constant(intp, LANES * c)]) for c in range(vectors)]
+            row_ids = [builder.add(i_, ir.Constant(intp, r)) for r in range(rows)]
+            chunks = []
+            for row in row_ids:
+                base = array_pointer(context, builder, at, av, [row, e_])
+                chunks += [builder.gep(base, [ir.Constant(intp, LANES * c)]) for c in range(vectors)]
 
             def body(j: Any, accs: list[Any]) -> list[Any]:
-                p = _splat(builder, builder.load(array_pointer(context, builder, sct, scv, [i_, j])))
                 slot = load_index(context, builder, st, sv, [b_, j])
                 v_row = array_pointer(context, builder, vt, vv, [slot, h_, e_])
-                return [_fma(builder, p, _load8(builder, builder.gep(v_row, [ir.Constant(intp, LANES * c)])), a)
-                        for c, a in enumerate(accs)]  # fmt: skip
+                vs = [_load8(builder, builder.gep(v_row, [ir.Constant(intp, LANES * c)]))
+                      for c in range(vectors)]  # fmt: skip
+                out = []
+                for r, row in enumerate(row_ids):
+                    p = _splat(builder, builder.load(array_pointer(context, builder, sct, scv, [row, j])))
+                    out += [_fma(builder, p, vx, a)
+                            for vx, a in zip(vs, accs[r * vectors : (r + 1) * vectors], strict=True)]  # fmt: skip
+                return out
 
             accs = _loop(builder, j_, end, 1, [_load8(builder, c) for c in chunks], body)
             for c, a in zip(chunks, accs, strict=True):
@@ -215,7 +240,7 @@ def _make_axpy(vectors: int) -> Any:
 
         return sig, codegen
 
-    axpy.__name__ = axpy.__qualname__ = f"axpy{vectors}"
+    axpy.__name__ = axpy.__qualname__ = f"axpy{vectors}" + (f"x{rows}" if rows > 1 else "")
     return intrinsic(axpy)
 
 
@@ -224,6 +249,11 @@ axpy4 = _make_axpy(4)
 e0 : e0 + 32]`` (``acc`` / ``scores`` 2-D, ``v_buf`` 3-D float32, ``slots`` 2-D integers)."""
 axpy1 = _make_axpy(1)
 """As :data:`axpy4`, 8 floats ``[e0, e0 + 8)``."""
+axpy4x2 = _make_axpy(4, 2)
+""":data:`axpy4` of rows ``i`` and ``i + 1`` (both of KV head ``h``), each V vector loaded
+once for both; each row's sums are :data:`axpy4`'s bits."""
+axpy1x2 = _make_axpy(1, 2)
+"""As :data:`axpy4x2`, 8 floats."""
 
 
 def _make_row_reduce(kind: str) -> Any:

@@ -59,7 +59,9 @@ from kvcanary.model import norm_cpu
 from kvcanary.model.norm_cpu import SQ_SUM_SCRATCH
 from kvcanary.model.rope_cpu import rope_head_nb
 from kvcanary.numba_prefetch import prefetch
-from kvcanary.numba_simd import LANES, axpy1, axpy4, dot8, f32_from_bits, row_max, row_sum
+from kvcanary.numba_simd import (
+    LANES, axpy1, axpy1x2, axpy4, axpy4x2, dot8, dot8x2, f32_from_bits, row_max, row_sum,
+)
 
 # bs x kv heads x keys x dim below which one thread does the work.
 PARALLEL_MIN_WORK = 1 << 15
@@ -145,6 +147,7 @@ def _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts):  # type:
     n = max(num_keys[b], 1)
     vec = dim % LANES == 0 and k_buf.strides[2] == 4 and v_buf.strides[2] == 4
     step = LANES if vec else 1
+    rows = 2 if vec and group % 2 == 0 else 1  # query rows a vector call takes
     scores = np.empty((nq, (n + LANES - 1) // LANES * LANES), dtype=np.float32)
     acc_out = np.zeros((nq, dim), dtype=np.float32)
     q_rows = np.empty((nq, dim), dtype=np.float32)  # (q may be a strided view: read once)
@@ -162,9 +165,11 @@ def _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts):  # type:
                 _prefetch_rows(k_buf, slots[b, j], h0, h1, dim)
             for j in range(j0, j1):  # (read after the softmax: cached by then)
                 _prefetch_rows(v_buf, slots[b, j], h0, h1, dim)
-        for i in range(nq):
+        for i in range(0, nq, rows):
             h = h0 + i // group
-            if vec:
+            if rows == 2:  # two heads of a group: each K vector loaded once for both
+                dot8x2(q_rows, i, k_buf, h, slots, b, j0, j1 - j0, scores, scale)
+            elif vec:
                 dot8(q_rows, i, k_buf, h, slots, b, j0, j1 - j0, scores, scale)
             else:
                 s = slots[b, j0]
@@ -181,9 +186,17 @@ def _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts):  # type:
         totals[i] = row_sum(scores, i, n)
     for j0 in range(0, n, step):
         j1 = min(j0 + step, n)
-        for i in range(nq):
+        for i in range(0, nq, rows):
             h = h0 + i // group
-            if vec:
+            if rows == 2:
+                e0 = 0
+                while e0 + 4 * LANES <= dim:
+                    axpy4x2(acc_out, i, e0, scores, v_buf, h, slots, b, j0, j1)
+                    e0 += 4 * LANES
+                while e0 < dim:
+                    axpy1x2(acc_out, i, e0, scores, v_buf, h, slots, b, j0, j1)
+                    e0 += LANES
+            elif vec:
                 e0 = 0
                 while e0 + 4 * LANES <= dim:
                     axpy4(acc_out, i, e0, scores, v_buf, h, slots, b, j0, j1)
@@ -234,7 +247,7 @@ def _decode_layer(qkv, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,
         return _LAYER_REFUSED
     q = np.empty((bs, num_heads, dim), dtype=np.float32)
     for t in prange(bs):  # 1. rope (and q/k norm) of q and k; k and v stored at loc
-        a = np.empty(2 * dim, dtype=np.float32)  # (rope_head_nb's scratch: two rows)
+        a = np.empty(dim, dtype=np.float32)  # (rope_head_nb's scratch: a row)
         acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
         for h in range(num_heads):
             rope_head_nb(qkv, t, h, weight, has_weight, norm_eps, lanes, cos, sin, q[t, h], a,
