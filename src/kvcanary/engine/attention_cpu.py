@@ -60,7 +60,16 @@ from kvcanary.model.norm_cpu import SQ_SUM_SCRATCH
 from kvcanary.model.rope_cpu import rope_head_nb
 from kvcanary.numba_prefetch import prefetch
 from kvcanary.numba_simd import (
-    LANES, axpy1, axpy1x2, axpy4, axpy4x2, dot8, dot8x2, f32_from_bits, row_max, row_sum,
+    LANES,
+    axpy1,
+    axpy1x2,
+    axpy4,
+    axpy4x2,
+    dot8,
+    dot8x2,
+    f32_from_bits,
+    row_max,
+    row_sum,
 )
 
 # bs x kv heads x keys x dim below which one thread does the work.
