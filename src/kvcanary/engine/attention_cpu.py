@@ -55,9 +55,7 @@ import torch
 from numba import prange
 
 from kvcanary import numba_parallel
-from kvcanary.model import norm_cpu
-from kvcanary.model.norm_cpu import SQ_SUM_SCRATCH
-from kvcanary.model.rope_cpu import rope_head_nb
+from kvcanary.model import norm_cpu, rope_cpu
 from kvcanary.numba_prefetch import prefetch
 from kvcanary.numba_simd import (
     LANES,
@@ -74,6 +72,8 @@ from kvcanary.numba_simd import (
 
 # bs x kv heads x keys x dim below which one thread does the work.
 PARALLEL_MIN_WORK = 1 << 15
+# _decode_layer's rope runs on threads from this many tokens (rope_cpu's own threshold).
+_ROPE_PARALLEL_MIN = rope_cpu._PARALLEL_MIN_TOKENS
 # _decode_layer's status when it did nothing (a shape or a slot it does not take).
 _LAYER_REFUSED = -2
 # _attend asks for a key's K rows this many keys before it reads them (one block of the
@@ -254,21 +254,25 @@ def _decode_layer(qkv, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,
     bad = _check_reads(slots, num_keys, num_slots, bs)
     if bad >= 0:
         return _LAYER_REFUSED
-    q = np.empty((bs, num_heads, dim), dtype=np.float32)
-    for t in prange(bs):  # 1. rope (and q/k norm) of q and k; k and v stored at loc
-        a = np.empty(dim, dtype=np.float32)  # (rope_head_nb's scratch: a row)
-        acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
-        for h in range(num_heads):
-            rope_head_nb(qkv, t, h, weight, has_weight, norm_eps, lanes, cos, sin, q[t, h], a,
-                         acc)  # fmt: skip
+    # 1. rope (and q/k norm) of the q and k heads in one call of rope_cpu's pass (its own
+    # float rounding: not this function's fastmath; its threads from _ROPE_PARALLEL_MIN
+    # tokens), then k and v stored at loc. A per-head call of a compiled function from here
+    # cost ~100 ns a head in argument passing and reference counts: a tiny-swa batch-64
+    # layer's rope 33-39 -> ~15 us.
+    q_k = np.empty((bs, first_v, dim), dtype=np.float32)
+    if bs >= _ROPE_PARALLEL_MIN:
+        rope_cpu._rope_parallel(qkv[:, :first_v], weight, has_weight, norm_eps, lanes, cos, sin, q_k)
+    else:
+        rope_cpu._rope(qkv[:, :first_v], weight, has_weight, norm_eps, lanes, cos, sin, q_k)
+    q = q_k[:, :num_heads]
+    for t in prange(bs):
         s = loc[t]
         for h in range(kv_heads):
-            rope_head_nb(qkv, t, num_heads + h, weight, has_weight, norm_eps, lanes, cos, sin,
-                         k_buf[s, h], a, acc)  # fmt: skip
             for e in range(dim):
+                k_buf[s, h, e] = q_k[t, num_heads + h, e]
                 v_buf[s, h, e] = qkv[t, first_v + h, e]
                 if k_out.shape[0]:  # the stored k rows, for the caller too
-                    k_out[t, h, e] = k_buf[s, h, e]
+                    k_out[t, h, e] = q_k[t, num_heads + h, e]
     for task in prange(bs * parts):  # 2. attention, as _decode_attention
         _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts)
     return -1

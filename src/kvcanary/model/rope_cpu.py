@@ -31,56 +31,44 @@ from kvcanary.model.norm_cpu import SQ_SUM_SCRATCH, inv_rms_nb
 
 
 @numba.njit(cache=True, inline="always")
-def _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, dst, a, acc):
-    """Head ``h`` of token ``t`` of ``x``, normed, weighted and rotated, into the row ``dst``
-    (``a`` ``[>= dim]``, ``acc``: scratch). The normed, weighted row goes to ``a[:dim]``,
-    then each half of the rotation is a loop of its own that the compiler vectorises
-    (writing both halves in one loop it did not: a ``[4096, 6, 32]`` rotation alone, one
-    thread, 1.0 -> 0.6 ms), with the same products and sums, so the same bits. Slices, not
-    ``d + half`` indices (numba keeps the wrap-around of an index it cannot prove
-    non-negative, which compiles scalar): Qwen3-0.6B's 128-wide heads 241-252 -> 207-212 ns
-    a head (one thread, 64 tokens x 24 heads, alternated); tiny-swa's 32-wide ones within
-    noise (~190 ns, a fixed cost per head that the loops are not)."""
+def _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, dst, dt, dh, a, acc):
+    """Head ``h`` of token ``t`` of ``x``, normed, weighted and rotated, into the row
+    ``dst[dt, dh]`` (``a`` ``[>= dim]``, ``acc``: scratch). The normed, weighted row goes to ``a[:dim]``
+    (``x * 1`` is exact: an absent norm or weight changes no bit), then each half of the
+    rotation is a loop of its own that the compiler vectorises (writing both halves in one
+    loop it did not: a ``[4096, 6, 32]`` rotation alone, one thread, 1.0 -> 0.6 ms), with
+    the same products and sums, so the same bits. Offsets past ``half`` are unsigned (numba
+    keeps the wrap-around of a signed index it cannot prove non-negative, which compiles
+    scalar) and no slice is taken but the norm's row: each view costs two atomic reference
+    counts (a tiny-swa decode layer's 64 x 6 heads on two threads: ~25 -> ~7 us without the
+    norm)."""
     dim = x.shape[2]
     half = dim // 2
-    # Three loops over slices (an index such as d + half keeps numba's negative-index
-    # wrap-around and compiles scalar): the row normed and weighted (x * 1 is exact, so
-    # an absent norm or weight changes no bit), then each half of the rotation.
-    src, row = x[t, h], a[:dim]
-    r = inv_rms_nb(src, norm_eps, lanes, acc) if lanes else np.float32(1.0)
+    u = np.uint64  # (unsigned offsets: no wrap-around code, which compiles scalar)
+    r = inv_rms_nb(x[t, h], norm_eps, lanes, acc) if lanes else np.float32(1.0)
     if has_weight:
-        w = weight[h]
         for d in range(dim):
-            row[d] = (src[d] * r) * w[d]
+            a[d] = (x[t, h, d] * r) * weight[h, d]
     else:
         for d in range(dim):
-            row[d] = src[d] * r
-    lo, hi = row[:half], row[half:dim]
-    c, s = cos[t], sin[t]
-    c_lo, c_hi, s_lo, s_hi = c[:half], c[half:dim], s[:half], s[half:dim]
-    out_lo, out_hi = dst[:half], dst[half:dim]
+            a[d] = x[t, h, d] * r
     for d in range(half):
-        out_lo[d] = lo[d] * c_lo[d] + hi[d] * s_lo[d]
+        dst[dt, dh, d] = a[d] * cos[t, d] + a[u(half) + u(d)] * sin[t, d]
     for d in range(half):
-        out_hi[d] = hi[d] * c_hi[d] + lo[d] * s_hi[d]
+        e = u(half) + u(d)
+        dst[dt, dh, e] = a[e] * cos[t, e] + a[d] * sin[t, e]
 
 
 @numba.njit(cache=True, inline="always")
 def _rope_token(x, t, weight, has_weight, norm_eps, lanes, cos, sin, out, a, acc):
     for h in range(x.shape[1]):
-        _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, out[t, h], a, acc)
+        _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, out, t, h, a, acc)
 
 
+# fastmath=False set, not left to the default: a compiled caller built with fastmath (the
+# decode layer, kvcanary.engine.attention_cpu) would otherwise compile these with its flags,
+# and their float rounding must stay rope()'s (the same bits).
 @numba.njit(cache=True, boundscheck=False, nogil=True, fastmath=False)
-def rope_head_nb(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, dst, a, acc):
-    """:func:`_rope_head` as a function of its own, for compiled callers built with
-    ``fastmath`` (the decode layer pass, :mod:`kvcanary.engine.attention_cpu`): its float
-    operations keep their IEEE rounding (``fastmath=False`` set here, so not inherited from
-    the caller; fast-math flags are per instruction), the same bits as :func:`rope`."""
-    _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, dst, a, acc)
-
-
-@numba.njit(cache=True, boundscheck=False, nogil=True)
 def _rope(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
     a = np.empty(x.shape[2], dtype=np.float32)
     acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
@@ -88,7 +76,7 @@ def _rope(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
         _rope_token(x, t, weight, has_weight, norm_eps, lanes, cos, sin, out, a, acc)
 
 
-@numba.njit(cache=True, boundscheck=False, nogil=True, parallel=True)
+@numba.njit(cache=True, boundscheck=False, nogil=True, parallel=True, fastmath=False)
 def _rope_parallel(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
     for t in prange(x.shape[0]):
         a = np.empty(x.shape[2], dtype=np.float32)
