@@ -218,6 +218,9 @@ def test_silu_mul_within_a_few_ulps_of_torch() -> None:
     want = F.silu(gu[:, :inter]) * gu[:, inter:]
     assert np.isfinite(out).all()
     torch.testing.assert_close(torch.from_numpy(out), want, rtol=4e-7 * 8, atol=1e-30)
+    split = np.full((5, inter), np.nan, dtype=np.float32)  # rows among the threads: the same bits
+    decode_cpu._silu_mul_parallel(gu.numpy(), inter, split)
+    assert np.array_equal(split, out)
 
 
 @pytest.mark.parametrize("where", ["module", "global"])
