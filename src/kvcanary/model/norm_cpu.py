@@ -79,7 +79,7 @@ def sq_sum_nb(row, lanes, acc):
     # (Unsigned offsets: numba keeps the negative-index wrap-around of a signed index it
     # cannot prove non-negative, such as base + c, which compiled these loops scalar; and
     # no slices: a view costs two atomic reference counts, ~130 ns a 32-wide RoPE head in
-    # all. [64, 128] rows 17 -> ~12 us.)
+    # all. [64, 128] rows, one thread, 16.4 -> 13.1 us, two 8.2 -> 6.5.)
     u = np.uint64
     i = 0
     while i + level_step <= size:
