@@ -121,6 +121,37 @@ def test_kernel_matches_attention_with_peaked_scores() -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("kernel", ["decode", "extend"])
+def test_nan_in_the_cache_gives_nan_where_sdpa_does(where: str, kernel: str) -> None:
+    """A NaN in one K or V row (a corrupted cache): the heads that read it come out NaN, as
+    the gathered SDPA's do, and the rest are still SDPA's; nothing raises (numba's default
+    error model raised ZeroDivisionError from the softmax's sum)."""
+    gen = torch.Generator().manual_seed(11)
+    bs, heads, kv_heads, dim, keys = 3, 4, 2, 32, 20
+    k_buf = torch.randn(bs * keys + 1, kv_heads, dim, generator=gen)
+    v_buf = torch.randn(bs * keys + 1, kv_heads, dim, generator=gen)
+    slots = torch.arange(1, bs * keys + 1).view(bs, keys)
+    num_keys = torch.full((bs,), keys)
+    (k_buf if where == "k" else v_buf)[slots[1, 4], 1, 7] = float("nan")  # request 1, KV head 1
+    scale = 1 / math.sqrt(dim)
+    if kernel == "decode":
+        q = torch.randn(bs, heads, dim, generator=gen)
+        want = _reference(q, k_buf, v_buf, slots, num_keys, scale)
+        got = attention_cpu.decode_attention(q, k_buf, v_buf, slots, num_keys, scale)
+    else:  # each request's last query, which sees every key
+        q = torch.randn(bs, heads, dim, generator=gen)
+        want = _reference(q, k_buf, v_buf, slots, num_keys, scale)
+        got = attention_cpu.extend_attention(
+            q, k_buf, v_buf, slots.numpy(), num_keys.numpy(), np.arange(bs), np.ones(bs, dtype=np.int64),
+            np.full(bs, keys - 1), 0, scale,
+        )  # fmt: skip
+    nan_heads = torch.isnan(want).any(dim=2)
+    assert nan_heads.sum() == heads // kv_heads and bool(nan_heads[1, 2:].all())  # the reference's
+    assert torch.equal(torch.isnan(got).any(dim=2), nan_heads)
+    torch.testing.assert_close(got[~nan_heads], want[~nan_heads], rtol=1e-5, atol=1e-5)
+
+
 def test_applies_only_to_cpu_float32() -> None:
     q, kv = torch.zeros(2, 4, 8), torch.zeros(10, 2, 8)
     assert attention_cpu.applies(q, kv, kv)

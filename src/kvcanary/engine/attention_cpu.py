@@ -143,8 +143,8 @@ def _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts):  # type:
     a slot table's jumps between pages). Scores and weighted sums by
     :mod:`kvcanary.numba_simd`'s vector kernels (8 keys' scores a call, the output rows in
     registers across a block), softmax's maximum and sum by its row reductions (8 lanes a
-    step; 64 requests x 160 keys, the compiled call alone, 301 -> 273 us warm). Each head's sums run in the same order whatever ``parts``:
-    the same bits."""
+    step; 64 requests x 160 keys, the compiled call alone, 301 -> 273 us warm). Each head's
+    sums run in the same order whatever ``parts``: the same bits."""
     dim = q.shape[2]
     kv_heads = k_buf.shape[1]
     group = q.shape[1] // kv_heads
@@ -284,9 +284,11 @@ def _compile(fn, parallel: bool):  # type: ignore[no-untyped-def]
     (and serve each other) one cache entry."""
     copy = types.FunctionType(fn.__code__, fn.__globals__)
     copy.__qualname__ = copy.__name__ = f"{fn.__name__[1:]}_{'parallel' if parallel else 'serial'}"
-    return numba.njit(parallel=parallel, fastmath=True, boundscheck=False, nogil=True, cache=True)(
-        copy
-    )
+    # numpy's error model: a NaN in a K / V row (a corrupted cache) makes the softmax's sum
+    # NaN or 0 and the outputs of the heads reading it NaN, as SDPA's; numba's default
+    # raised ZeroDivisionError out of the forward instead.
+    return numba.njit(parallel=parallel, fastmath=True, boundscheck=False, nogil=True, cache=True,
+                      error_model="numpy")(copy)  # fmt: skip
 
 
 _serial = _compile(_decode_attention, False)
