@@ -135,13 +135,11 @@ def test_nan_in_the_cache_gives_nan_where_sdpa_does(where: str, kernel: str) -> 
     num_keys = torch.full((bs,), keys)
     (k_buf if where == "k" else v_buf)[slots[1, 4], 1, 7] = float("nan")  # request 1, KV head 1
     scale = 1 / math.sqrt(dim)
+    q = torch.randn(bs, heads, dim, generator=gen)
+    want = _reference(q, k_buf, v_buf, slots, num_keys, scale)
     if kernel == "decode":
-        q = torch.randn(bs, heads, dim, generator=gen)
-        want = _reference(q, k_buf, v_buf, slots, num_keys, scale)
         got = attention_cpu.decode_attention(q, k_buf, v_buf, slots, num_keys, scale)
     else:  # each request's last query, which sees every key
-        q = torch.randn(bs, heads, dim, generator=gen)
-        want = _reference(q, k_buf, v_buf, slots, num_keys, scale)
         got = attention_cpu.extend_attention(
             q, k_buf, v_buf, slots.numpy(), num_keys.numpy(), np.arange(bs), np.ones(bs, dtype=np.int64),
             np.full(bs, keys - 1), 0, scale,
