@@ -102,15 +102,22 @@ def test_softmax_exp_within_a_few_ulps() -> None:
     assert ((got[~live] >= 0) & (got[~live] <= math.exp(-87) * 1.000001)).all()
 
 
+def _contiguous_tables(gen: torch.Generator, bs: int, kv_heads: int, dim: int, keys: int,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Random K / V buffers of ``bs * keys`` slots (and slot 0), each request's ``keys``
+    slots in a row from 1 on: (k_buf, v_buf, slots [bs, keys], num_keys [bs])."""
+    k_buf = torch.randn(bs * keys + 1, kv_heads, dim, generator=gen)
+    v_buf = torch.randn(bs * keys + 1, kv_heads, dim, generator=gen)
+    slots = torch.arange(1, bs * keys + 1).view(bs, keys)
+    return k_buf, v_buf, slots, torch.full((bs,), keys)
+
+
 def test_kernel_matches_attention_with_peaked_scores() -> None:
     """Scores hundreds apart (a query aligned with one key): the other weights underflow in
     both, the kernel's result is still SDPA's."""
     gen = torch.Generator().manual_seed(7)
     bs, heads, kv_heads, dim, keys = 3, 4, 2, 32, 50
-    k_buf = torch.randn(bs * keys + 1, kv_heads, dim, generator=gen)
-    v_buf = torch.randn(bs * keys + 1, kv_heads, dim, generator=gen)
-    slots = torch.arange(1, bs * keys + 1).view(bs, keys)
-    num_keys = torch.full((bs,), keys)
+    k_buf, v_buf, slots, num_keys = _contiguous_tables(gen, bs, kv_heads, dim, keys)
     q = 60 * torch.randn(bs, heads, dim, generator=gen)
     want = _reference(q, k_buf, v_buf, slots, num_keys, 1 / math.sqrt(dim))
     got = attention_cpu.decode_attention(q, k_buf, v_buf, slots, num_keys, 1 / math.sqrt(dim))
@@ -129,10 +136,7 @@ def test_nan_in_the_cache_gives_nan_where_sdpa_does(where: str, kernel: str) -> 
     error model raised ZeroDivisionError from the softmax's sum)."""
     gen = torch.Generator().manual_seed(11)
     bs, heads, kv_heads, dim, keys = 3, 4, 2, 32, 20
-    k_buf = torch.randn(bs * keys + 1, kv_heads, dim, generator=gen)
-    v_buf = torch.randn(bs * keys + 1, kv_heads, dim, generator=gen)
-    slots = torch.arange(1, bs * keys + 1).view(bs, keys)
-    num_keys = torch.full((bs,), keys)
+    k_buf, v_buf, slots, num_keys = _contiguous_tables(gen, bs, kv_heads, dim, keys)
     (k_buf if where == "k" else v_buf)[slots[1, 4], 1, 7] = float("nan")  # request 1, KV head 1
     scale = 1 / math.sqrt(dim)
     q = torch.randn(bs, heads, dim, generator=gen)
