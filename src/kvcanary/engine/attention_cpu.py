@@ -72,8 +72,6 @@ from kvcanary.numba_simd import (
 
 # bs x kv heads x keys x dim below which one thread does the work.
 PARALLEL_MIN_WORK = 1 << 15
-# _decode_layer's rope runs on threads from this many tokens (rope_cpu's own threshold).
-_ROPE_PARALLEL_MIN = rope_cpu._PARALLEL_MIN_TOKENS
 # _decode_layer's status when it did nothing (a shape or a slot it does not take).
 _LAYER_REFUSED = -2
 # _attend asks for a key's K rows this many keys before it reads them (one block of the
@@ -255,15 +253,12 @@ def _decode_layer(qkv, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,
     if bad >= 0:
         return _LAYER_REFUSED
     # 1. rope (and q/k norm) of the q and k heads in one call of rope_cpu's pass (its own
-    # float rounding: not this function's fastmath; its threads from _ROPE_PARALLEL_MIN
-    # tokens), then k and v stored at loc. A per-head call of a compiled function from here
+    # float rounding: not this function's fastmath; its threads from rope's token count),
+    # then k and v stored at loc. A per-head call of a compiled function from here
     # cost ~100 ns a head in argument passing and reference counts: a tiny-swa batch-64
     # layer's rope 33-39 -> ~15 us.
     q_k = np.empty((bs, first_v, dim), dtype=np.float32)
-    if bs >= _ROPE_PARALLEL_MIN:
-        rope_cpu._rope_parallel(qkv[:, :first_v], weight, has_weight, norm_eps, lanes, cos, sin, q_k)
-    else:
-        rope_cpu._rope(qkv[:, :first_v], weight, has_weight, norm_eps, lanes, cos, sin, q_k)
+    rope_cpu.rope_nb(qkv[:, :first_v], weight, has_weight, norm_eps, lanes, cos, sin, q_k)
     q = q_k[:, :num_heads]
     for t in prange(bs):
         s = loc[t]

@@ -91,6 +91,18 @@ def _rope_parallel(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
 _PARALLEL_MIN_TOKENS = 16
 
 
+@numba.njit(cache=True, inline="always")
+def rope_nb(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
+    """:func:`rope`'s pass for a compiled caller (the decode layer,
+    :mod:`kvcanary.engine.attention_cpu`), on threads from the same token count; ``out``
+    ``[tokens, heads, dim]``. The passes keep their own float rounding (``fastmath=False``
+    set on them), whatever the caller's flags."""
+    if x.shape[0] >= _PARALLEL_MIN_TOKENS:
+        _rope_parallel(x, weight, has_weight, norm_eps, lanes, cos, sin, out)
+    else:
+        _rope(x, weight, has_weight, norm_eps, lanes, cos, sin, out)
+
+
 def applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether :func:`rope` takes these (else the torch path): CPU float32 ``x [tokens,
     heads, dim]`` with an even ``dim``, outside ``torch.compile`` tracing."""
