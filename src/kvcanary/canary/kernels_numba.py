@@ -167,7 +167,7 @@ _VERIFY_BLOCK = 256  # row-plan entries whose records are gathered together
 _PREFETCH_ENTRIES = 16
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _row_may_violate(rec, slots, tokens, real, first, count, first_position, check_token,
                      block):  # fmt: skip
     """Whether an entry of a row-plan row, but its first, may violate (exact bits: see
@@ -242,7 +242,7 @@ def _split_hashes(slots, words0, words1, words2, words3, meta, num_sources, thre
     return real
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _part_clean(rec, slots, tokens, real, requests, r, a, b, check_token, num_sources, block):
     """Whether entries ``[a, b)`` of row ``r`` of a row plan surely have no violation (the
     fast check: the row's first entry's exact bits, when ``a`` is it, then
@@ -296,7 +296,7 @@ def _split_rows(requests, num_rows, slots, tokens, check_token, rec,
     return real, clean
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _verify_rows_kernel(
     requests, num_rows, entries, num_entries, check_token, tag,
     rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index, runs, processed,
@@ -353,7 +353,7 @@ def _verify_rows_kernel(
     return 0
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _write_kernel(
     requests, num_reqs, token_ids, positions, slots,
     check_inputs, expected_token_ids, expected_positions, position_assert, tag,
@@ -428,7 +428,7 @@ def _write_kernel(
     return num_written
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _launch_rows_kernel(
     v_requests, v_rows, v_entries, v_num_entries, check_token,
     w_requests, w_reqs, token_ids, positions, w_slots, do_write, check_inputs,

@@ -318,7 +318,7 @@ def check_source_ranges(hi, words0, words1, words2, words3, meta, num_sources):
         _check_range(hi, words3, meta[3, 0])
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def real_kv_hashes_nb(slots, words0, words1, words2, words3, meta, num_sources):
     """numba: field 3 for every slot (0 for negative slots), one pass per source (the
     arguments of :func:`numba_source_args`).

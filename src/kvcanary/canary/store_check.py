@@ -120,7 +120,7 @@ def _rows_readable(addr, step, row_bytes, n):
     return addr % 8 == 0 and row_bytes % 8 == 0 and (n <= 1 or (step % 8 == 0 and step >= row_bytes))
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _fold_rows(addr, step, row_bytes, n, num_words, loc, intended, target):
     """``intended[t]`` = the fold of the first ``num_words`` words of row ``t`` (``n`` rows at
     ``addr``, ``step`` bytes apart: :func:`_rows_readable`), ``target[t] = loc[t]``."""
@@ -211,7 +211,7 @@ def _observe_rows_nb(kv, num_words, loc, intended, target):
     _observe_nb(kv.reshape(n, kv.size // n).view(np.int64), num_words, loc, intended, target)
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _check_nb(requests, num_reqs, slots, token_ids, positions, intended, target, stored, rec,
               ring, ring_index, tag):  # fmt: skip
     num_sources = intended.shape[0]
