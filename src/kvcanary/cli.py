@@ -1,6 +1,6 @@
 """kvcanary: a runtime KV-cache integrity canary, and the hybrid sliding-window engine it guards.
 
-Subcommands: run | serve | selftest | explain | bench (overhead, engine, serve, prealloc).
+Subcommands: run | serve | warmup | selftest | explain | bench (overhead, engine, serve, prealloc).
 Also ``python -m kvcanary``.
 
 Defaults come from the config dataclasses; bad values are rejected before anything starts,
@@ -33,8 +33,9 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=_W.input_len,
                    help="max prompt length; prompts vary in [input_len/2, input_len] (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=_W.output_len, help="new tokens per request (default: %(default)s)")
-    p.add_argument("--shared-prefix-len", type=int, default=_W.shared_prefix_len,
-                   help="tokens every prompt shares (default: %(default)s)")
+    p.add_argument("--shared-prefix-len", type=int, default=None,
+                   help=f"tokens every prompt shares (default: half of --input-len, at most "
+                        f"{_W.shared_prefix_len})")
 
 
 @contextlib.contextmanager
@@ -61,7 +62,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
     from kvcanary.report import emit
     from kvcanary.run import run_workload
 
-    spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
+    spec = WorkloadSpec.from_flags(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
     for flag, out in (("--json", a.json), ("--metrics-file", a.metrics_file)):
         if out and not Path(out).resolve().parent.is_dir():
             raise ValueError(f"{flag} {show(out)}: directory {show(str(Path(out).parent))} does not exist")
@@ -84,6 +85,30 @@ def _cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_warmup(a: argparse.Namespace) -> int:
+    from kvcanary.report import emit
+    from kvcanary.warmup import warm_engine
+
+    if a.json and not Path(a.json).resolve().parent.is_dir():
+        raise ValueError(f"--json {show(a.json)}: directory {show(str(Path(a.json).parent))} does not exist")
+    config = engine_config_from_args(a)
+    with _log_to_stderr(a.log_level):
+        report = warm_engine(config, progress=not a.no_progress)
+    if report.skipped is not None:
+        raise ValueError(f"warm-up skipped: {report.skipped}")
+    summary = {
+        "model": config.model,
+        "kv_canary": config.canary.mode,
+        "kernels_compiled": report.compiles.num_compiled,
+        "compile_s": round(report.compiles.compile_s, 3),
+        "wall_s": round(report.wall_s, 3),
+        "skipped": report.skipped,
+        "compiled": {c.name: round(c.seconds, 3) for c in report.compiles.compiles},
+    }
+    emit("kvcanary warmup", summary, a.json)
+    return 0
+
+
 def _cmd_serve(a: argparse.Namespace) -> int:
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port={show(a.port)} is invalid: allowed an integer in [0, 65535]")
@@ -97,9 +122,14 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     if a.api_key is not None and not a.api_key:
         raise ValueError('--api-key="" is invalid: allowed a non-empty string')
     config = engine_config_from_args(a)  # bad flags fail here, before anything starts
+    from kvcanary.warmup import warm_engine
+
     with _log_to_stderr(a.log_level):
+        # The port opens at once; /health says "starting" and requests get a 503 until every
+        # kernel the engine calls is compiled (no request waits on a compile).
         app = create_app(Engine(config), served_model_name=a.served_model_name, api_key=a.api_key,
-                         max_queued_requests=a.max_queued_requests)  # fmt: skip
+                         max_queued_requests=a.max_queued_requests,
+                         warmup=lambda: warm_engine(config, progress=True))  # fmt: skip
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level or "info")
     return 0
 
@@ -247,7 +277,7 @@ def _cmd_bench_serve(a: argparse.Namespace) -> int:
     from kvcanary.report import emit
 
     _set_threads(a.threads)
-    spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
+    spec = WorkloadSpec.from_flags(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
     try:
         with _log_to_stderr(a.log_level):
             summary = bench_serve(engine_config_from_args(a), spec, concurrency=a.concurrency,
@@ -303,6 +333,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kvcanary's and uvicorn's log level (default: uvicorn's info, "
                             "kvcanary's own lines hidden)")
     serve.set_defaults(func=_cmd_serve)
+
+    warmup = sub.add_parser(
+        "warmup", help="compile (into numba's on-disk cache) every kernel the engine calls with "
+                       "these flags, so that run / serve start without compiling (e.g. in a "
+                       "container build)")
+    add_engine_flags(warmup)
+    warmup.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
+    warmup.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    warmup.add_argument("--log-level", choices=("debug", "info", "warning"), default=None,
+                        help="print kvcanary's log lines at this level to stderr")
+    warmup.set_defaults(func=_cmd_warmup)
 
     from kvcanary.canary.perturb.config import PERTURB_MODES
     from kvcanary.selftest import SELFTEST_MODELS

@@ -10,7 +10,9 @@ entered by two Python threads at once, and ``numba.set_num_threads`` is per thre
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numba
@@ -67,9 +69,35 @@ def run_parallel(kernel: Any, *args: Any) -> Any:
         return kernel(*args)
 
 
+_compile_both = False
+
+
+@contextlib.contextmanager
+def compiling_both() -> Iterator[None]:
+    """Inside the block, :func:`run` also compiles the variant it does not call, for these
+    arguments' types (the warm-up's small work takes the serial one; a larger batch later
+    takes the threaded one, which must not compile then). The threaded variant only where
+    there are threads to run it."""
+    global _compile_both
+    old, _compile_both = _compile_both, True
+    try:
+        yield
+    finally:
+        _compile_both = old
+
+
+def _compile_for(kernel: Any, args: tuple[Any, ...]) -> None:
+    kernel.compile(tuple(numba.typeof(a) for a in args))
+
+
 def run(serial: Any, parallel: Any, split: bool, *args: Any) -> Any:
     """``parallel(*args)`` (:func:`run_parallel`) when the caller's work is big enough to
     ``split`` and there are threads to split it among, else ``serial(*args)``."""
-    if split and parallel_threads() > 1:
+    threaded = parallel_threads() > 1
+    if _compile_both:
+        _compile_for(serial, args)
+        if threaded:
+            _compile_for(parallel, args)
+    if split and threaded:
         return run_parallel(parallel, *args)
     return serial(*args)

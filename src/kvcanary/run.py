@@ -12,6 +12,7 @@ from kvcanary.engine.engine import Engine, RequestOutput
 from kvcanary.engine.pool_check import check_engine_pools, check_workload
 from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.memory.swa_pool import BaseSWAKVPool
+from kvcanary.warmup import warm_engine
 from kvcanary.workload import WorkloadSpec, make_prompts
 
 
@@ -21,8 +22,11 @@ def run_workload(
     """Run every request to completion; return the summary (stable JSON keys) and engine.
 
     The progress bar counts tokens (prompt tokens with KV + output tokens), so it moves
-    with every forward rather than with each finished request."""
+    with every forward rather than with each finished request. Before the engine starts,
+    every kernel it will call is compiled (:func:`kvcanary.warmup.warm_engine`: a bar of
+    its own while anything compiles; nothing shown with a warm cache)."""
     check_workload(config, spec)
+    warm = warm_engine(config, progress=progress)
     engine = Engine(config)
     prompts = make_prompts(spec, engine.runner.vocab_size)
     check_engine_pools(engine, max(map(len, prompts)), spec.output_len)
@@ -43,7 +47,10 @@ def run_workload(
     bar.update(total - bar.n)
     bar.close()
     engine.check_integrity()
-    return summarize(engine, outs, wall), engine
+    summary = summarize(engine, outs, wall)
+    summary["warmup_s"] = warm.wall_s
+    summary["warmup_kernels_compiled"] = warm.compiles.num_compiled
+    return summary, engine
 
 
 def summarize(engine: Engine, outs: list, wall_s: float) -> dict[str, Any]:

@@ -20,6 +20,15 @@ class WorkloadSpec:
     shared_prefix_len: int = 128
     seed: int = 0
 
+    @classmethod
+    def from_flags(cls, num_requests: int, input_len: int, output_len: int,
+                   shared_prefix_len: int | None, seed: int) -> WorkloadSpec:  # fmt: skip
+        """The spec of the command-line flags: ``--shared-prefix-len`` not given defaults to
+        :func:`default_shared_prefix_len` of ``--input-len`` (a given one is checked)."""
+        if shared_prefix_len is None:
+            shared_prefix_len = default_shared_prefix_len(input_len)
+        return cls(num_requests, input_len, output_len, shared_prefix_len, seed)
+
     def __post_init__(self) -> None:
         for name, lo in (("num_requests", 1), ("input_len", 1), ("output_len", 1), ("shared_prefix_len", 0)):
             v = getattr(self, name)
@@ -31,6 +40,14 @@ class WorkloadSpec:
                 f"--shared-prefix-len={self.shared_prefix_len} is invalid: allowed values "
                 f"< --input-len ({self.input_len})"
             )
+
+
+def default_shared_prefix_len(input_len: int) -> int:
+    """Half of ``input_len``, at most the dataclass default (128): valid for any
+    ``input_len >= 1``."""
+    default = WorkloadSpec.__dataclass_fields__["shared_prefix_len"].default
+    assert isinstance(default, int)
+    return max(0, min(default, input_len // 2))
 
 
 def make_prompts(spec: WorkloadSpec, vocab_size: int) -> list[list[int]]:

@@ -9,6 +9,9 @@ slot_mapping); a corrupted block table entry is reported."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -184,3 +187,41 @@ def test_a_token_id_the_scheduler_sent_differently_is_reported_through_the_batch
     rows = v.violations()
     assert rows and {r.fail_reasons for r in rows} == {("verify_token",)}
     assert {(r.slot_idx, r.position) for r in rows} == {(v.blocks["a"][1] * BS, 4)}  # block 1, offset 0
+
+
+def warm_worker_scenario(extra: dict[str, Any]) -> None:
+    from kvcanary.integrations.vllm.warmup import warm_worker
+    from kvcanary.warmup import loaded_kernels
+
+    spec = GroupSpec(0, ("layer0",), BS, HEADS, DIM, None)
+    kv = torch.zeros(BLOCKS, HEADS, BS, 2 * DIM)
+    config = parse_options(extra).canary
+    report = warm_worker(config, [spec], {"layer0": kv})
+    assert report.skipped is None
+    warm = loaded_kernels()
+    assert any(".fused_rows." in name for name, _ in warm)
+    assert any("vllm.worker._batch_nb" in name for name, _ in warm)
+    fake = FakeVllm()
+    fake.worker = VllmCanaryWorker(config, [spec], {"layer0": kv})
+    for i in range(3):
+        fake.add(f"r{i}", list(range(1 + i, 12 + 5 * i)))
+    fake.step(["r0", "r1"])
+    fake.step(["r1", "r0", "r2"])
+    for _ in range(BS + 1):
+        fake.step(["r2", "r0", "r1"])
+    fake.step(["r2", "r1"], finished=("r0",))
+    assert fake.violations() == []
+    assert sorted(map(str, loaded_kernels() - warm)) == []
+    assert not torch.any(kv)  # the warm-up wrote nothing into the cache
+
+
+@pytest.mark.parametrize("extra", [{"mode": "log"}, {"mode": "raise", "real_data": "partial", "v_half": True}])
+def test_warm_worker_compiles_every_kernel_the_worker_calls(extra: dict[str, Any]) -> None:
+    """After the connector's start-up warm-up (synthetic steps on a throwaway worker over
+    the same layer tensors), a worker's real steps, in a fresh process, need no kernel the
+    warm-up did not compile or load: nothing compiles in a forward."""
+    here = str(Path(__file__).parent)
+    code = (f"import sys; sys.path[:0] = [{here!r}]; import test_vllm_worker_rows as t; "
+            f"t.warm_worker_scenario({extra!r})")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]

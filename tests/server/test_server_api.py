@@ -254,3 +254,51 @@ def test_server_stream_rejected_prompt_is_a_400_before_streaming(client: TestCli
     r = client.post("/v1/completions", json={"prompt": "x" * 300, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert "allowed prompt tokens + max_tokens <= 256" in r.json()["error"]["message"]
+
+
+def test_server_answers_while_warming_up_and_serves_once_warm() -> None:
+    """Until the warm-up returns: /health says "starting", a servable request gets a 503
+    with Retry-After (it never waits on a compile), a bad one its 400 at once; after it,
+    the same requests are served."""
+    release, started = threading.Event(), threading.Event()
+
+    def warmup() -> None:
+        started.set()
+        assert release.wait(60)
+
+    engine = Engine(EngineConfig(**CFG))
+    with TestClient(create_app(engine, warmup=warmup)) as c:
+        assert started.wait(10)
+        health = c.get("/health")
+        assert (health.status_code, health.json()) == (503, {"status": "starting"})
+        r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["code"] == "server_starting"
+        bad = c.post("/v1/completions", json={"prompt": [1, 10**9], "max_tokens": 4})
+        assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"]
+        too_long = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 10**4})
+        assert too_long.status_code == 400 and "max_context_len=256" in too_long.text
+        assert engine.queue_lengths() == (0, 0)  # nothing was queued
+        release.set()
+        for _ in range(200):
+            if c.get("/health").status_code == 200:
+                break
+            threading.Event().wait(0.05)
+        assert c.get("/health").json() == {"status": "ok"}
+        body = _complete(c, prompt=[1, 2, 3], max_tokens=4, ignore_eos=True)
+        assert len(body["choices"][0]["token_ids"]) == 4
+        assert c.post("/v1/completions", json={"prompt": [1, 10**9]}).status_code == 400
+
+
+def test_server_starts_even_when_the_warm_up_fails() -> None:
+    def warmup() -> None:
+        raise RuntimeError("injected warm-up failure")
+
+    with TestClient(create_app(Engine(EngineConfig(**CFG)), warmup=warmup)) as c:
+        for _ in range(200):
+            if c.get("/health").status_code == 200:
+                break
+            threading.Event().wait(0.05)
+        assert c.get("/health").json() == {"status": "ok"}
+        body = _complete(c, prompt=[4, 5], max_tokens=3, ignore_eos=True)
+        assert len(body["choices"][0]["token_ids"]) == 3

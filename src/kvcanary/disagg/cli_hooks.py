@@ -86,7 +86,7 @@ def run_disagg(a: argparse.Namespace, config: EngineConfig | None = None) -> dic
         max_total_tokens=a.decode_max_total_tokens or config.max_total_tokens,
         swa_full_tokens_ratio=a.decode_swa_full_tokens_ratio or config.swa_full_tokens_ratio,
     )
-    spec = WorkloadSpec(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
+    spec = WorkloadSpec.from_flags(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
     prompts = make_prompts(spec, load_model_config(config.model).vocab_size)
     params = SamplingParams(max_new_tokens=spec.output_len, ignore_eos=True)
     bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=getattr(a, "no_progress", False))

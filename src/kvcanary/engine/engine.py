@@ -109,6 +109,13 @@ class Engine:
         self.scheduler.add(req)
         return rid
 
+    def check_request(self, prompt: Prompt, params: SamplingParams | None = None) -> None:
+        """Raise what :meth:`add_request` would raise for this request (``ValueError``:
+        an empty prompt, token ids out of range, too long for the context or the pools),
+        without queueing it or changing any state."""
+        params = params or SamplingParams()
+        self.scheduler.check(Req(rid=-1, prompt_ids=self._encode(prompt), params=params))
+
     def step(self) -> list[RequestOutput]:
         """One forward; the requests that finished in it."""
         finished = self.scheduler.step()

@@ -67,6 +67,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ api
     def add(self, req: Req) -> None:
+        self.check(req)
+        self.waiting.append(req)
+
+    def check(self, req: Req) -> None:
+        """Raise :class:`ContextLengthError` / :class:`RequestTooLargeError` when ``req`` can
+        never run here (its context past the limit, or more KV than the pools hold even
+        alone); changes nothing."""
         limit = self.runner.max_context_len
         if req.seq_len + req.params.max_new_tokens > limit:
             raise ContextLengthError(
@@ -83,7 +90,6 @@ class Scheduler:
                 f"({req.params.max_new_tokens}) needs {need.num_full_tokens} full / "
                 f"{need.num_swa_tokens} SWA KV tokens even alone; the pools hold {full} / {swa}"
             )
-        self.waiting.append(req)
 
     def adopt(self, req: Req) -> None:
         """A request whose KV is already in place (a disaggregated decode worker's, after

@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -38,6 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvcanary.config import DEFAULT_MAX_QUEUED_REQUESTS
 from kvcanary.engine.engine import Engine, RequestOutput
+from kvcanary.model.tokenizer import TokenizerUnavailableError
 from kvcanary.server import protocol as P
 from kvcanary.server import responses as R
 from kvcanary.server.engine_loop import (
@@ -53,6 +56,7 @@ from kvcanary.server.protocol import BadRequest, GenerateRequest, error_body
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 RETRY_AFTER_S = 1
+log = logging.getLogger(__name__)
 _PROTECTED = ("/v1/", "/generate")  # what --api-key guards (health and metrics stay open)
 
 
@@ -63,12 +67,20 @@ def create_app(
     api_key: str | None = None,
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    warmup: Callable[[], Any] | None = None,
 ) -> FastAPI:
     """An app serving ``engine``, which it owns from now on (through one loop thread).
 
     ``api_key``: clients must send ``Authorization: Bearer <api_key>``. At most
     ``max_running_requests + max_queued_requests`` requests (``n`` counts each copy) are in
-    flight; more get a 503. Bodies over ``max_body_bytes`` get a 413."""
+    flight; more get a 503. Bodies over ``max_body_bytes`` get a 413.
+
+    ``warmup``: run on a thread of its own when the server starts (``kvcanary serve``: compile
+    every kernel the engine calls, :func:`kvcanary.warmup.warm_engine`); until it returns,
+    ``/health`` answers 503 ``{"status": "starting"}``, generation requests get a 503 with
+    Retry-After (bad ones still their 400), and the engine loop has not started, so no
+    request ever waits on a compile. A warm-up that raises is logged and the server starts
+    anyway (its kernels then compile at first use)."""
     if max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests={max_queued_requests} is invalid: allowed an integer >= 0")
     if api_key is not None and not api_key:
@@ -80,12 +92,29 @@ def create_app(
     capacity = engine.config.max_running_requests + max_queued_requests
     decode = engine.tokenizer.decode
 
+    ready, closing = threading.Event(), threading.Event()
+
+    def start() -> None:
+        try:
+            if warmup is not None:
+                warmup()
+        except Exception:  # never keep the server down for the warm-up's sake
+            log.exception("kvcanary serve: warm-up failed; kernels compile at first use")
+        finally:
+            if not closing.is_set():  # (a server stopped mid-warm-up never starts its loop)
+                loop.start()
+                ready.set()
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        loop.start()
+        if warmup is None:
+            start()
+        else:
+            threading.Thread(target=start, name="kvcanary-warmup", daemon=True).start()
         try:
             yield
         finally:
+            closing.set()
             await asyncio.to_thread(loop.stop)
 
     app = FastAPI(title="kvcanary", lifespan=lifespan)
@@ -109,7 +138,19 @@ def create_app(
         return await call_next(request)
 
     # ------------------------------------------------------------------ requests
-    def admit(n: int) -> None:
+    def admit(req: GenerateRequest) -> None:
+        n = req.n
+        if not ready.is_set():
+            # The loop has not started: the engine is this thread's to check requests
+            # against, so a bad one gets its 400 now, not a 503 and a 400 on retry.
+            try:
+                for params in req.copies():
+                    engine.check_request(req.prompt, params)
+            except (ValueError, TokenizerUnavailableError) as e:
+                raise P.engine_error(e) from None
+            raise HTTPError(503, "server starting: compiling kernels (first start; cached "
+                            f"afterwards); retry after {RETRY_AFTER_S} s", "server_error",
+                            "server_starting", {"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
         if not loop.alive:
             raise HTTPError(503, f"the engine loop is not running: {loop.error or 'stopped'}",
                             "server_error", "engine_unavailable")  # fmt: skip
@@ -131,7 +172,7 @@ def create_app(
         return subs
 
     async def run(req: GenerateRequest) -> list[RequestOutput]:
-        admit(req.n)
+        admit(req)
         subs = submissions(req, None)
         futures = [asyncio.wrap_future(loop.submit(s)) for s in subs]
         try:
@@ -153,7 +194,7 @@ def create_app(
         """Server-sent events: ``opening``, ``render(i, progress)`` per step of choice i,
         ``finish(outputs)`` after the last, then ``[DONE]``. Raises the request's 400 before
         the response starts when the engine rejects it."""
-        admit(req.n)
+        admit(req)
         aloop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Progress | BaseException]] = asyncio.Queue()
 
@@ -278,6 +319,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if not ready.is_set():
+            return JSONResponse({"status": "starting"}, status_code=503)
         if loop.alive:
             return JSONResponse({"status": "ok"})
         why = f"{type(loop.error).__name__}: {loop.error}" if loop.error else "engine loop not running"

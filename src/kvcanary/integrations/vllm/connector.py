@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from kvcanary.integrations.vllm.warmup import WorkerWarmup
     from kvcanary.integrations.vllm.worker import VllmCanaryWorker
 
 logger = logging.getLogger("kvcanary.canary")
@@ -98,6 +99,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 "layers); use mode 'log' or 'raise'"
             )
         self.worker: VllmCanaryWorker | None = None
+        self.warmup: WorkerWarmup | None = None  # the kernels' compile at start-up
         # The group whose slots identify a batch row's request (as VllmCanaryWorker's).
         self._key_group = next((s.index for s in self.specs if s.sliding_window is None), 0)
         self._head_done = False
@@ -120,8 +122,19 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvcanary.integrations.vllm.worker import VllmCanaryWorker  # numba: see .meta
+        from kvcanary.integrations.vllm.warmup import warm_worker  # numba: see .meta
+        from kvcanary.integrations.vllm.worker import VllmCanaryWorker
 
+        # Compile every kernel the canary calls now, at worker start-up, not in the first
+        # forward (numba's on-disk cache makes it a load after the first run).
+        logger.info("kv-canary (vLLM): compiling the canary's kernels (first run, cached afterwards)")
+        warm = warm_worker(self.options.canary, self.specs, kv_caches)
+        logger.info(
+            "kv-canary (vLLM): kernels ready in %.1f s (%d compiled in %.1f s, the rest from "
+            "the cache)%s", warm.wall_s, warm.num_compiled, warm.compile_s,
+            f"; warm-up skipped: {warm.skipped}" if warm.skipped else "",
+        )  # fmt: skip
+        self.warmup = warm
         self.worker = VllmCanaryWorker(self.options.canary, self.specs, kv_caches)
         logger.info(
             "kv-canary (vLLM): installed on %d KV cache group(s) %s, %d blocks, config=%s",

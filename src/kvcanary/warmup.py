@@ -1,0 +1,219 @@
+"""Compile ahead: every numba kernel a configuration's forwards call, before its first request.
+
+Numba compiles a kernel at its first call (or loads it from the on-disk cache,
+:mod:`kvcanary.numba_cache`). Left to itself that first call is inside the first request's
+forward, where a cold compile costs a minute or more. :func:`warm_engine` moves it ahead:
+it builds a throwaway engine from the caller's configuration (the same model, pool kinds,
+page size, canary modes) with small pools and runs a tiny workload through it that takes
+every path a real workload takes (chunked prefill in real-sized chunks, a prefix-cache hit, batched decode,
+window eviction, a sampled request). Kernels whose serial or threaded variant is picked by
+the work's size are compiled in both (:func:`kvcanary.numba_parallel.compiling_both`), so a
+larger batch later finds its variant compiled too.
+
+A compile shows on stderr as a progress bar that moves with every kernel numba compiles
+(``compiling kernels (first run, cached afterwards): 12 kernel [00:31, rope_cpu._rope]``);
+with a warm cache nothing compiles and nothing is printed. Users: ``kvcanary run`` and
+``kvcanary serve`` (before the first request is admitted), ``kvcanary warmup`` (on demand, e.g.
+in a container build), and the vLLM connector's worker (:mod:`kvcanary.integrations.vllm`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+from tqdm import tqdm
+
+from kvcanary.canary.config import CanaryConfig
+from kvcanary.config import EngineConfig, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_LARGE_CHUNK = 256  # tokens: past every size threshold of the CPU kernels at any model width
+COMPILE_DESC = "compiling kernels (first run, cached afterwards)"
+_PACKAGE = "kvcanary."
+
+
+class KernelCompile(NamedTuple):
+    name: str  # module.qualname, module without the "kvcanary." prefix
+    seconds: float  # wall time of the compile, its callees' compiles included
+
+
+@dataclasses.dataclass
+class CompileLog:
+    """The kvcanary kernels numba compiled (not loaded from the cache) while it watched."""
+
+    compiles: list[KernelCompile] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_compiled(self) -> int:
+        return len(self.compiles)
+
+    @property
+    def compile_s(self) -> float:
+        return sum(c.seconds for c in self.compiles)
+
+    def names(self) -> list[str]:
+        return [c.name for c in self.compiles]
+
+
+def _kernel_name(ev: Any) -> str | None:
+    """``module.qualname`` of a compile event's function when it is kvcanary's own."""
+    py_func = getattr(ev.data.get("dispatcher"), "py_func", None)
+    module = getattr(py_func, "__module__", "") or ""
+    if py_func is None or not module.startswith(_PACKAGE):
+        return None
+    return f"{module[len(_PACKAGE) :]}.{py_func.__qualname__}"
+
+
+@contextlib.contextmanager
+def watch_compiles(progress: bool = False, desc: str = COMPILE_DESC) -> Iterator[CompileLog]:
+    """Record every kvcanary kernel numba compiles inside the block (outermost compiles: a
+    kernel's callees compile inside it and count with it). ``progress``: a bar on stderr,
+    opened at the first compile, that counts the kernels and names the one compiling now."""
+    from numba.core import event
+
+    out = CompileLog()
+    stack: list[tuple[str | None, float]] = []
+    bar: tqdm[Any] | None = None
+
+    class _Listener(event.Listener):
+        def on_start(self, ev: Any) -> None:
+            nonlocal bar
+            name = _kernel_name(ev)
+            stack.append((name, time.perf_counter()))
+            if not progress or name is None:
+                return
+            if bar is None:
+                bar = tqdm(desc=desc, unit="kernel", file=sys.stderr, dynamic_ncols=True)
+            bar.set_postfix_str(name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1])
+
+        def on_end(self, ev: Any) -> None:
+            name, t0 = stack.pop()
+            if stack or name is None:
+                return
+            out.compiles.append(KernelCompile(name, time.perf_counter() - t0))
+            if bar is not None:
+                bar.update(1)
+
+    try:
+        with event.install_listener("numba:compile", _Listener()):
+            yield out
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def loaded_kernels() -> set[tuple[str, Any]]:
+    """Every (kvcanary kernel ``module.qualname``, signature) this process has compiled or
+    loaded from the cache. (A compile event misses a cache load; tests compare these sets
+    before and after a workload to prove a warm-up missed no kernel, warm cache or not.)"""
+    from numba.core.dispatcher import Dispatcher
+
+    out: set[tuple[str, Any]] = set()
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not mod_name.startswith(_PACKAGE):
+            continue
+        for obj in list(vars(mod).values()):
+            if isinstance(obj, Dispatcher):
+                name = f"{obj.py_func.__module__}.{obj.py_func.__qualname__}"
+                out.update((name, sig) for sig in obj.overloads)
+    return out
+
+
+def eager_canary(canary: CanaryConfig) -> CanaryConfig:
+    """``canary`` with its periodic passes (sweep, SWA divergence) due every step, so a
+    short warm-up runs (and compiles) them too."""
+    if not canary.enabled:
+        return canary
+    return dataclasses.replace(
+        canary,
+        sweep_interval=1 if canary.sweep_interval > 0 else canary.sweep_interval,
+        swa_divergence_interval=(
+            1 if canary.swa_divergence_interval > 0 else canary.swa_divergence_interval
+        ),
+    )
+
+
+class WarmupReport(NamedTuple):
+    wall_s: float  # the whole warm-up: engine build, forwards, compiles
+    compiles: CompileLog
+    skipped: str | None  # why nothing ran (the configuration cannot take the tiny workload)
+
+
+def warmup_config(config: EngineConfig) -> tuple[EngineConfig, int, int]:
+    """(the throwaway engine's config, prompt length, new tokens a request) for ``config``:
+    its model, page size, pool kinds and canary modes, with pools sized for the tiny
+    workload, chunks of a few pages (so a prompt takes several), and the canary's periodic
+    passes due every step."""
+    from kvcanary.model.loader import load_model_config
+
+    mc = load_model_config(config.model)
+    page = config.page_size
+    window = max((mc.window_of(i) or 0 for i in mc.swa_layer_ids), default=0)
+    # Chunks as large as a real prefill's (up to _LARGE_CHUNK tokens): a kernel picked by the
+    # input's size (norm_cpu past _MAX_ELEMENTS without threads: the torch norm, then rope
+    # on a contiguous input) takes the large path too.
+    chunk = config.chunked_prefill_size
+    if chunk > 0:
+        chunk = min(chunk, max(4 * page, _LARGE_CHUNK))
+    limit = config.max_context_len or mc.max_position_embeddings
+    # Longer than the window plus a page (window eviction in prefill and decode), two chunks
+    # at least, within the context length.
+    new_tokens = max(2 * page + 1, 4)
+    prompt_len = max(window + 2 * page + 3, max(chunk, page) + page + 1)
+    prompt_len = max(2, min(prompt_len, limit - new_tokens))
+    per_request = prompt_len + new_tokens + 2 * page
+    num_full = 4 * per_request
+    ratio = config.swa_full_tokens_ratio
+    if window and ratio > 0:
+        num_full = max(num_full, int(4 * (window + max(chunk, page) + 3 * page) / ratio) + page)
+    canary = eager_canary(config.canary)
+    warm = dataclasses.replace(
+        config,
+        max_total_tokens=min(config.max_total_tokens, num_full)
+        if config.max_total_tokens > 0
+        else num_full,
+        max_running_requests=min(config.max_running_requests, 4),
+        chunked_prefill_size=chunk,
+        canary=canary,
+    )
+    return warm, prompt_len, new_tokens
+
+
+def warm_engine(config: EngineConfig, progress: bool = True) -> WarmupReport:
+    """Compile (or load from the cache) every kernel ``config``'s engine calls, by running a
+    tiny workload through a throwaway engine built from it (module doc). Never fails the
+    caller for the workload's sake: a configuration whose pools cannot take it is reported in
+    ``skipped`` (its kernels then compile at first use, as without a warm-up)."""
+    from kvcanary import numba_parallel
+    from kvcanary.engine.engine import Engine
+    from kvcanary.engine.errors import KVPoolTooSmallError
+
+    t0 = time.perf_counter()
+    warm, prompt_len, new_tokens = warmup_config(config)
+    with watch_compiles(progress) as compiles, numba_parallel.compiling_both():
+        try:
+            engine = Engine(warm)
+        except (ValueError, KVPoolTooSmallError) as exc:
+            return WarmupReport(time.perf_counter() - t0, compiles, f"{exc}")
+        vocab = engine.runner.vocab_size
+        prefix = [(7 * i + 3) % vocab for i in range(prompt_len)]
+        prompts = [prefix[:-1] + [(prefix[-1] + k) % vocab] for k in range(3)]
+        greedy = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        sampled = dataclasses.replace(greedy, temperature=0.8, top_k=8, top_p=0.9, seed=1)
+        try:
+            engine.generate(prompts[:1], greedy)  # prefill in chunks, decode at batch 1
+            engine.generate(prompts[1:], [greedy, sampled])  # prefix hits, batched decode
+        except (ValueError, KVPoolTooSmallError) as exc:
+            return WarmupReport(time.perf_counter() - t0, compiles, f"{exc}")
+    report = WarmupReport(time.perf_counter() - t0, compiles, None)
+    if compiles.num_compiled:
+        log.info("compiled %d kernels in %.1f s (cached for later runs)",
+                 compiles.num_compiled, compiles.compile_s)  # fmt: skip
+    return report

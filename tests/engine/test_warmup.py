@@ -1,0 +1,120 @@
+"""Compile ahead (kvcanary.warmup): after warm_engine(config) a real workload on that
+configuration compiles no kernel; the compile watcher sees compiles; both size variants of a
+split kernel are compiled while warming; workload defaults adapt to --input-len."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numba
+import numpy as np
+import pytest
+
+from kvcanary import EngineConfig, numba_parallel
+from kvcanary.canary.config import CanaryConfig
+from kvcanary.cli import main
+from kvcanary.run import run_workload
+from kvcanary.warmup import loaded_kernels, warm_engine, warmup_config, watch_compiles
+from kvcanary.workload import WorkloadSpec
+
+# The demo's configuration (Makefile `demo`): window eviction, SWA tombstones, retraction.
+DEMO = EngineConfig(model="builtin:tiny-swa", page_size=4, swa_full_tokens_ratio=0.125,
+                    canary=CanaryConfig(mode="log", real_data="partial"))  # fmt: skip
+
+
+def _kernel(name: str):  # type: ignore[no-untyped-def]
+    """A fresh kernel that numba sees as kvcanary's own (module ``kvcanary.<name>``)."""
+
+    def add_one(x):  # type: ignore[no-untyped-def]
+        return x + 1
+
+    add_one.__module__ = f"kvcanary.{name}"
+    return numba.njit(add_one)
+
+
+def test_watch_compiles_records_a_kvcanary_kernel_and_not_a_foreign_one() -> None:
+    ours, foreign = _kernel("warmup_probe"), numba.njit(lambda x: x + 2)
+    with watch_compiles() as log:
+        assert ours(1) == 2 and foreign(1) == 3
+        assert ours(5) == 6  # compiled once per signature
+    (name,) = log.names()
+    assert name.startswith("warmup_probe.") and name.endswith(".add_one")
+    assert log.compile_s > 0
+
+
+def test_compiling_both_compiles_the_variant_not_taken() -> None:
+    serial, parallel = _kernel("warmup_serial"), _kernel("warmup_parallel")
+    x = np.int64(3)
+    numba_parallel.run(serial, parallel, False, x)
+    assert len(serial.signatures) == 1 and len(parallel.signatures) == 0
+    with numba_parallel.compiling_both():
+        numba_parallel.run(serial, parallel, False, x)
+    threaded = numba_parallel.parallel_threads() > 1
+    assert len(parallel.signatures) == (1 if threaded else 0)  # never used on one thread
+
+
+def in_fresh_process(module: str, scenario: str) -> None:
+    """Run ``module.scenario()`` in a new interpreter: no kernel loaded by an earlier test
+    of this worker can hide one a warm-up missed."""
+    code = f"import {module}; {module}.{scenario}()"
+    here = str(Path(__file__).parent)
+    r = subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = [{here!r}]; {code}"],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def after_warmup_scenario() -> None:
+    report = warm_engine(DEMO, progress=False)
+    assert report.skipped is None
+    warm = loaded_kernels()
+    assert any("fused_rows" in name for name, _ in warm)  # the canary's HEAD / TAIL
+    assert any("decode_cpu" in name for name, _ in warm)  # the compiled decode forward
+    # Longer prompts, more requests, a larger decode batch than the warm-up's.
+    spec = WorkloadSpec(num_requests=24, input_len=200, output_len=24, shared_prefix_len=64)
+    with watch_compiles() as log:
+        summary, _ = run_workload(DEMO, spec, progress=False)
+    assert summary["canary_violations"] == 0 and summary["canary_protected_tokens"] > 0
+    assert log.names() == []
+    assert sorted(map(str, loaded_kernels() - warm)) == []
+
+
+def test_after_warmup_a_workload_needs_no_new_kernel() -> None:
+    in_fresh_process("test_warmup", "after_warmup_scenario")
+
+
+def test_warmup_config_keeps_what_selects_kernels_and_shrinks_the_rest() -> None:
+    warm, prompt_len, new_tokens = warmup_config(DEMO)
+    for name in ("model", "page_size", "swa_full_tokens_ratio", "dtype", "device",
+                 "enable_prefix_cache", "graph_batch_sizes"):  # fmt: skip
+        assert getattr(warm, name) == getattr(DEMO, name)
+    assert warm.canary.mode == "log" and warm.canary.real_data == "partial"
+    assert warm.max_total_tokens < DEMO.max_total_tokens
+    assert prompt_len > 32 + 2 * DEMO.page_size  # past tiny-swa's 32-token window
+    assert warm.chunked_prefill_size == 256  # real-sized chunks (the demo's are 512)
+    assert prompt_len > warm.chunked_prefill_size  # prefilled in two chunks
+    assert new_tokens > DEMO.page_size
+
+
+def test_warmup_command_writes_json(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "warm.json"
+    assert main(["warmup", "--model", "builtin:tiny-swa", "--kv-canary", "log", "--json",
+                 str(out), "--no-progress"]) == 0  # fmt: skip
+    body = json.loads(out.read_text())
+    assert body["skipped"] is None and body["model"] == "builtin:tiny-swa"
+    assert body["kernels_compiled"] == len(body["compiled"])
+
+
+@pytest.mark.parametrize(("input_len", "given", "expected"), [
+    (64, None, 32), (256, None, 128), (1000, None, 128), (1, None, 0), (64, 10, 10)])  # fmt: skip
+def test_shared_prefix_default_adapts_to_input_len(input_len: int, given: int | None,
+                                                   expected: int) -> None:  # fmt: skip
+    spec = WorkloadSpec.from_flags(4, input_len, 8, given, 0)
+    assert spec.shared_prefix_len == expected
+
+
+def test_explicit_shared_prefix_too_long_is_still_an_error() -> None:
+    with pytest.raises(ValueError, match="--shared-prefix-len=128 is invalid"):
+        WorkloadSpec.from_flags(4, 64, 8, 128, 0)
