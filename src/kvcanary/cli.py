@@ -86,7 +86,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
 
 def _cmd_warmup(a: argparse.Namespace) -> int:
-    from kvcanary.report import emit
+    from kvcanary.report import emit, render_matrix, write_json
     from kvcanary.warmup import warm_engine
 
     if a.json and not Path(a.json).resolve().parent.is_dir():
@@ -100,12 +100,18 @@ def _cmd_warmup(a: argparse.Namespace) -> int:
         "model": config.model,
         "kv_canary": config.canary.mode,
         "kernels_compiled": report.compiles.num_compiled,
+        "helper_kernels_compiled": report.compiles.helper_compiles,
         "compile_s": round(report.compiles.compile_s, 3),
         "wall_s": round(report.wall_s, 3),
         "skipped": report.skipped,
-        "compiled": {c.name: round(c.seconds, 3) for c in report.compiles.compiles},
     }
-    emit("kvcanary warmup", summary, a.json)
+    compiled = {c.name: round(c.seconds, 3) for c in report.compiles.compiles}
+    emit("kvcanary warmup", summary, None)
+    if compiled:
+        rows = [{"kernel": k, "compile_s": v} for k, v in sorted(compiled.items(), key=lambda kv: -kv[1])]
+        print(render_matrix("kernels compiled here (callees included)", rows))
+    if a.json:
+        write_json(a.json, {**summary, "compiled": compiled})
     return 0
 
 

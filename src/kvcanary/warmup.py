@@ -22,9 +22,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
+import pickle
+import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from tqdm import tqdm
@@ -49,6 +53,11 @@ class CompileLog:
     """The kvcanary kernels numba compiled (not loaded from the cache) while it watched."""
 
     compiles: list[KernelCompile] = dataclasses.field(default_factory=list)
+    helper_compiles: int = 0  # kernels a helper process compiled meanwhile (warm_engine)
+    progress: bool = False
+    desc: str = COMPILE_DESC
+    _bar: tqdm[Any] | None = None
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @property
     def num_compiled(self) -> int:
@@ -61,6 +70,25 @@ class CompileLog:
     def names(self) -> list[str]:
         return [c.name for c in self.compiles]
 
+    def show(self, name: str, done: bool) -> None:
+        """The bar (opened at the first compile): now compiling ``name``, or one more
+        kernel ``done``."""
+        if not self.progress:
+            return
+        with self._lock:
+            if self._bar is None:
+                self._bar = tqdm(desc=self.desc, unit="kernel", file=sys.stderr, dynamic_ncols=True)
+            if done:
+                self._bar.update(1)
+            else:
+                self._bar.set_postfix_str(name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+
 
 def _kernel_name(ev: Any) -> str | None:
     """``module.qualname`` of a compile event's function when it is kvcanary's own."""
@@ -68,45 +96,45 @@ def _kernel_name(ev: Any) -> str | None:
     module = getattr(py_func, "__module__", "") or ""
     if py_func is None or not module.startswith(_PACKAGE):
         return None
-    return f"{module[len(_PACKAGE) :]}.{py_func.__qualname__}"
+    return f"{module[len(_PACKAGE):]}.{py_func.__qualname__}"
 
 
 @contextlib.contextmanager
-def watch_compiles(progress: bool = False, desc: str = COMPILE_DESC) -> Iterator[CompileLog]:
+def watch_compiles(progress: bool = False, desc: str = COMPILE_DESC,
+                   on_first: Callable[[], None] | None = None) -> Iterator[CompileLog]:  # fmt: skip
     """Record every kvcanary kernel numba compiles inside the block (outermost compiles: a
     kernel's callees compile inside it and count with it). ``progress``: a bar on stderr,
-    opened at the first compile, that counts the kernels and names the one compiling now."""
+    opened at the first compile, that counts the kernels and names the one compiling now.
+    ``on_first``: called when the first kvcanary kernel starts compiling (a cold cache)."""
     from numba.core import event
 
-    out = CompileLog()
+    out = CompileLog(progress=progress, desc=desc)
     stack: list[tuple[str | None, float]] = []
-    bar: tqdm[Any] | None = None
 
     class _Listener(event.Listener):
         def on_start(self, ev: Any) -> None:
-            nonlocal bar
+            nonlocal on_first
             name = _kernel_name(ev)
             stack.append((name, time.perf_counter()))
-            if not progress or name is None:
+            if name is None:
                 return
-            if bar is None:
-                bar = tqdm(desc=desc, unit="kernel", file=sys.stderr, dynamic_ncols=True)
-            bar.set_postfix_str(name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1])
+            if on_first is not None:
+                first, on_first = on_first, None
+                first()
+            out.show(name, done=False)
 
         def on_end(self, ev: Any) -> None:
             name, t0 = stack.pop()
             if stack or name is None:
                 return
             out.compiles.append(KernelCompile(name, time.perf_counter() - t0))
-            if bar is not None:
-                bar.update(1)
+            out.show(name, done=True)
 
     try:
         with event.install_listener("numba:compile", _Listener()):
             yield out
     finally:
-        if bar is not None:
-            bar.close()
+        out.close()
 
 
 def loaded_kernels() -> set[tuple[str, Any]]:
@@ -186,34 +214,121 @@ def warmup_config(config: EngineConfig) -> tuple[EngineConfig, int, int]:
     return warm, prompt_len, new_tokens
 
 
-def warm_engine(config: EngineConfig, progress: bool = True) -> WarmupReport:
+def warm_engine(config: EngineConfig, progress: bool = True, helper: bool = True) -> WarmupReport:
     """Compile (or load from the cache) every kernel ``config``'s engine calls, by running a
     tiny workload through a throwaway engine built from it (module doc). Never fails the
     caller for the workload's sake: a configuration whose pools cannot take it is reported in
-    ``skipped`` (its kernels then compile at first use, as without a warm-up)."""
+    ``skipped`` (its kernels then compile at first use, as without a warm-up).
+
+    ``helper``: at the first compile (a cold cache), on a machine with two cores or more and
+    with the canary on, a second process warms the same configuration without the canary
+    (the model's kernels) into the shared on-disk cache while this one compiles the canary's
+    first; this one then loads most of the model's kernels instead of compiling them. The
+    helper is stopped when this warm-up ends (everything it would still add is loaded)."""
     from kvcanary import numba_parallel
     from kvcanary.engine.engine import Engine
     from kvcanary.engine.errors import KVPoolTooSmallError
 
     t0 = time.perf_counter()
     warm, prompt_len, new_tokens = warmup_config(config)
-    with watch_compiles(progress) as compiles, numba_parallel.compiling_both():
-        try:
-            engine = Engine(warm)
-        except (ValueError, KVPoolTooSmallError) as exc:
-            return WarmupReport(time.perf_counter() - t0, compiles, f"{exc}")
-        vocab = engine.runner.vocab_size
-        prefix = [(7 * i + 3) % vocab for i in range(prompt_len)]
-        prompts = [prefix[:-1] + [(prefix[-1] + k) % vocab] for k in range(3)]
-        greedy = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-        sampled = dataclasses.replace(greedy, temperature=0.8, top_k=8, top_p=0.9, seed=1)
-        try:
-            engine.generate(prompts[:1], greedy)  # prefill in chunks, decode at batch 1
-            engine.generate(prompts[1:], [greedy, sampled])  # prefix hits, batched decode
-        except (ValueError, KVPoolTooSmallError) as exc:
-            return WarmupReport(time.perf_counter() - t0, compiles, f"{exc}")
+    helpers: list[_Helper] = []
+
+    def start_helper() -> None:
+        if helper and warm.canary.enabled and len(os.sched_getaffinity(0)) > 1:
+            helpers.append(_Helper(dataclasses.replace(config, canary=CanaryConfig()), compiles))
+
+    compiles: CompileLog
+    try:
+        with watch_compiles(progress, on_first=start_helper) as compiles, \
+                numba_parallel.compiling_both():  # fmt: skip
+            try:
+                engine = Engine(warm)
+            except (ValueError, KVPoolTooSmallError) as exc:
+                return WarmupReport(time.perf_counter() - t0, compiles, f"{exc}")
+            vocab = engine.runner.vocab_size
+            prefix = [(7 * i + 3) % vocab for i in range(prompt_len)]
+            prompts = [prefix[:-1] + [(prefix[-1] + k) % vocab] for k in range(3)]
+            greedy = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+            sampled = dataclasses.replace(greedy, temperature=0.8, top_k=8, top_p=0.9, seed=1)
+            try:
+                engine.generate(prompts[:1], greedy)  # prefill in chunks, decode at batch 1
+                engine.generate(prompts[1:], [greedy, sampled])  # prefix hits, batched decode
+            except (ValueError, KVPoolTooSmallError) as exc:
+                return WarmupReport(time.perf_counter() - t0, compiles, f"{exc}")
+    finally:
+        for h in helpers:
+            h.stop()
     report = WarmupReport(time.perf_counter() - t0, compiles, None)
     if compiles.num_compiled:
         log.info("compiled %d kernels in %.1f s (cached for later runs)",
                  compiles.num_compiled, compiles.compile_s)  # fmt: skip
     return report
+
+
+class _Helper:
+    """A ``python -m kvcanary.warmup`` process warming ``config`` (sent pickled on stdin);
+    it prints each kernel it compiled, shown on ``log``'s bar and counted in it."""
+
+    def __init__(self, config: EngineConfig, log: CompileLog) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvcanary.warmup"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(pickle.dumps(config))
+        self.proc.stdin.close()
+        self.log = log
+        self.reader = threading.Thread(target=self._read, name="kvcanary-warmup-helper", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            kind, _, name = line.decode(errors="replace").strip().partition(" ")
+            if kind in ("start", "done") and name:
+                if kind == "done":
+                    self.log.helper_compiles += 1
+                self.log.show(name, done=kind == "done")
+
+    def stop(self) -> None:
+        """Kill it if still running: numba writes each cache file whole (a temp file, then
+        a rename), so a killed helper leaves no partial entry."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.reader.join(timeout=5)
+
+
+@contextlib.contextmanager
+def print_compiles() -> Iterator[None]:
+    """Print ``start <kernel>`` / ``done <kernel>`` on stdout as kvcanary kernels compile
+    inside the block (outermost compiles): a helper's report to :class:`_Helper`."""
+    from numba.core import event
+
+    depth = [0]
+
+    class _Printer(event.Listener):
+        def on_start(self, ev: Any) -> None:
+            depth[0] += 1
+            name = _kernel_name(ev)
+            if depth[0] == 1 and name is not None:
+                print("start", name, flush=True)
+
+        def on_end(self, ev: Any) -> None:
+            depth[0] -= 1
+            name = _kernel_name(ev)
+            if depth[0] == 0 and name is not None:
+                print("done", name, flush=True)
+
+    with event.install_listener("numba:compile", _Printer()):
+        yield
+
+
+def _helper_main() -> None:
+    """``python -m kvcanary.warmup``: warm the pickled EngineConfig read from stdin,
+    reporting its compiles (:func:`print_compiles`)."""
+    config = pickle.loads(sys.stdin.buffer.read())
+    with print_compiles():
+        warm_engine(config, progress=False, helper=False)
+
+
+if __name__ == "__main__":
+    _helper_main()

@@ -4,6 +4,7 @@ split kernel are compiled while warming; workload defaults adapt to --input-len.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -17,7 +18,15 @@ from kvcanary import EngineConfig, numba_parallel
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.cli import main
 from kvcanary.run import run_workload
-from kvcanary.warmup import loaded_kernels, warm_engine, warmup_config, watch_compiles
+from kvcanary.warmup import (
+    CompileLog,
+    _Helper,
+    loaded_kernels,
+    print_compiles,
+    warm_engine,
+    warmup_config,
+    watch_compiles,
+)
 from kvcanary.workload import WorkloadSpec
 
 # The demo's configuration (Makefile `demo`): window eviction, SWA tombstones, retraction.
@@ -43,6 +52,38 @@ def test_watch_compiles_records_a_kvcanary_kernel_and_not_a_foreign_one() -> Non
     (name,) = log.names()
     assert name.startswith("warmup_probe.") and name.endswith(".add_one")
     assert log.compile_s > 0
+
+
+def test_print_compiles_reports_a_kernel_to_the_helper_protocol(capsys) -> None:  # type: ignore[no-untyped-def]
+    ours = _kernel("warmup_printed")
+    with print_compiles():
+        assert ours(2) == 3
+    assert capsys.readouterr().out.split() == ["start", _name(ours),
+                                               "done", _name(ours)]  # fmt: skip
+
+
+def _name(kernel) -> str:  # type: ignore[no-untyped-def]
+    return f"{kernel.py_func.__module__[len('kvcanary.'):]}.{kernel.py_func.__qualname__}"
+
+
+NO_CANARY = dataclasses.replace(DEMO, canary=CanaryConfig())
+
+
+def test_helper_process_warms_a_configuration_into_the_shared_cache() -> None:
+    """The helper (``python -m kvcanary.warmup``, config pickled on stdin) runs a warm-up to
+    the end, and a new process then finds every kernel of it in the on-disk cache."""
+    log = CompileLog()
+    helper = _Helper(NO_CANARY, log)
+    assert helper.proc.wait(timeout=600) == 0
+    helper.stop()
+    in_fresh_process("test_warmup", "no_canary_loads_only_scenario")
+
+
+def no_canary_loads_only_scenario() -> None:
+    with watch_compiles() as log:
+        report = warm_engine(NO_CANARY, progress=False, helper=False)
+    assert report.skipped is None and log.names() == []
+    assert any("norm_cpu" in name for name, _ in loaded_kernels())  # loaded, not compiled
 
 
 def test_compiling_both_compiles_the_variant_not_taken() -> None:
