@@ -100,6 +100,14 @@ KVCANARY_CPU_DECODE: EnvVar[str] = EnvVar(
     "(engine/decode_cpu.py; where it applies), eager = module by module",
 )  # fmt: skip
 
+KVCANARY_WARMUP_HELPER: EnvVar[str] = EnvVar(
+    "KVCANARY_WARMUP_HELPER", "auto", _choice("auto", "off"),
+    "one of auto, off",
+    "the warm-up's helper process (kvcanary/warmup.py): auto = with an empty cache, on two "
+    "cores or more, a second process compiles the model's kernels while this one compiles the "
+    "canary's (it loads the model once more meanwhile), off = one process compiles all",
+)  # fmt: skip
+
 ALL_ENV_VARS: tuple[EnvVar, ...] = (
     KVCANARY_KV_CANARY_RING_CAPACITY,
     KVCANARY_KV_CANARY_VERIFY_CAPACITY_FACTOR,
@@ -108,6 +116,7 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     KVCANARY_SWA_DIVERGENCE_STATS_INTERVAL,
     KVCANARY_CPU_GEMM,
     KVCANARY_CPU_DECODE,
+    KVCANARY_WARMUP_HELPER,
 )
 
 

@@ -225,16 +225,18 @@ def warm_engine(config: EngineConfig, progress: bool = True, helper: bool = True
     (the model's kernels) into the shared on-disk cache while this one compiles the canary's
     first; this one then loads most of the model's kernels instead of compiling them. The
     helper is stopped when this warm-up ends (everything it would still add is loaded)."""
-    from kvcanary import numba_parallel
+    from kvcanary import envs, numba_parallel
     from kvcanary.engine.engine import Engine
     from kvcanary.engine.errors import KVPoolTooSmallError
 
     t0 = time.perf_counter()
     warm, prompt_len, new_tokens = warmup_config(config)
+    envs.KVCANARY_WARMUP_HELPER.get()  # a bad value fails here, not mid-compile
     helpers: list[_Helper] = []
 
     def start_helper() -> None:
-        if helper and warm.canary.enabled and len(os.sched_getaffinity(0)) > 1:
+        if (helper and warm.canary.enabled and len(os.sched_getaffinity(0)) > 1
+                and envs.KVCANARY_WARMUP_HELPER.get() == "auto"):  # fmt: skip
             helpers.append(_Helper(dataclasses.replace(config, canary=CanaryConfig()), compiles))
 
     compiles: CompileLog
