@@ -5,8 +5,9 @@ Imported first thing by ``kvcanary/__init__.py``, so it runs before any other kv
 It does two things:
 
 * takes the *source snapshot* of kvcanary: the digest of its sources as they are when the
-  package starts being imported (:func:`snapshot`). Cached kernels are keyed by it; a later
-  digest that differs means the sources changed while this process was importing them, so its
+  package starts being imported (:func:`snapshot`). Cached kernels are keyed by their
+  modules' import closures as long as the package's digest still equals it; a later digest
+  that differs means the sources changed while this process was importing them, so its
   in-memory code matches no single source state (see :mod:`kvcanary.numba_cache`);
 * installs the locator before any kvcanary ``@numba.njit`` decorator runs: now if numba is
   already imported, else by a one-shot ``sys.meta_path`` hook right after numba's own

@@ -1,4 +1,4 @@
-"""Numba on-disk cache keyed by the whole package's source, not per file.
+"""Numba on-disk cache keyed by each kernel's import closure, not by its own file.
 
 Numba's ``cache=True`` keys each function's cache index by a stamp of *its own* source file.
 A cached function also holds everything it compiled in: other jitted functions it calls
@@ -10,20 +10,22 @@ code until ``__pycache__`` is deleted.
 :class:`SourceDigestCacheLocator` fixes that for registered package roots (kvcanary's own,
 registered on import; tests register throwaway packages with :func:`register_package`):
 
-* the source stamp is a SHA-256 over the relative path and *contents* (not mtimes) of every
-  ``*.py`` file under the root, so any edit anywhere in the package invalidates every cached
-  kernel of that package. The whole package rather than only the modules that hold ``@njit``
-  code: frozen globals and callees come through imports, the static import closure of
-  kvcanary's five numba modules is already 63 of its 95 files, and a closure computed from
-  imports would miss dispatchers passed as arguments and other dynamic references. The price
-  is a recompile (about 7 s for the canary kernels) after an unrelated edit;
-* the digest is also part of the cache directory (``<numba's dir>/numba-srcdigest-<16 hex>``),
-  so processes running different source versions at once (another checkout state, an editor
-  saving mid-run, concurrent pytest-xdist workers) never share index or data files (numba
-  writes the index and the data file separately, and a shared directory between two source
-  versions could pair a fresh index with old data). Switching back to an earlier source state
-  finds its cache still there: the newest few old digest directories are kept and older ones
-  unused for an hour are deleted.
+* the source stamp of a function defined in module M is a SHA-256 over the relative paths and
+  *contents* (not mtimes) of M's static import closure within the package
+  (:func:`kvcanary.source_digest.import_closure`: every file M imports, anywhere in its text,
+  and so on; ``from P import n`` counts module ``P.n`` when there is one, else ``P``). What a
+  kernel can compile in reaches it through those imports (callees, frozen globals,
+  intrinsics; kvcanary registers no ``@overload`` of foreign functions), so an edit
+  recompiles exactly the kernels whose closure holds the edited file: a canary file, the
+  canary's kernels (closures of 1-15 files); a model kernel file, the model's; the CLI,
+  none;
+* the digest is also part of the cache directory (``<numba's dir>/numba-srcdigest-<module>-
+  <16 hex>``), so processes running different source versions at once (another checkout
+  state, an editor saving mid-run, concurrent pytest-xdist workers) never share index or data
+  files (numba writes the index and the data file separately, and a shared directory between
+  two source versions could pair a fresh index with old data). Switching back to an earlier
+  source state finds its cache still there: per module, the newest few old digest
+  directories are kept and older ones unused for an hour are deleted.
 
 Where the cache lives is numba's usual choice, one level deeper: ``$NUMBA_CACHE_DIR/<dir
 key>/numba-srcdigest-*`` when ``NUMBA_CACHE_DIR`` is set, else ``<module dir>/__pycache__/
@@ -35,8 +37,8 @@ that list: list ``kvcanary.numba_cache.SourceDigestCacheLocator`` first in it (t
 after it then choose the base directory), otherwise :func:`install` warns that kvcanary's
 kernels are not protected.
 
-Which source state a process's kernels belong to: the digest is *snapshotted* when the package
-starts being imported (``import kvcanary``, done by :mod:`kvcanary._numba_cache_hook`; for other
+Which source state a process's kernels belong to: the whole package's digest is *snapshotted*
+when the package starts being imported (``import kvcanary``, done by :mod:`kvcanary._numba_cache_hook`; for other
 roots, :func:`register_package`), before any of its modules is read, and compared again at each
 decoration (numba builds a function's cache then). If the sources changed in between, modules
 imported since may hold edited code, so the in-memory code matches no source state: that
@@ -66,6 +68,8 @@ from numba.core import caching, config
 
 from kvcanary.source_digest import (
     STAMP_TAG,
+    closure_digest,
+    import_closure,
     package_digest,
     snapshot,
     source_files,
@@ -75,6 +79,8 @@ __all__ = [
     "DIGEST_DIR_PREFIX",
     "PACKAGE_ROOT",
     "SourceDigestCacheLocator",
+    "closure_digest",
+    "import_closure",
     "install",
     "package_digest",
     "register_package",
@@ -95,7 +101,7 @@ _PROCESS_TOKEN = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 _lock = threading.Lock()
 _roots: list[str] = []  # realpaths of registered package roots, innermost first
 _mixed: set[str] = set()  # roots whose sources changed while this process imported them
-_pruned: set[str] = set()
+_pruned: set[tuple[str, str]] = set()  # (parent dir, module family) pruned once
 
 
 def register_package(root: str | os.PathLike[str]) -> str:
@@ -110,10 +116,12 @@ def register_package(root: str | os.PathLike[str]) -> str:
     return real
 
 
-def cache_key(root: str) -> tuple[str, tuple[str, ...]]:
-    """(cache dir name, index stamp) for functions under ``root`` decorated now.
+def cache_key(root: str, py_file: str) -> tuple[str, tuple[str, ...]]:
+    """(cache dir name, index stamp) for functions of ``py_file`` (under ``root``) decorated
+    now: the digest of the file's import closure (:func:`closure_digest`), in a dir of its
+    own (``numba-srcdigest-<module>-<digest>``).
 
-    The snapshot digest, unless the sources differ from it now: then modules imported since
+    Unless the package's sources differ from their snapshot now: then modules imported since
     may hold edited code, and this process's kernels go to a private dir (for good: one
     process, one source state) that no later process reads.
     """
@@ -133,7 +141,15 @@ def cache_key(root: str) -> tuple[str, tuple[str, ...]]:
         )
     if mixed:
         return MIXED_DIR_PREFIX + _PROCESS_TOKEN, (STAMP_TAG, "mixed", _PROCESS_TOKEN)
-    return DIGEST_DIR_PREFIX + snap[:16], (STAMP_TAG, snap)
+    digest = closure_digest(root, py_file)
+    return f"{DIGEST_DIR_PREFIX}{module_slug(root, py_file)}-{digest[:16]}", (STAMP_TAG, digest)
+
+
+def module_slug(root: str, py_file: str) -> str:
+    """``py_file``'s module name below ``root`` (``canary.fused_rows``; a package's
+    ``__init__``: its name), as its cache dirs are named."""
+    rel = os.path.relpath(os.path.realpath(py_file), root)[: -len(".py")].split(os.sep)
+    return ".".join(rel[:-1] if rel[-1] == "__init__" else rel) or "__init__"
 
 
 def _root_of(py_file: str) -> str | None:
@@ -176,28 +192,41 @@ def _inner_locator_classes() -> list[Any]:
 
 
 def _prune_old_digest_dirs(parent: str, keep: str) -> None:
-    """Delete, once per process and parent, digest dirs beyond the newest KEEP_OLD_DIGEST_DIRS
-    others and mixed dirs, when unused for PRUNE_UNUSED_FOR_S (a dir's mtime moves whenever
-    numba writes a file into it)."""
+    """Delete, once per process, parent and module, the module's digest dirs beyond the newest
+    KEEP_OLD_DIGEST_DIRS others, and mixed dirs and dirs of an older naming (one digest for
+    the whole package), when unused for PRUNE_UNUSED_FOR_S (a dir's mtime moves whenever
+    numba writes a file into it). ``keep``: the module's current dir; other modules' dirs in
+    ``parent`` are theirs to prune."""
+    family = keep[: keep.rfind("-") + 1]  # numba-srcdigest-<module>-
     with _lock:
-        if parent in _pruned:
+        if (parent, family) in _pruned:
             return
-        _pruned.add(parent)
+        _pruned.add((parent, family))
     digests: list[tuple[float, str]] = []
-    mixed: list[tuple[float, str]] = []
+    stale: list[tuple[float, str]] = []
     try:
         for entry in os.scandir(parent):
-            ours = entry.name.startswith(DIGEST_DIR_PREFIX) and entry.name != keep
-            if ours and entry.is_dir(follow_symlinks=False):
-                kind = mixed if entry.name.startswith(MIXED_DIR_PREFIX) else digests
-                kind.append((entry.stat(follow_symlinks=False).st_mtime, entry.path))
+            name = entry.name
+            if not name.startswith(DIGEST_DIR_PREFIX) or name == keep:
+                continue
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            mtime = entry.stat(follow_symlinks=False).st_mtime
+            if name.startswith(MIXED_DIR_PREFIX) or _is_hex16(name[len(DIGEST_DIR_PREFIX):]):
+                stale.append((mtime, entry.path))
+            elif name.startswith(family) and _is_hex16(name[len(family):]):
+                digests.append((mtime, entry.path))
     except OSError:
         return
     digests.sort(reverse=True)
     now = time.time()
-    for mtime, path in digests[KEEP_OLD_DIGEST_DIRS:] + mixed:
+    for mtime, path in digests[KEEP_OLD_DIGEST_DIRS:] + stale:
         if now - mtime > PRUNE_UNUSED_FOR_S:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _is_hex16(text: str) -> bool:
+    return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
 
 
 class SourceDigestCacheLocator(caching._CacheLocator):
@@ -234,7 +263,7 @@ class SourceDigestCacheLocator(caching._CacheLocator):
         root = _root_of(py_file)
         if root is None:
             return None
-        dir_name, stamp = cache_key(root)
+        dir_name, stamp = cache_key(root, py_file)
         for inner_cls in _inner_locator_classes():
             inner = inner_cls.from_function(py_func, py_file)
             if inner is None:

@@ -28,10 +28,18 @@ from kvcanary.numba_cache import (
     MIXED_DIR_PREFIX,
     PRUNE_UNUSED_FOR_S,
     _prune_old_digest_dirs,
+    closure_digest,
+    import_closure,
+    module_slug,
     package_digest,
 )
 
 SRC_DIR = str(Path(kvcanary.__file__).resolve().parents[1])
+
+
+def _dir(pkg: Path, module: str) -> str:
+    """The cache dir name of toy module ``module``'s kernels: its import closure's digest."""
+    return f"{DIGEST_DIR_PREFIX}{module}-{closure_digest(pkg, pkg / (module + '.py'))[:16]}"
 
 # Runs in a fresh interpreter: imports the toy package (plain numba, or with the toy package
 # registered with kvcanary's locator) and calls the cached caller a.f() -> 10 * b.value().
@@ -141,9 +149,7 @@ def test_source_digest_locator_recompiles_after_callee_edit(tmp_path: Path) -> N
     first = _run(TOY_DRIVER, str(tmp_path), "digest")
     assert first["locator"] == "SourceDigestCacheLocator"
     assert (first["result"], first["hits"], first["misses"]) == (10, 0, 1)
-    assert first["cache_path"] == str(
-        pkg / "__pycache__" / (DIGEST_DIR_PREFIX + package_digest(pkg)[:16])
-    )
+    assert first["cache_path"] == str(pkg / "__pycache__" / _dir(pkg, "a"))
     cached = _run(TOY_DRIVER, str(tmp_path), "digest")
     assert (cached["result"], cached["hits"], cached["misses"]) == (10, 1, 0)  # still caches
 
@@ -161,25 +167,26 @@ def test_source_digest_locator_recompiles_after_callee_edit(tmp_path: Path) -> N
 
 def test_sources_edited_while_importing_are_never_cached_for_others(tmp_path: Path) -> None:
     pkg = _toy_package(tmp_path)
-    snapshot_dir = DIGEST_DIR_PREFIX + package_digest(pkg)[:16]
+    snapshot_dir = _dir(pkg, "a")
     midway = _run(TOY_DRIVER, str(tmp_path), "digest-edit-midway")
     assert midway["result"] == 30  # the process imported the edited b.py
     assert Path(midway["cache_path"]).name.startswith(MIXED_DIR_PREFIX)
     assert not (pkg / "__pycache__" / snapshot_dir).exists()  # nothing under the old key
     after = _run(TOY_DRIVER, str(tmp_path), "digest")
     assert (after["result"], after["hits"], after["misses"]) == (30, 0, 1)
-    assert Path(after["cache_path"]).name == DIGEST_DIR_PREFIX + package_digest(pkg)[:16]
+    assert Path(after["cache_path"]).name == _dir(pkg, "a")
 
 
 def test_numba_cache_dir_and_user_cache_fallback(tmp_path: Path) -> None:
     pkg = _toy_package(tmp_path)
-    digest_dir = DIGEST_DIR_PREFIX + package_digest(pkg)[:16]
+    digest_dir = _dir(pkg, "a")
     cache_dir = tmp_path / "numba_cache_dir"
     out = _run(TOY_DRIVER, str(tmp_path), "digest", env=_env(NUMBA_CACHE_DIR=str(cache_dir)))
     path = Path(out["cache_path"])
     assert path.name == digest_dir and path.parent.parent == cache_dir
     py = "py{}{}".format(*sys.version_info[:2])
-    assert sorted(p.name for p in path.glob("*.nbi")) == [f"a.f-6.{py}.nbi", f"b.value-4.{py}.nbi"]
+    assert sorted(p.name for p in path.glob("*.nbi")) == [f"a.f-6.{py}.nbi"]
+    assert [p.name for p in (path.parent / _dir(pkg, "b")).glob("*.nbi")] == [f"b.value-4.{py}.nbi"]
     assert not (pkg / "__pycache__" / digest_dir).exists()
 
     # No writable in-tree __pycache__ (a file in its way: read-only even for root): numba's
@@ -190,8 +197,8 @@ def test_numba_cache_dir_and_user_cache_fallback(tmp_path: Path) -> None:
     xdg = tmp_path / "xdg"
     out = _run(TOY_DRIVER, str(tmp_path / "other"), "digest", env=_env(XDG_CACHE_HOME=str(xdg)))
     path = Path(out["cache_path"])
-    assert out["result"] == 10 and path.name == DIGEST_DIR_PREFIX + package_digest(pkg2)[:16]
-    assert path.is_relative_to(xdg / "numba") and len(list(path.glob("*.nbi"))) == 2
+    assert out["result"] == 10 and path.name == _dir(pkg2, "a")
+    assert path.is_relative_to(xdg / "numba") and len(list(path.glob("*.nbi"))) == 1
 
 
 # A fresh interpreter imports every kvcanary module that uses numba and reports each cached
@@ -260,15 +267,31 @@ def test_kvcanary_kernels_use_source_digest_locator(tmp_path: Path) -> None:
         assert "kvcanary.canary.kernels_numba" in out["modules"] and len(out["modules"]) >= 5
         kernels = out["kernels"]
         assert "kvcanary.canary.kernels_numba._verify_kernel" in kernels and len(kernels) >= 15
-        digest_dir = DIGEST_DIR_PREFIX + out["digest_at_import"][:16]
+        root = Path(kvcanary.__file__).resolve().parent
         for name, (locator, path) in kernels.items():
             assert locator == "SourceDigestCacheLocator", name
-            assert Path(path).name == digest_dir and Path(path).is_relative_to(cache_dir), name
-        assert Path(out["splitmix_dir"]).name == digest_dir
+            module = name.rsplit(".", 1)[0] if name.count(".") > 1 else name
+            file = _kernel_file(root, module, name)
+            expected = f"{DIGEST_DIR_PREFIX}{module_slug(str(root), str(file))}-"
+            assert Path(path).name == expected + closure_digest(root, file)[:16], name
+            assert Path(path).is_relative_to(cache_dir), name
+        hashing = root / "canary" / "hashing.py"
+        assert Path(out["splitmix_dir"]).name == (
+            f"{DIGEST_DIR_PREFIX}canary.hashing-{closure_digest(root, hashing)[:16]}")
         assert any(
             re.fullmatch(r"hashing\.splitmix64_nb-\d+\.py\d+\.nbi", f)
             for f in out["splitmix_files"]
         )
+
+
+def _kernel_file(root: Path, module: str, kernel: str) -> Path:
+    """The file defining ``kernel`` (``kvcanary.a.b.f`` or ``kvcanary.a.b.C.f``)."""
+    parts = kernel.split(".")[1:]
+    for n in range(len(parts) - 1, 0, -1):
+        path = root.joinpath(*parts[:n]).with_suffix(".py")
+        if path.is_file():
+            return path
+    raise AssertionError(f"no file for {kernel} ({module})")
 
 
 def test_digest_is_content_keyed_over_the_whole_package(tmp_path: Path) -> None:
@@ -290,19 +313,62 @@ def test_digest_is_content_keyed_over_the_whole_package(tmp_path: Path) -> None:
 
 def test_old_digest_dirs_are_pruned(tmp_path: Path) -> None:
     now = time.time()
+    mod = DIGEST_DIR_PREFIX + "canary.mod-"
+    hexes = iter(f"{i:016x}" for i in range(100))
     ages = {"cur": 10 * PRUNE_UNUSED_FOR_S, "old0": 2 * PRUNE_UNUSED_FOR_S}
     ages["old1"] = 3 * PRUNE_UNUSED_FOR_S
     ages.update({f"recent{i}": 1.0 + i for i in range(KEEP_OLD_DIGEST_DIRS + 1)})
-    ages.update({"mixed-1-old": 2 * PRUNE_UNUSED_FOR_S, "mixed-2-recent": 5.0})
-    for name, age in ages.items():
-        d = tmp_path / (DIGEST_DIR_PREFIX + name)
+    names = {label: mod + next(hexes) for label in ages}
+    # Other dirs in the same parent: another module's (its own to prune, however old), a
+    # process's private dirs, and the older whole-package naming (stale once unused).
+    others = {"other-module": (DIGEST_DIR_PREFIX + "canary.other-" + next(hexes), 9 * PRUNE_UNUSED_FOR_S),
+              "mixed-old": (MIXED_DIR_PREFIX + "1-old", 2 * PRUNE_UNUSED_FOR_S),
+              "mixed-recent": (MIXED_DIR_PREFIX + "2-recent", 5.0),
+              "package-old": (DIGEST_DIR_PREFIX + next(hexes), 2 * PRUNE_UNUSED_FOR_S),
+              "package-recent": (DIGEST_DIR_PREFIX + next(hexes), 5.0)}  # fmt: skip
+    dirs = {**{k: (v, ages[k]) for k, v in names.items()}, **others}
+    for name, age in dirs.values():
+        d = tmp_path / name
         d.mkdir()
         os.utime(d, (now - age, now - age))
     (tmp_path / "unrelated").mkdir()
-    _prune_old_digest_dirs(str(tmp_path), DIGEST_DIR_PREFIX + "cur")
-    left = sorted(p.name.removeprefix(DIGEST_DIR_PREFIX) for p in tmp_path.iterdir())
-    # old0/old1: beyond the newest KEEP_OLD_DIGEST_DIRS others and unused for long; the last
-    # recent one is beyond that count too but recently written (maybe by a running process).
-    # Mixed dirs (one process's private cache) go once unused for long.
-    recent = [f"recent{i}" for i in range(KEEP_OLD_DIGEST_DIRS + 1)]
-    assert left == sorted(["cur", "unrelated", "mixed-2-recent", *recent])
+    _prune_old_digest_dirs(str(tmp_path), names["cur"])
+    left = {p.name for p in tmp_path.iterdir()}
+    # old0/old1: beyond the newest KEEP_OLD_DIGEST_DIRS others of the module and unused for
+    # long; the last recent one is beyond that count too but recently written (maybe by a
+    # running process).
+    gone = {"old0", "old1", "mixed-old", "package-old"}
+    assert left == {"unrelated"} | {name for k, (name, _) in dirs.items() if k not in gone}
+
+
+def test_a_kernels_cache_key_is_its_import_closure(tmp_path: Path) -> None:
+    """a imports b (relatively, and through ``from pkg import module``); c stands apart:
+    editing c leaves a's and b's keys, editing b changes a's too."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import pkg.c\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("V = 1\n")
+    (pkg / "a.py").write_text("from .sub import b\n\ndef f():\n    return b.V\n")
+    (pkg / "c.py").write_text("W = 1\n")
+    a, b, c = pkg / "a.py", pkg / "sub" / "b.py", pkg / "c.py"
+    assert import_closure(pkg, a) == sorted([str(a), str(b)])
+    before = {m: closure_digest(pkg, m) for m in (a, b, c)}
+    _edit_keeping_size_and_mtime(c, "W = 1", "W = 2")
+    assert closure_digest(pkg, a) == before[a] and closure_digest(pkg, b) == before[b]
+    assert closure_digest(pkg, c) != before[c]
+    _edit_keeping_size_and_mtime(b, "V = 1", "V = 2")
+    assert closure_digest(pkg, a) != before[a] and closure_digest(pkg, b) != before[b]
+    (pkg / "a.py").write_text("from pkg.sub import b\nimport pkg.c\n")
+    assert import_closure(pkg, a) == sorted([str(a), str(b), str(c)])
+
+
+def test_an_edit_outside_a_kernels_closure_keeps_it_cached(tmp_path: Path) -> None:
+    pkg = _toy_package(tmp_path)
+    (pkg / "c.py").write_text("UNUSED = 1\n")
+    first = _run(TOY_DRIVER, str(tmp_path), "digest")
+    assert (first["result"], first["misses"]) == (10, 1)
+    _edit_keeping_size_and_mtime(pkg / "c.py", "UNUSED = 1", "UNUSED = 2")
+    again = _run(TOY_DRIVER, str(tmp_path), "digest")
+    assert (again["result"], again["hits"], again["misses"]) == (10, 1, 0)
+    assert again["cache_path"] == first["cache_path"]
