@@ -135,7 +135,7 @@ def _a2(blk, k):
     return numba.carray(i64_ptr(blk[k]), (blk[k + 1], blk[k + 2]))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inputs, has_table,
             check_token, position_assert):  # fmt: skip
     """Verify + write of the launch at ``blk[k]`` on its group's plans (error status)."""
@@ -156,7 +156,7 @@ def _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inpu
     )  # fmt: skip
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _head_body(
     r2t, rows, prefix, extend, out_cache_loc, input_ids, positions, exp_ids, exp_positions,
     check_inputs, table, table_lens, has_table, check_token, position_assert, blk,
@@ -222,7 +222,7 @@ def _head_batch_nb(r2t, batch, check_token, position_assert, blk):
     )  # fmt: skip
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _tail_body(
     bs, input_ids, positions, exp_ids, exp_positions, check_inputs, has_table, check_token,
     position_assert, epoch, blk,

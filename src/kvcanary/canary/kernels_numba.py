@@ -237,8 +237,10 @@ def _split_hashes(slots, words0, words1, words2, words3, meta, num_sources, thre
     for c in numba.prange(threads):
         e0, e1 = c * n // threads, (c + 1) * n // threads
         if e0 < e1:
-            real[e0:e1] = real_kv_hashes_nb(slots[e0:e1], words0, words1, words2, words3, meta,
-                                            num_sources)  # fmt: skip
+            part = real_kv_hashes_nb(slots[e0:e1], words0, words1, words2, words3, meta,
+                                     num_sources)  # fmt: skip
+            for e in range(e1 - e0):  # (not a slice copy: see real_kv.fold_windows_nb)
+                real[e0 + e] = part[e]
     return real
 
 
@@ -281,8 +283,10 @@ def _split_rows(requests, num_rows, slots, tokens, check_token, rec,
         e0, e1 = c * n // threads, (c + 1) * n // threads
         if e0 < e1:
             if num_sources:
-                real[e0:e1] = real_kv_hashes_nb(slots[e0:e1], words0, words1, words2, words3,
-                                                meta, num_sources)  # fmt: skip
+                part = real_kv_hashes_nb(slots[e0:e1], words0, words1, words2, words3, meta,
+                                         num_sources)  # fmt: skip
+                for e in range(e1 - e0):  # (not a slice copy: see real_kv.fold_windows_nb)
+                    real[e0 + e] = part[e]
             block = np.empty((4, _VERIFY_BLOCK + 1), dtype=np.int64)
             for r in range(num_rows):
                 first = requests[0, r]
@@ -428,7 +432,7 @@ def _write_kernel(
     return num_written
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _launch_rows_kernel(
     v_requests, v_rows, v_entries, v_num_entries, check_token,
     w_requests, w_reqs, token_ids, positions, w_slots, do_write, check_inputs,

@@ -294,7 +294,8 @@ def fold_windows_nb(slots, words, page_size, words_per_token, read_words):
         for w in range(whole * LANES, read_words):
             for i in range(width):
                 lanes[i] = splitmix64_nb(lanes[i] ^ np.uint64(words[rows[i], cols[i] + w]))
-        h[b0 : b0 + m] = lanes[:m]
+        for i in range(m):  # (a loop: a slice copy compiles numba's shape-mismatch error path)
+            h[b0 + i] = lanes[i]
     return h
 
 

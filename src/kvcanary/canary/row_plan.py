@@ -93,7 +93,7 @@ class HostInputs(NamedTuple):
 _OK, _ERR_SHAPE, _ERR_EXTEND, _ERR_ROW, _ERR_LUT, _NEED_SCRATCH = range(6)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _plan_rows(
     r2t, rows, prefix, extend, out_cache_loc, num_token_ids, num_positions,
     num_expected_ids, num_expected_positions, window, lut, has_lut, table, table_lens,

@@ -87,7 +87,7 @@ _PREFETCH_MAX_FLOATS = 128
 _LINE_FLOATS = 16  # float32s in a 64-byte cache line
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _check_reads(slots, num_keys, num_slots, bs):  # type: ignore[no-untyped-def]
     """The first request row whose keys are not all in the buffer (or past the slot table's
     width), or -1."""
@@ -127,7 +127,7 @@ def _prefetch_rows(buf, s, h0, h1, dim):  # type: ignore[no-untyped-def]
             prefetch(buf, (s, h, e))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts):  # type: ignore[no-untyped-def]
     """Part ``c`` of request ``b``, ``task = b * parts + c``: the query heads of KV heads
     ``[c * kv heads // parts, (c + 1) * kv heads // parts)``, their scores, softmax and
@@ -361,7 +361,7 @@ def decode_attention(
 # queries see at most W keys but SDPA computes all of them, then masks).
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _extend_task(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, window, scale,  # type: ignore[no-untyped-def]
                  out, task):  # fmt: skip
     """Request ``b`` and KV head ``h`` (``task = b * kv heads + h``): its K rows gathered

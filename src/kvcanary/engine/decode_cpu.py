@@ -99,7 +99,7 @@ def _linear(fn, x, w, out, si, sf):  # type: ignore[no-untyped-def]
                 out.ctypes.data, ip + 4 * _LDC)  # fmt: skip
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _silu_row(gu, t, inter, out, buf):  # type: ignore[no-untyped-def]
     """Row ``t`` of :func:`_silu_mul` (``buf``: ``inter`` floats of scratch)."""
     u = np.uint64  # (an unsigned offset: no wrap-around code, which compiles scalar)

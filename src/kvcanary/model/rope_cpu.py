@@ -30,7 +30,7 @@ from kvcanary.model import norm_cpu
 from kvcanary.model.norm_cpu import SQ_SUM_SCRATCH, inv_rms_nb
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, dst, dt, dh, a, acc):
     """Head ``h`` of token ``t`` of ``x``, normed, weighted and rotated, into the row
     ``dst[dt, dh]`` (``a`` ``[>= dim]``, ``acc``: scratch). The normed, weighted row goes to ``a[:dim]``
@@ -59,7 +59,7 @@ def _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, dst, dt, 
         dst[dt, dh, e] = a[e] * cos[t, e] + a[d] * sin[t, e]
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _rope_token(x, t, weight, has_weight, norm_eps, lanes, cos, sin, out, a, acc):
     for h in range(x.shape[1]):
         _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, out, t, h, a, acc)
@@ -91,7 +91,7 @@ def _rope_parallel(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
 _PARALLEL_MIN_TOKENS = 16
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def rope_nb(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
     """:func:`rope`'s pass for a compiled caller (the decode layer,
     :mod:`kvcanary.engine.attention_cpu`), on threads from the same token count; ``out``

@@ -10,8 +10,8 @@ a block boundary, then one finishing and a third taking its row. Numba compiles 
 from its on-disk cache) every kernel those steps call, the serial and threaded variants
 both; the real worker then starts with nothing left to compile.
 
-The throwaway reads the layer tensors and writes nothing to them (its records are its own);
-it keeps a small table and record buffers, dropped when it returns.
+The throwaway reads the layer tensors and writes nothing to them (its records are its own:
+buffers as large as the real worker's, dropped when it returns).
 """
 
 from __future__ import annotations
