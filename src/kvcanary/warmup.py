@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -214,7 +216,64 @@ def warmup_config(config: EngineConfig) -> tuple[EngineConfig, int, int]:
     return warm, prompt_len, new_tokens
 
 
-def warm_engine(config: EngineConfig, progress: bool = True, helper: bool = True) -> WarmupReport:
+@contextlib.contextmanager
+def sharing_compiles(lock_dir: str) -> Iterator[None]:
+    """Inside the block, this process compiles a cached kvcanary kernel (for a signature it
+    does not hold yet) only under an exclusive file lock named by the kernel and signature in
+    ``lock_dir``: when another process sharing ``lock_dir`` (the warm-up's helper) is
+    compiling the same, this one waits for it and then loads its result from numba's on-disk
+    cache instead of compiling it a second time. Locks are taken caller before callee along
+    an acyclic call graph, so two processes never wait on each other; a wait gives up after
+    :data:`_SHARE_WAIT_S` and compiles anyway."""
+    import fcntl
+
+    from numba.core import sigutils
+    from numba.core.caching import FunctionCache
+    from numba.core.dispatcher import Dispatcher
+
+    original = Dispatcher.compile
+
+    def compile(self: Any, sig: Any) -> Any:
+        py_func = getattr(self, "py_func", None)
+        module = getattr(py_func, "__module__", "") or ""
+        if py_func is None or not module.startswith(_PACKAGE) or not isinstance(self._cache, FunctionCache):
+            return original(self, sig)
+        args, _ = sigutils.normalize_signature(sig)
+        if tuple(args) in self.overloads:
+            return original(self, sig)
+        with open(os.path.join(lock_dir, share_lock_name(py_func, tuple(args))), "a+b") as f:
+            deadline = time.monotonic() + _SHARE_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        return original(self, sig)
+                    time.sleep(0.02)
+            try:
+                return original(self, sig)  # a load when the other process compiled it
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    Dispatcher.compile = compile  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Dispatcher.compile = original  # type: ignore[method-assign]
+
+
+_SHARE_WAIT_S = 600.0
+
+
+def share_lock_name(py_func: Callable[..., Any], args: tuple[Any, ...]) -> str:
+    """The lock file, in :func:`sharing_compiles`'s directory, of one kernel and signature."""
+    name = f"{py_func.__module__}.{py_func.__qualname__}{args}"
+    return hashlib.sha256(name.encode()).hexdigest()[:32]
+
+
+def warm_engine(config: EngineConfig, progress: bool = True, helper: bool = True,
+                lock_dir: str | None = None) -> WarmupReport:  # fmt: skip
     """Compile (or load from the cache) every kernel ``config``'s engine calls, by running a
     tiny workload through a throwaway engine built from it (module doc). Never fails the
     caller for the workload's sake: a configuration whose pools cannot take it is reported in
@@ -224,7 +283,9 @@ def warm_engine(config: EngineConfig, progress: bool = True, helper: bool = True
     with the canary on, a second process warms the same configuration without the canary
     (the model's kernels) into the shared on-disk cache while this one compiles the canary's
     first; this one then loads most of the model's kernels instead of compiling them. The
-    helper is stopped when this warm-up ends (everything it would still add is loaded)."""
+    helper is stopped when this warm-up ends (everything it would still add is loaded).
+    The two share their compiles (:func:`sharing_compiles`): a kernel one of them is
+    compiling, the other waits for and loads. ``lock_dir``: the helper's side of that."""
     from kvcanary import envs, numba_parallel
     from kvcanary.engine.engine import Engine
     from kvcanary.engine.errors import KVPoolTooSmallError
@@ -233,15 +294,22 @@ def warm_engine(config: EngineConfig, progress: bool = True, helper: bool = True
     warm, prompt_len, new_tokens = warmup_config(config)
     envs.KVCANARY_WARMUP_HELPER.get()  # a bad value fails here, not mid-compile
     helpers: list[_Helper] = []
+    use_helper = (helper and warm.canary.enabled and len(os.sched_getaffinity(0)) > 1
+                  and envs.KVCANARY_WARMUP_HELPER.get() == "auto")  # fmt: skip
+    scope = contextlib.ExitStack()
+    if use_helper:
+        lock_dir = scope.enter_context(tempfile.TemporaryDirectory(prefix="kvcanary-compile-"))
+    if lock_dir is not None:
+        scope.enter_context(sharing_compiles(lock_dir))
 
     def start_helper() -> None:
-        if (helper and warm.canary.enabled and len(os.sched_getaffinity(0)) > 1
-                and envs.KVCANARY_WARMUP_HELPER.get() == "auto"):  # fmt: skip
-            helpers.append(_Helper(dataclasses.replace(config, canary=CanaryConfig()), compiles))
+        if use_helper and lock_dir is not None:
+            no_canary = dataclasses.replace(config, canary=CanaryConfig())
+            helpers.append(_Helper(no_canary, lock_dir, compiles))
 
     compiles: CompileLog
     try:
-        with watch_compiles(progress, on_first=start_helper) as compiles, \
+        with scope, watch_compiles(progress, on_first=start_helper) as compiles, \
                 numba_parallel.compiling_both():  # fmt: skip
             try:
                 engine = Engine(warm)
@@ -268,14 +336,15 @@ def warm_engine(config: EngineConfig, progress: bool = True, helper: bool = True
 
 
 class _Helper:
-    """A ``python -m kvcanary.warmup`` process warming ``config`` (sent pickled on stdin);
-    it prints each kernel it compiled, shown on ``log``'s bar and counted in it."""
+    """A ``python -m kvcanary.warmup`` process warming ``config`` (sent pickled on stdin,
+    with the ``lock_dir`` of :func:`sharing_compiles`); it prints each kernel it compiled,
+    shown on ``log``'s bar and counted in it."""
 
-    def __init__(self, config: EngineConfig, log: CompileLog) -> None:
+    def __init__(self, config: EngineConfig, lock_dir: str, log: CompileLog) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvcanary.warmup"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(pickle.dumps(config))
+        self.proc.stdin.write(pickle.dumps((config, lock_dir)))
         self.proc.stdin.close()
         self.log = log
         self.reader = threading.Thread(target=self._read, name="kvcanary-warmup-helper", daemon=True)
@@ -325,11 +394,11 @@ def print_compiles() -> Iterator[None]:
 
 
 def _helper_main() -> None:
-    """``python -m kvcanary.warmup``: warm the pickled EngineConfig read from stdin,
-    reporting its compiles (:func:`print_compiles`)."""
-    config = pickle.loads(sys.stdin.buffer.read())
+    """``python -m kvcanary.warmup``: warm the pickled (EngineConfig, lock dir) read from
+    stdin, reporting its compiles (:func:`print_compiles`)."""
+    config, lock_dir = pickle.loads(sys.stdin.buffer.read())
     with print_compiles():
-        warm_engine(config, progress=False, helper=False)
+        warm_engine(config, progress=False, helper=False, lock_dir=lock_dir)
 
 
 if __name__ == "__main__":

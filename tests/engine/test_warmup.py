@@ -5,16 +5,19 @@ split kernel are compiled while warming; workload defaults adapt to --input-len.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numba
 import numpy as np
 import pytest
 
-from kvcanary import EngineConfig, numba_parallel
+from kvcanary import EngineConfig, numba_parallel, warmup
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.cli import main
 from kvcanary.run import run_workload
@@ -23,6 +26,8 @@ from kvcanary.warmup import (
     _Helper,
     loaded_kernels,
     print_compiles,
+    share_lock_name,
+    sharing_compiles,
     warm_engine,
     warmup_config,
     watch_compiles,
@@ -69,11 +74,11 @@ def _name(kernel) -> str:  # type: ignore[no-untyped-def]
 NO_CANARY = dataclasses.replace(DEMO, canary=CanaryConfig())
 
 
-def test_helper_process_warms_a_configuration_into_the_shared_cache() -> None:
+def test_helper_process_warms_a_configuration_into_the_shared_cache(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The helper (``python -m kvcanary.warmup``, config pickled on stdin) runs a warm-up to
     the end, and a new process then finds every kernel of it in the on-disk cache."""
     log = CompileLog()
-    helper = _Helper(NO_CANARY, log)
+    helper = _Helper(NO_CANARY, str(tmp_path), log)
     assert helper.proc.wait(timeout=600) == 0
     helper.stop()
     in_fresh_process("test_warmup", "no_canary_loads_only_scenario")
@@ -84,6 +89,54 @@ def no_canary_loads_only_scenario() -> None:
         report = warm_engine(NO_CANARY, progress=False, helper=False)
     assert report.skipped is None and log.names() == []
     assert any("norm_cpu" in name for name, _ in loaded_kernels())  # loaded, not compiled
+
+
+def _cached_kernel(name: str):  # type: ignore[no-untyped-def]
+    def add_one(x):  # type: ignore[no-untyped-def]
+        return x + 1
+
+    add_one.__module__ = f"kvcanary.{name}"
+    return numba.njit(cache=True)(add_one)
+
+
+def _call_sharing(kernel, lock_dir: str, done: list[float]) -> threading.Thread:  # type: ignore[no-untyped-def]
+    def call() -> None:
+        with sharing_compiles(lock_dir):
+            assert kernel(41) == 42
+        done.append(time.monotonic())
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    return thread
+
+
+def test_sharing_compiles_waits_while_another_process_compiles_the_kernel(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A compile of a kernel and signature whose lock the other side holds waits until it is
+    released (then loads what that side compiled); another signature does not wait."""
+    kernel = _cached_kernel("warmup_shared")
+    lock = tmp_path / share_lock_name(kernel.py_func, (numba.int64,))
+    with open(lock, "a+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the other process, compiling add_one(int64)
+        done: list[float] = []
+        thread = _call_sharing(kernel, str(tmp_path), done)
+        time.sleep(0.5)
+        assert thread.is_alive() and not kernel.signatures  # waiting, not compiling
+        assert kernel(1.5) == 2.5  # float64: another lock, compiles at once
+        released = time.monotonic()
+        fcntl.flock(held, fcntl.LOCK_UN)
+    thread.join(timeout=60)
+    assert done and done[0] >= released
+    assert len(kernel.signatures) == 2
+
+
+def test_sharing_compiles_gives_up_waiting_after_the_timeout(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(warmup, "_SHARE_WAIT_S", 0.2)
+    kernel = _cached_kernel("warmup_share_timeout")
+    with open(tmp_path / share_lock_name(kernel.py_func, (numba.int64,)), "a+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # never released while the call runs
+        done: list[float] = []
+        _call_sharing(kernel, str(tmp_path), done).join(timeout=60)
+        assert done and kernel.signatures == [(numba.int64,)]
 
 
 def test_compiling_both_compiles_the_variant_not_taken() -> None:
