@@ -11,7 +11,7 @@
 # Switches (1 = on): KVC_ONLY_ENGINE (stop after the engine check), KVC_SKIP_TRITON,
 # KVC_SKIP_RUN2 (no second `kvcanary run`), KVC_06B (bench overhead on the 0.6B preset too,
 # overhead_06b.json), KVC_SKIP_ST2 (no graph-safe selftest), KVC_PYTEST=0 (no CPU suite).
-# Session 6 ran it on an H200 (docs/ARCHITECTURE.md, "On a GPU"): ~90 s with
+# On an H200 (2026-11-26; docs/ARCHITECTURE.md, "On a GPU") it ran in ~90 s with
 # KVC_PYTEST=0 KVC_SKIP_TRITON=1 KVC_SKIP_RUN2=1 KVC_SKIP_ST2=1 KVC_06B=1.
 
 PY=${PY:-python3}

@@ -23,10 +23,10 @@ A batch goes in as one "batch block" of addresses (``_head_batch_nb`` / ``_tail_
 same bodies), made once for a host's persistent arrays (the graph runner's decode buffers)
 and per forward otherwise: each argument the dispatcher types costs time, most of all right
 after the model's forward, and these calls skip the dispatcher altogether
-(:func:`.kernels_numba.entry_point`). The planner and the launch kernels are inlined into
-them (one compiled body each, ~2 us less a call at batch 1 than calls into separate code;
-~10 s more of a first compile); the token table of a canary that verifies tokens goes in
-the block too (since session 24), and only a forward with a write-input assertion runs
+(:func:`.kernels_numba.entry_point`). The planner and the launch are inlined into them,
+the shared verify / write kernels called (one compiled body each but those; ~2 us less a
+call at batch 1 than calls into separate code); the token table of a canary that verifies
+tokens goes in the block too, and only a forward with a write-input assertion runs
 ``_head_nb`` / ``_tail_nb`` (the same bodies, arrays passed one by one). Exactly the
 per-launch path's records, ring rows (same order), counters and errors
 (``tests/canary/test_canary_fused_rows.py`` runs both on the same state and compares).

@@ -376,7 +376,7 @@ def _extend_task(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, windo
     8 alternated runs: a full layer 4079 -> 3583 us, a windowed one 2275 -> 2222; on those
     chunks the outputs were bit for bit the four-keys-a-pass loop's). The scores read K
     through slices of ``kt``'s rows, the softmax's maximum and sum by the row reductions
-    (session 32, the same chunks, 16 alternated calls: full 3121 -> 2658 us, windowed 2174
+    (the same chunks, 16 alternated calls: full 3121 -> 2658 us, windowed 2174
     -> 2073). Its scores with keys
     in the lanes by the same kernel (32 keys' scores in registers across the dims) measured
     1.5-2x slower: short rows leave it loop overhead."""
