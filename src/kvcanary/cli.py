@@ -79,7 +79,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
         summary, engine = run_workload(engine_config_from_args(a), spec, progress=not a.no_progress)
     emit("kvcanary run", summary, a.json)
     if a.metrics_file:
-        from kvcanary.canary.metrics import write_metrics_file
+        from kvcanary.canary.report.metrics import write_metrics_file
 
         write_metrics_file(engine.canary, a.metrics_file)
     return 0

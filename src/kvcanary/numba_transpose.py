@@ -6,7 +6,7 @@ lane, with 24 shuffles in registers (``shufflevector`` in three stages of pairs,
 lowers to unpacks and permutes).
 
 For kernels that run a serial chain per lane (the real-KV fingerprint: one hash step per word
-of a slot, :func:`kvcanary.canary.real_kv._fold_lines_of`) and vectorise across lanes: the
+of a slot, :func:`kvcanary.canary.wire.real_kv._fold_lines_of`) and vectorise across lanes: the
 words of 8 slots side by side, from rows that lie anywhere in a pool. Copying the rows
 element by element into a word-major tile instead (each store to another cache line) cost
 twice the hashing itself (32 slots x 4 KiB, warm: 11.5 us copy, 4.7 us hash).

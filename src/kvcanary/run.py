@@ -95,7 +95,12 @@ def summarize(engine: Engine, outs: list, wall_s: float) -> dict[str, Any]:
 def written_by_group(write_entries_by_tag: dict[str, int]) -> dict[str, int]:
     """Records written per canary group (pool kind: FULL, SWA, C4, C4_STATE ...): its
     TAIL K writes, one per token (compressed groups: per block) stored in that sub-pool."""
-    from kvcanary.canary.constants import CanaryLaunchTag, KvHalf, LaunchStage, split_launch_tag
+    from kvcanary.canary.wire.constants import (
+        CanaryLaunchTag,
+        KvHalf,
+        LaunchStage,
+        split_launch_tag,
+    )
 
     out: dict[str, int] = {}
     for name, count in write_entries_by_tag.items():

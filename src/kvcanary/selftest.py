@@ -40,7 +40,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvcanary.canary.constants import KvHalf, LaunchStage, PoolKind, launch_tag
 from kvcanary.canary.manager import CanaryManager
 from kvcanary.canary.perturb import (
     PERTURB_MODES,
@@ -50,6 +49,7 @@ from kvcanary.canary.perturb import (
     install_perturbation,
 )
 from kvcanary.canary.perturb.config import BYTE_FLIP_MODES, PerturbMode
+from kvcanary.canary.wire.constants import KvHalf, LaunchStage, PoolKind, launch_tag
 from kvcanary.config import CanaryConfig, EngineConfig, SamplingParams
 from kvcanary.engine.engine import Engine
 from kvcanary.model.loader import load_model_config

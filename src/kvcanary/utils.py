@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 def cdiv(a: int, b: int) -> int:
@@ -61,3 +66,13 @@ def unique_sorted(values: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.not_equal(out[1:], out[:-1], out=keep[1:])
     return out[keep]
+
+
+def buf_infos(buffers: list[torch.Tensor], page_size: int) -> tuple[list[int], list[int], list[int]]:
+    """(data_ptrs, data_lens, item_lens) of ``buffers``, the layout of a pool's buf-infos:
+    page ``p`` of buffer ``i`` starts at ``data_ptrs[i] + p * item_lens[i]``; ``item_lens`` =
+    bytes of one page."""
+    ptrs = [b.data_ptr() for b in buffers]
+    lens = [b.nbytes for b in buffers]
+    items = [b[0].nbytes * page_size for b in buffers]
+    return ptrs, lens, items

@@ -8,7 +8,7 @@ import pytest
 from kvcanary.bench.engines import record_forward_shapes
 from kvcanary.bench.traffic import StepShape, canary_bytes, canary_groups, kv_read_bytes
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import CANARY_SLOT_BYTES
+from kvcanary.canary.wire.constants import CANARY_SLOT_BYTES
 from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.engine.engine import Engine
 from kvcanary.model.presets import PRESETS

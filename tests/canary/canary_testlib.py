@@ -13,9 +13,10 @@ import pytest
 import reference_kernels
 import torch
 
-from kvcanary.canary import kernels_numba, kernels_torch
-from kvcanary.canary.plan import PlanInputs
-from kvcanary.canary.real_kv import RealKvSource
+from kvcanary.canary.kernels import numba_kernels as kernels_numba
+from kvcanary.canary.kernels import torch_kernels as kernels_torch
+from kvcanary.canary.plan.reference import PlanInputs
+from kvcanary.canary.wire.real_kv import RealKvSource
 
 IMPLS: dict[str, ModuleType] = {
     "numba": kernels_numba,

@@ -1,6 +1,6 @@
 """Slow plain-Python canary kernels: the executable spec the numba and torch kernels must match.
 
-Same signatures as :mod:`kvcanary.canary.kernels_numba` / ``kernels_torch``; written for
+Same signatures as :mod:`kvcanary.canary.kernels.numba_kernels` / ``kernels_torch``; written for
 obviousness (Python ints, one entry at a time), never for speed. Test-only.
 """
 
@@ -10,18 +10,18 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcanary.canary.constants import FailReason
-from kvcanary.canary.hashing import (
+from kvcanary.canary.plan.types import VerifyPlan, WritePlan
+from kvcanary.canary.report.ring import RunCounters, ViolationRing
+from kvcanary.canary.wire.constants import FailReason
+from kvcanary.canary.wire.hashing import (
     ANCHOR_HASH,
     chain_hash,
     combine_real_kv_folds,
     fold_real_kv_bytes,
     to_i64,
 )
-from kvcanary.canary.plan_types import VerifyPlan, WritePlan
-from kvcanary.canary.real_kv import RealKvSource
-from kvcanary.canary.records import as_int64_records
-from kvcanary.canary.ring import RunCounters, ViolationRing
+from kvcanary.canary.wire.real_kv import RealKvSource
+from kvcanary.canary.wire.records import as_int64_records
 
 
 def real_kv_hash(sources: Sequence[RealKvSource], slot: int) -> int:

@@ -23,8 +23,8 @@ from engine_utils import make_prompts, tiny_engine
 
 from kvcanary import Engine, RequestOutput, SamplingParams
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import CANARY_FIELD_POSITION, PoolKind
-from kvcanary.canary.records import as_int64_records
+from kvcanary.canary.wire.constants import CANARY_FIELD_POSITION, PoolKind
+from kvcanary.canary.wire.records import as_int64_records
 from kvcanary.engine.request import Req
 from kvcanary.memory.allocator import PagedAllocator
 from kvcanary.memory.swa_allocator import SWAAllocator

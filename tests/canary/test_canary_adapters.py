@@ -6,9 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary.canary.adapters import AttachOptions, attach_canary_buffers, register_pool_attacher
-from kvcanary.canary.buffers import CanaryBufferGroup
-from kvcanary.canary.constants import CANARY_SLOT_BYTES, PoolKind, RealKvHashMode
+from kvcanary.canary.attach.buffers import CanaryBufferGroup
+from kvcanary.canary.attach.registry import (
+    AttachOptions,
+    attach_canary_buffers,
+    register_pool_attacher,
+)
+from kvcanary.canary.wire.constants import CANARY_SLOT_BYTES, PoolKind, RealKvHashMode
 from kvcanary.memory import host_pool
 from kvcanary.memory.dsv4_pool import DSV4KVPool
 from kvcanary.memory.mha_pool import MHAKVPool
@@ -245,7 +249,7 @@ def test_registered_attacher_serves_subclasses() -> None:
         assert attach_canary_buffers(MyDerivedPool(), opts()) == []
         assert seen == [MyDerivedPool]
     finally:
-        from kvcanary.canary import adapters
+        from kvcanary.canary.attach import registry as adapters
 
         del adapters._ATTACHERS[MyPool]
 

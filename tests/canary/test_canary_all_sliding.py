@@ -25,8 +25,8 @@ from hf_fixtures import make_tiny_hf_checkpoint
 
 from kvcanary import Engine, SamplingParams
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import CANARY_FIELD_POSITION, PoolKind
-from kvcanary.canary.records import as_int64_records
+from kvcanary.canary.wire.constants import CANARY_FIELD_POSITION, PoolKind
+from kvcanary.canary.wire.records import as_int64_records
 from kvcanary.config import EngineConfig
 from kvcanary.disagg.cluster import InProcessDisagg
 from kvcanary.disagg.config import DisaggConfig, DisaggFaults

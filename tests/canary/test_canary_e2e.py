@@ -15,7 +15,7 @@ from engine_utils import make_prompts, slot_of, start_decoding, tiny_engine
 from kvcanary import Engine, SamplingParams
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.errors import KVCanaryViolation
-from kvcanary.canary.violation import parse_violation_line
+from kvcanary.canary.wire.violation import parse_violation_line
 
 MODELS = ["builtin:tiny-mha", "builtin:tiny-swa"]
 CANARY_ON = dict(canary=CanaryConfig(mode="raise", real_data="partial", v_half=True,

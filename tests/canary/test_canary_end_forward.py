@@ -14,8 +14,8 @@ from engine_utils import make_prompts, slot_of, start_decoding, tiny_engine
 
 from kvcanary import SamplingParams
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import KvHalf, LaunchStage
 from kvcanary.canary.manager import CanaryManager
+from kvcanary.canary.wire.constants import KvHalf, LaunchStage
 
 PROMPTS = make_prompts(3, 20, 40, shared=12, seed=8)
 PARAMS = SamplingParams(max_new_tokens=26, ignore_eos=True)

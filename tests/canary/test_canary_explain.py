@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary.canary.constants import CanaryLaunchTag, FailReason
 from kvcanary.canary.explain import explain, parse_log
 from kvcanary.canary.perturb import ExpectedDetection
-from kvcanary.canary.violation import ViolationRecord, format_violation_message
+from kvcanary.canary.wire.constants import CanaryLaunchTag, FailReason
+from kvcanary.canary.wire.violation import ViolationRecord, format_violation_message
 from kvcanary.cli import main
 from kvcanary.selftest import FaultCase, run_case
 

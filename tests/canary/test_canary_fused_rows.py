@@ -1,4 +1,4 @@
-"""Fused row launches (:mod:`kvcanary.canary.fused_rows`): HEAD and TAIL of a CPU forward as
+"""Fused row launches (:mod:`kvcanary.canary.kernels.fused_rows`): HEAD and TAIL of a CPU forward as
 one compiled call each must leave exactly the per-launch path's state: the same ring rows in
 the same order, the same records, the same run counters, for faults written straight into
 the real engine's state (a KV byte, a req->token entry, an SWA mapping, a lost store)."""
@@ -13,8 +13,8 @@ import torch
 from canary_testlib import force_split
 from engine_utils import make_prompts, start_decoding, tiny_engine
 
-from kvcanary.canary import fused_rows
 from kvcanary.canary.config import CanaryConfig
+from kvcanary.canary.kernels import fused_rows
 
 
 @pytest.fixture(autouse=True)
@@ -150,7 +150,7 @@ def test_entry_point_runs_the_compiled_function_without_the_dispatcher() -> None
     dispatcher (a profiler's) is called as it is."""
     import numpy as np
 
-    from kvcanary.canary.kernels_numba import _record, entry_point
+    from kvcanary.canary.kernels.numba_kernels import _record, entry_point
 
     ring, index = np.zeros((2, 8), dtype=np.int64), np.zeros(1, dtype=np.int64)
     args = (ring, index, 11, 12, 13, 14, 15, 16, 17, 18)
@@ -173,7 +173,7 @@ def test_batch_block_describes_int64_contiguous_batches_only() -> None:
     and the forward passes its arrays one by one."""
     import numpy as np
 
-    from kvcanary.canary.row_plan import HostInputs
+    from kvcanary.canary.plan.rows import HostInputs
 
     r2t = np.zeros((4, 8), dtype=np.int32)
     arrays = [np.arange(k, k + 3, dtype=np.int64) for k in range(6)]
@@ -215,7 +215,7 @@ def test_block_reads_real_kv_words_that_are_column_ranges_of_wider_rows() -> Non
     import numba
     import numpy as np
 
-    from kvcanary.canary.real_kv import real_kv_hashes_nb
+    from kvcanary.canary.wire.real_kv import real_kv_hashes_nb
 
     @numba.njit
     def hashes_through_block(blk, slots, meta):  # type: ignore[no-untyped-def]

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcanary.canary.constants import CANARY_CHAIN_ANCHOR
-from kvcanary.canary.hashing import (
+from kvcanary.canary.wire.constants import CANARY_CHAIN_ANCHOR
+from kvcanary.canary.wire.hashing import (
     ANCHOR_HASH,
     ANCHOR_HASH_I64,
     MASK64,
@@ -128,7 +128,7 @@ def test_real_kv_fingerprints_numba_equal_torch(page_size: int, token_bytes: int
     two words past the last whole line), with two sources (the second a partial window),
     slot counts that leave partial groups (3, 63, 65, 700), slots in any order and negative
     slots (0)."""
-    from kvcanary.canary.real_kv import (
+    from kvcanary.canary.wire.real_kv import (
         RealKvSource,
         numba_source_args,
         real_kv_hashes_nb,

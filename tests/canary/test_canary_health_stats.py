@@ -12,11 +12,12 @@ import torch
 from engine_utils import make_prompts, tiny_engine
 
 from kvcanary import SamplingParams
-from kvcanary.canary import fused_rows, kernels
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import CanaryLaunchTag
-from kvcanary.canary.delayed import DelayedDeviceHostHandler, FutureTensors
 from kvcanary.canary.errors import KVCanaryHealthError
+from kvcanary.canary.kernels import dispatch as kernels
+from kvcanary.canary.kernels import fused_rows
+from kvcanary.canary.observe.delayed import DelayedDeviceHostHandler, FutureTensors
+from kvcanary.canary.wire.constants import CanaryLaunchTag
 
 PROMPTS = make_prompts(3, 20, 40, seed=21)
 LONG = SamplingParams(max_new_tokens=30, ignore_eos=True)

@@ -18,9 +18,7 @@ from engine_utils import tiny_engine
 
 import kvcanary.canary
 from kvcanary import SamplingParams
-from kvcanary.canary import fused_rows, kernels
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import CANARY_FIELD_REAL_KV_HASH, CanaryLaunchTag
 from kvcanary.canary.errors import KVCanaryViolation
 from kvcanary.canary.host import (
     CanaryHost,
@@ -31,11 +29,14 @@ from kvcanary.canary.host import (
     TokenMirror,
 )
 from kvcanary.canary.install import install_canary
+from kvcanary.canary.kernels import dispatch as kernels
+from kvcanary.canary.kernels import fused_rows
 from kvcanary.canary.manager import CanaryManager
-from kvcanary.canary.plan import PlanInputs
-from kvcanary.canary.plan_inputs import compress_plan_inputs
-from kvcanary.canary.records import as_int64_records
-from kvcanary.canary.violation import parse_violation_line
+from kvcanary.canary.plan.inputs import compress_plan_inputs
+from kvcanary.canary.plan.reference import PlanInputs
+from kvcanary.canary.wire.constants import CANARY_FIELD_REAL_KV_HASH, CanaryLaunchTag
+from kvcanary.canary.wire.records import as_int64_records
+from kvcanary.canary.wire.violation import parse_violation_line
 from kvcanary.config import EngineConfig
 from kvcanary.engine.hooks import ForwardHooks
 from kvcanary.memory.allocator import make_allocator
@@ -452,4 +453,4 @@ def test_engine_without_canary_never_imports_it() -> None:
                "host"}  # fmt: skip
     loaded = set(out.stdout.split())
     assert not {f"kvcanary.canary.{m}" for m in runtime} & loaded
-    assert not {"kvcanary.integrations", "kvcanary.integrations.engine_host"} & loaded
+    assert not {"kvcanary.integrations", "kvcanary.integrations.native.host"} & loaded

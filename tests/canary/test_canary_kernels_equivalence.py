@@ -19,12 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_kernels import real_kv_hash, slot_hash
 
-from kvcanary.canary.constants import CanaryLaunchTag
-from kvcanary.canary.hashing import ANCHOR_HASH_I64
-from kvcanary.canary.plan_types import VerifyPlan, WritePlan
-from kvcanary.canary.real_kv import RealKvSource
-from kvcanary.canary.records import as_int64_records
-from kvcanary.canary.ring import RunCounters, ViolationRing
+from kvcanary.canary.plan.types import VerifyPlan, WritePlan
+from kvcanary.canary.report.ring import RunCounters, ViolationRing
+from kvcanary.canary.wire.constants import CanaryLaunchTag
+from kvcanary.canary.wire.hashing import ANCHOR_HASH_I64
+from kvcanary.canary.wire.real_kv import RealKvSource
+from kvcanary.canary.wire.records import as_int64_records
 
 
 @dataclass

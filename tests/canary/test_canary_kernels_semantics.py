@@ -10,15 +10,15 @@ import torch
 from canary_testlib import IMPLS, ToyKvSystem, make_sources, store_kv
 from reference_kernels import slot_hash
 
-from kvcanary.canary.constants import CanaryLaunchTag as Tag
-from kvcanary.canary.constants import FailReason as FR
-from kvcanary.canary.hashing import to_i64
-from kvcanary.canary.plan import PlanInputs, build_plans
-from kvcanary.canary.plan_types import VerifyPlan, WritePlan
-from kvcanary.canary.real_kv import RealKvSource
-from kvcanary.canary.records import alloc_canary_buffer, as_int64_records, read_record
-from kvcanary.canary.ring import RunCounters, ViolationRing
-from kvcanary.canary.violation import ViolationRecord
+from kvcanary.canary.plan.reference import PlanInputs, build_plans
+from kvcanary.canary.plan.types import VerifyPlan, WritePlan
+from kvcanary.canary.report.ring import RunCounters, ViolationRing
+from kvcanary.canary.wire.constants import CanaryLaunchTag as Tag
+from kvcanary.canary.wire.constants import FailReason as FR
+from kvcanary.canary.wire.hashing import to_i64
+from kvcanary.canary.wire.real_kv import RealKvSource
+from kvcanary.canary.wire.records import alloc_canary_buffer, as_int64_records, read_record
+from kvcanary.canary.wire.violation import ViolationRecord
 
 pytestmark = pytest.mark.parametrize("impl_name", IMPLS)
 

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcanary import SamplingParams
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.metrics import write_metrics_file
+from kvcanary.canary.report.metrics import write_metrics_file
 from kvcanary.cli import main
 
 

@@ -13,6 +13,7 @@ import torch
 from engine_utils import tiny_engine
 
 from kvcanary.canary.config import CanaryConfig
+from kvcanary.canary.observe.token_oracle import TokenOracleExpectations, oracle_tokens_t
 from kvcanary.canary.perturb import (
     PERTURB_MODES,
     PerturbConfig,
@@ -20,7 +21,6 @@ from kvcanary.canary.perturb import (
     expected_detection,
     install_perturbation,
 )
-from kvcanary.canary.token_oracle import TokenOracleExpectations, oracle_tokens_t
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.forward_batch import ForwardBatch, ForwardMode
 from kvcanary.engine.sampling import oracle_token

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary.canary.plan import CanaryPlans, PlanInputs, build_plans
-from kvcanary.canary.plan_types import VerifyPlan
+from kvcanary.canary.plan.reference import CanaryPlans, PlanInputs, build_plans
+from kvcanary.canary.plan.types import VerifyPlan
 
 
 def t(values: list[int]) -> torch.Tensor:

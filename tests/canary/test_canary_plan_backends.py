@@ -10,8 +10,8 @@ import pytest
 import torch
 from canary_testlib import ToyKvSystem
 
-from kvcanary.canary.plan import CanaryPlans, PlanInputs, build_plans
-from kvcanary.canary.plan_inputs import compress_plan_inputs
+from kvcanary.canary.plan.inputs import compress_plan_inputs
+from kvcanary.canary.plan.reference import CanaryPlans, PlanInputs, build_plans
 
 FIELDS = {
     "verify": ("slots", "prev_slots", "positions", "expected_tokens", "enabled",

@@ -21,16 +21,18 @@ import pytest
 import torch
 from canary_testlib import ToyKvSystem, force_split, make_sources
 
-from kvcanary.canary import kernels, kernels_numba, kernels_torch
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import NO_SLOT
-from kvcanary.canary.constants import CanaryLaunchTag as Tag
-from kvcanary.canary.plan import CanaryPlans, PlanInputs, build_plans
-from kvcanary.canary.plan_inputs import compress_plan_inputs
-from kvcanary.canary.real_kv import RealKvSource
-from kvcanary.canary.records import alloc_canary_buffer, as_int64_records
-from kvcanary.canary.ring import RunCounters, ViolationRing
-from kvcanary.canary.row_plan import HostInputs, RowPlanner
+from kvcanary.canary.kernels import dispatch as kernels
+from kvcanary.canary.kernels import numba_kernels as kernels_numba
+from kvcanary.canary.kernels import torch_kernels as kernels_torch
+from kvcanary.canary.plan.inputs import compress_plan_inputs
+from kvcanary.canary.plan.reference import CanaryPlans, PlanInputs, build_plans
+from kvcanary.canary.plan.rows import HostInputs, RowPlanner
+from kvcanary.canary.report.ring import RunCounters, ViolationRing
+from kvcanary.canary.wire.constants import NO_SLOT
+from kvcanary.canary.wire.constants import CanaryLaunchTag as Tag
+from kvcanary.canary.wire.real_kv import RealKvSource
+from kvcanary.canary.wire.records import alloc_canary_buffer, as_int64_records
 
 # ------------------------------------------------------------------ the entries
 

@@ -10,9 +10,9 @@ import torch
 from canary_fake_runner import FakeRunner
 from test_canary_install import install
 
-from kvcanary.canary.constants import NO_SLOT, NO_TOKEN, PoolKind
-from kvcanary.canary.plan import PlanInputs
-from kvcanary.canary.state_plan import StateRing, build_state_plans
+from kvcanary.canary.plan.reference import PlanInputs
+from kvcanary.canary.plan.state import StateRing, build_state_plans
+from kvcanary.canary.wire.constants import NO_SLOT, NO_TOKEN, PoolKind
 from kvcanary.memory.dsv4_pool import DSV4KVPool
 from kvcanary.memory.swa_allocator import SWAAllocator
 

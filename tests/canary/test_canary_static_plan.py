@@ -1,4 +1,4 @@
-"""Graph-safe decode plans (:mod:`kvcanary.canary.static_plan`): built from device tensors
+"""Graph-safe decode plans (:mod:`kvcanary.canary.plan.static`): built from device tensors
 with shapes fixed by the bucket (no host read: they build on the meta device, where any
 read of data fails), and on the engine they report exactly what the per-forward planners
 report, for faults injected into the engine's own state."""
@@ -12,12 +12,12 @@ import pytest
 import torch
 from engine_utils import make_prompts, start_decoding, tiny_engine
 
-from kvcanary.canary import kernels_torch
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.plan import build_plans
-from kvcanary.canary.plan_types import PlanInputs
-from kvcanary.canary.ring import ViolationRing
-from kvcanary.canary.static_plan import build_static_decode_plans, static_key_width
+from kvcanary.canary.kernels import torch_kernels as kernels_torch
+from kvcanary.canary.plan.reference import build_plans
+from kvcanary.canary.plan.static import build_static_decode_plans, static_key_width
+from kvcanary.canary.plan.types import PlanInputs
+from kvcanary.canary.report.ring import ViolationRing
 from kvcanary.config import SamplingParams
 
 
@@ -197,7 +197,7 @@ def test_compiled_planner_traces_whole_and_equals_eager() -> None:
     aot_eager backend: one graph (``fullgraph``: a graph break would raise), functionalized,
     no code generated; every tensor equal to the eager planner's, FULL and SWA (with a LUT
     that has holes), with and without expected tokens, batches with padding rows."""
-    from kvcanary.canary import static_plan
+    from kvcanary.canary.plan import static as static_plan
 
     gen = torch.Generator().manual_seed(5)
     lut = torch.arange(400)
@@ -227,7 +227,8 @@ def test_engine_with_compiled_plans_reports_what_eager_plans_report(
     """KVCANARY_KV_CANARY_COMPILE_STATIC_PLANS=on: the engine's graph-safe canary plans
     through the compiled planner (aot_eager here: no GPU) and reports the same rows and
     leaves the same records for faults written into the engine's state."""
-    from kvcanary.canary import single_forward, static_plan
+    from kvcanary.canary import forward as single_forward
+    from kvcanary.canary.plan import static as static_plan
 
     want_rows, want_records = _faulty_run(True, "builtin:tiny-swa")
     calls = []

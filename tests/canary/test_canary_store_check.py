@@ -14,7 +14,7 @@ from engine_utils import make_prompts, start_decoding, tiny_engine
 
 from kvcanary import Engine, SamplingParams
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.single_forward import SingleForwardManager
+from kvcanary.canary.forward import SingleForwardManager
 
 PROMPTS = make_prompts(3, 44, 60, seed=5)
 MODELS = ["builtin:tiny-mha", "builtin:tiny-swa"]
@@ -193,8 +193,8 @@ def test_clean_runs_with_every_real_data_mode_are_silent(model: str) -> None:
 
 def _watch(read_bytes: int, row_bytes: int) -> Any:
     """A CPU store watch with one real-KV source of ``row_bytes`` per token."""
-    from kvcanary.canary.real_kv import RealKvSource
-    from kvcanary.canary.store_check import StoreChecker, StoreWatch
+    from kvcanary.canary.kernels.store_check import StoreChecker, StoreWatch
+    from kvcanary.canary.wire.real_kv import RealKvSource
 
     buf = torch.zeros(64, row_bytes, dtype=torch.uint8)
     watch = StoreWatch(7, torch.zeros(64, 4, dtype=torch.int64), (RealKvSource(buf, 1, row_bytes, read_bytes),))
@@ -213,7 +213,7 @@ def test_observe_folds_each_token_rows_as_a_contiguous_copy_would(
     its slot, and the watch stamped with this forward's epoch. 256 / 1040 bytes: rows folded
     32 / 16 tokens a pass through register transposes (11 tokens: a partial pass; 1040: two
     words past the last whole line)."""
-    from kvcanary.canary.hashing import fold_real_kv_words_t
+    from kvcanary.canary.wire.hashing import fold_real_kv_words_t
 
     # 256-byte float32 rows; 1088-byte ones for the 1040-byte window
     heads, dim, n = 2, 32 if read_bytes <= 256 else 136, 11
@@ -236,7 +236,7 @@ def test_observe_folds_each_token_rows_as_a_contiguous_copy_would(
     loc = torch.arange(3, 3 + rows, dtype=torch.int32 if layout == "int32-slots" else torch.int64)
     checker, watch = _watch(read_bytes, heads * dim * kv.element_size())
     if layout not in ("strided-inner", "int32-slots"):  # read in place: no copying path
-        from kvcanary.canary import store_check
+        from kvcanary.canary.kernels import store_check
 
         def copying(*_: Any) -> None:
             raise AssertionError(f"{layout}: took the copying path")
@@ -269,8 +269,8 @@ def test_observe_rows_is_observe_from_addresses(case: str, read_bytes: int) -> N
     folds, targets and stamps as observe of the same rows as tensors, for the K and the V
     watch of a layer; a layout it does not read is refused with nothing touched (the caller
     then observes the tensors)."""
-    from kvcanary.canary.real_kv import RealKvSource
-    from kvcanary.canary.store_check import StoreChecker, StoreWatch
+    from kvcanary.canary.kernels.store_check import StoreChecker, StoreWatch
+    from kvcanary.canary.wire.real_kv import RealKvSource
 
     heads, dim = 2, 32
     n = {"one-row": 1, "empty": 0}.get(case, 11)
@@ -335,6 +335,6 @@ def test_observe_rows_follows_the_scratch_as_forwards_grow() -> None:
     loc = torch.arange(1, n + 1, dtype=torch.int64)
     assert checker.observe_rows(entry, n, loc.data_ptr(), n, k.data_ptr(), 256, k.data_ptr(), 256, 256)
     assert torch.equal(watch.target[0, :n], loc)
-    from kvcanary.canary.hashing import fold_real_kv_words_t
+    from kvcanary.canary.wire.hashing import fold_real_kv_words_t
 
     assert torch.equal(watch.intended[0, :n], fold_real_kv_words_t(k.view(torch.int64)[:, :2]))

@@ -15,9 +15,8 @@ from engine_utils import tiny_engine
 
 from kvcanary import SamplingParams
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import PoolKind
-from kvcanary.canary.delayed import DelayedDeviceHostHandler
-from kvcanary.canary.swa_divergence import (
+from kvcanary.canary.observe.delayed import DelayedDeviceHostHandler
+from kvcanary.canary.observe.swa_divergence import (
     SwaDivergenceLog,
     SwaDivergenceReporter,
     VerifyTotals,
@@ -25,6 +24,7 @@ from kvcanary.canary.swa_divergence import (
     swa_full_idx_divergence,
     swa_out_of_window_tokens,
 )
+from kvcanary.canary.wire.constants import PoolKind
 
 SAMPLE = SwaDivergenceLog(forward_ct=120, verify_full=10000, verify_swa=4200,
                           swa_full_idx_divergence=512, swa_out_of_window_tokens=8192)  # fmt: skip

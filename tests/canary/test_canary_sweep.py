@@ -13,11 +13,11 @@ from engine_utils import make_prompts, tiny_engine
 
 from kvcanary import Engine, SamplingParams
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import CANARY_FIELD_TOKEN, KvHalf, LaunchStage, PoolKind
+from kvcanary.canary.observe.sweep import walk_radix_cache
 from kvcanary.canary.perturb.faults import flip_byte, group_slot
 from kvcanary.canary.perturb.slots import unlocked_cached_slots
-from kvcanary.canary.records import as_int64_records
-from kvcanary.canary.sweep import walk_radix_cache
+from kvcanary.canary.wire.constants import CANARY_FIELD_TOKEN, KvHalf, LaunchStage, PoolKind
+from kvcanary.canary.wire.records import as_int64_records
 from kvcanary.memory.allocator import make_allocator
 from kvcanary.memory.radix_cache import RadixCache
 

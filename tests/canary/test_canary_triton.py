@@ -1,4 +1,4 @@
-"""The Triton canary kernels and plan builder (``kvcanary.canary.kernels_triton``,
+"""The Triton canary kernels and plan builder (``kvcanary.canary.kernels.triton_kernels``,
 ``plan_triton``): bit for bit equal to the numba and torch ones under Triton's interpreter on
 CPU tensors, and compilable for CUDA.
 

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcanary.canary.constants import (
+from kvcanary.canary.report.ring import RunCounters, ViolationRing
+from kvcanary.canary.wire.constants import (
     FAIL_REASON_LABELS,
     LEGACY_FAIL_REASON_LABELS,
     NUM_LAUNCH_TAGS,
@@ -19,9 +20,8 @@ from kvcanary.canary.constants import (
     launch_tag,
     split_launch_tag,
 )
-from kvcanary.canary.hashing import to_i64
-from kvcanary.canary.ring import RunCounters, ViolationRing
-from kvcanary.canary.violation import (
+from kvcanary.canary.wire.hashing import to_i64
+from kvcanary.canary.wire.violation import (
     ViolationRecord,
     format_violation_line,
     format_violation_message,

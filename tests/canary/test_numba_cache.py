@@ -234,7 +234,7 @@ for name in modules:
                 if isinstance(cache, FunctionCache) else [type(cache).__name__, None]
             )
 import numpy as np
-from kvcanary.canary.hashing import splitmix64_nb
+from kvcanary.canary.wire.hashing import splitmix64_nb
 from kvcanary.numba_cache import package_digest
 splitmix64_nb(np.uint64(1))
 digest_at_end = package_digest(root)
@@ -264,9 +264,9 @@ def test_kvcanary_kernels_use_source_digest_locator(tmp_path: Path) -> None:
         out = _run_kvcanary_driver(order, cache_dir)
         if order == "kvcanary-first":  # the import hook path; numba is not loaded eagerly
             assert not out["numba_after_import_kvcanary"], "import kvcanary now loads numba"
-        assert "kvcanary.canary.kernels_numba" in out["modules"] and len(out["modules"]) >= 5
+        assert "kvcanary.canary.kernels.numba_kernels" in out["modules"] and len(out["modules"]) >= 5
         kernels = out["kernels"]
-        assert "kvcanary.canary.kernels_numba._verify_kernel" in kernels and len(kernels) >= 15
+        assert "kvcanary.canary.kernels.numba_kernels._verify_kernel" in kernels and len(kernels) >= 15
         root = Path(kvcanary.__file__).resolve().parent
         for name, (locator, path) in kernels.items():
             assert locator == "SourceDigestCacheLocator", name
@@ -275,9 +275,9 @@ def test_kvcanary_kernels_use_source_digest_locator(tmp_path: Path) -> None:
             expected = f"{DIGEST_DIR_PREFIX}{module_slug(str(root), str(file))}-"
             assert Path(path).name == expected + closure_digest(root, file)[:16], name
             assert Path(path).is_relative_to(cache_dir), name
-        hashing = root / "canary" / "hashing.py"
+        hashing = root / "canary" / "wire" / "hashing.py"
         assert Path(out["splitmix_dir"]).name == (
-            f"{DIGEST_DIR_PREFIX}canary.hashing-{closure_digest(root, hashing)[:16]}")
+            f"{DIGEST_DIR_PREFIX}canary.wire.hashing-{closure_digest(root, hashing)[:16]}")
         assert any(
             re.fullmatch(r"hashing\.splitmix64_nb-\d+\.py\d+\.nbi", f)
             for f in out["splitmix_files"]

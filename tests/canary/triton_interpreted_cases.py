@@ -41,15 +41,19 @@ from test_canary_plan_backends import assert_same
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import mangle_type
 
-from kvcanary.canary import kernels, kernels_numba, kernels_torch, kernels_triton, plan_triton
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import KvHalf, LaunchStage, PoolKind, launch_tag
-from kvcanary.canary.plan import build_plans
-from kvcanary.canary.plan_types import CanaryPlans, PlanInputs, VerifyPlan, WritePlan
-from kvcanary.canary.real_kv import RealKvSource
-from kvcanary.canary.records import alloc_canary_buffer, as_int64_records
-from kvcanary.canary.ring import RunCounters, ViolationRing
-from kvcanary.canary.row_plan import HostInputs, RowPlanner
+from kvcanary.canary.kernels import dispatch as kernels
+from kvcanary.canary.kernels import numba_kernels as kernels_numba
+from kvcanary.canary.kernels import torch_kernels as kernels_torch
+from kvcanary.canary.kernels import triton_kernels as kernels_triton
+from kvcanary.canary.plan import triton_plan as plan_triton
+from kvcanary.canary.plan.reference import build_plans
+from kvcanary.canary.plan.rows import HostInputs, RowPlanner
+from kvcanary.canary.plan.types import CanaryPlans, PlanInputs, VerifyPlan, WritePlan
+from kvcanary.canary.report.ring import RunCounters, ViolationRing
+from kvcanary.canary.wire.constants import KvHalf, LaunchStage, PoolKind, launch_tag
+from kvcanary.canary.wire.real_kv import RealKvSource
+from kvcanary.canary.wire.records import alloc_canary_buffer, as_int64_records
 
 if not (kernels_triton.is_interpreted() and plan_triton.is_interpreted()):
     raise RuntimeError(

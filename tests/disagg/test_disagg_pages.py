@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary.canary.splice import Segment, patch_buf_infos
+from kvcanary.canary.attach.splice import Segment, patch_buf_infos
 from kvcanary.disagg.pages import PageIO, PageLayoutError, TransferPages, request_pages
 from kvcanary.memory.mha_pool import MHAKVPool
 from kvcanary.memory.swa_allocator import SWAAllocator

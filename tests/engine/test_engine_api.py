@@ -8,7 +8,7 @@ import torch
 from engine_utils import assert_all_memory_free, greedy_outputs, make_prompts, tiny_engine
 
 from kvcanary import EngineConfig, SamplingParams
-from kvcanary.canary.hashing import splitmix64
+from kvcanary.canary.wire.hashing import splitmix64
 from kvcanary.utils import show
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvcanary.canary import fused_rows
+from kvcanary.canary.kernels import fused_rows
 from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 from kvcanary.integrations.vllm.options import parse_options
 from kvcanary.integrations.vllm.worker import VllmCanaryWorker

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary.memory.mha_pool import MHAKVPool, buf_infos
+from kvcanary.memory.mha_pool import MHAKVPool
 from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.memory.swa_pool import SWAKVPool
+from kvcanary.utils import buf_infos
 
 FULL_LAYERS, SWA_LAYERS = [0, 2], [1, 3, 4]
 

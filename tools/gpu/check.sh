@@ -75,7 +75,7 @@ if not hasattr(_jit, "mangle_type"):  # imported by the cases module (launch rec
 
 from kvcanary.canary import kernels_triton as KT  # noqa: E402
 from kvcanary.canary import plan_triton as PT  # noqa: E402
-from kvcanary.canary.ring import RunCounters, ViolationRing  # noqa: E402
+from kvcanary.canary.report.ring import RunCounters, ViolationRing  # noqa: E402
 
 DEV = torch.device(os.environ.get("KVC_SHIM_DEVICE", "cuda"))
 INTERPRETED = KT.is_interpreted()

@@ -3,7 +3,7 @@ bytes attention reads, computed from the forward's batch shape (no measurement).
 
 For the pools our engine builds (``MHAKVPool``: one FULL group over every layer;
 ``SWAKVPool``: a FULL group over the full-attention layers and an SWA group over the
-sliding ones, window ``W``; see :mod:`kvcanary.canary.adapters`). Per request row ``r`` of
+sliding ones, window ``W``; see :mod:`kvcanary.canary.attach.registry`). Per request row ``r`` of
 the forward, ``p_r`` = prefix length (tokens already cached), ``e_r`` = extend length (new
 tokens, 1 in decode)::
 
@@ -15,7 +15,7 @@ tokens, 1 in decode)::
     written (HEAD, TAIL)                                 [-------------]  anchors the chain)
 
     verified(g, r)  = p_r                  FULL group
-                    = min(p_r, W)          SWA group   (canary/plan_jit.py plan_counts)
+                    = min(p_r, W)          SWA group   (canary/plan/jit.py plan_counts)
     written(r)      = e_r
 
     canary bytes = sum over groups g, rows r of
@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import (
+from kvcanary.canary.wire.constants import (
     CANARY_SLOT_BYTES,
     MAX_REAL_KV_SOURCES,
     REAL_KV_PARTIAL_READ_BYTES,
@@ -57,7 +57,7 @@ from kvcanary.canary.constants import (
 from kvcanary.model.config import SLIDING_ATTENTION, ModelConfig
 
 # TAIL verifies what HEAD verified, also for halves without real-KV sources (then it checks
-# the same records again; canary/single_forward.py). tests/bench pins this to the canary's
+# the same records again; canary/forward.py). tests/bench pins this to the canary's
 # own counters.
 TAIL_VERIFIES_UNFINGERPRINTED = True
 # Store-check scratch per source and written token: the intended fold and its target slot

@@ -22,7 +22,7 @@ from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 from kvcanary import envs
-from kvcanary.canary.constants import RealKvHashMode
+from kvcanary.canary.wire.constants import RealKvHashMode
 from kvcanary.utils import show
 
 KV_CANARY_MODES = ("none", "log", "raise", "abort")
@@ -125,7 +125,7 @@ class CanaryConfig:
         _check(self.backend in KERNEL_BACKENDS, "backend", self.backend,
                f"one of {show(KERNEL_BACKENDS)}")  # fmt: skip
         if self.backend == "triton":
-            from kvcanary.canary.kernels import TRITON_MISSING, triton_installed
+            from kvcanary.canary.kernels.dispatch import TRITON_MISSING, triton_installed
 
             if not triton_installed():
                 env = _FIELDS["backend"].metadata["env"]

@@ -41,13 +41,13 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcanary.canary.constants import (
+from kvcanary.canary.wire.constants import (
     FAIL_REASON_LABELS,
     LEGACY_FAIL_REASON_LABELS,
     FailReason,
     split_launch_tag,
 )
-from kvcanary.canary.violation import (
+from kvcanary.canary.wire.violation import (
     VIOLATION_LINE_PREFIX,
     ViolationRecord,
     fail_reason_labels,

@@ -1,7 +1,7 @@
 """The host contract: what an inference engine offers the canary, as typed Protocols.
 
 A *host* runs model forwards over a paged KV cache and carries the canary as a guest:
-kvcanary's own engine (:mod:`kvcanary.integrations.engine_host`), and later vLLM (through
+kvcanary's own engine (:mod:`kvcanary.integrations.native.host`), and later vLLM (through
 its KV-connector hooks) and SGLang (its pool objects, driven from its forward batch). The
 canary never imports a host; a host offers the objects below and makes three calls on the
 :class:`~kvcanary.canary.manager.CanaryManager` that :func:`~kvcanary.canary.install.install_canary`
@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from kvcanary.canary.splice import BufInfos
+from kvcanary.canary.attach.splice import BufInfos
 
 #: ``handler(full_slots, swa_slots) -> aborted request ids`` (abort mode; int64 tensors on
 #: the canary's device). Abort the running requests whose req->token rows reference those
@@ -44,7 +44,7 @@ AbortHandler = Callable[[torch.Tensor, torch.Tensor], list[int]]
 
 #: ``fn(batch) -> (token_ids, positions)``, int64 ``[num_tokens]``: what every token the
 #: forward writes must carry (arms the write-input assertion). It may read host-specific
-#: batch fields (ours: :class:`~kvcanary.canary.token_oracle.TokenOracleExpectations`).
+#: batch fields (ours: :class:`~kvcanary.canary.observe.token_oracle.TokenOracleExpectations`).
 ExpectedInputs = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -53,7 +53,7 @@ class KVPool(Protocol):
     """The token->KV pool.
 
     Which canary groups it gets is decided by its *type*: the attacher registered for it
-    with :func:`kvcanary.canary.adapters.register_pool_attacher` (built in: ``MHAKVPool``,
+    with :func:`kvcanary.canary.attach.registry.register_pool_attacher` (built in: ``MHAKVPool``,
     ``SWAKVPool``, ``DSV4KVPool``; each attacher's docstring and adapters.py's module doc
     list what it reads: ``k_buffer`` / ``v_buffer`` / ``buffers`` per sub-pool, the live
     ``full_to_swa_index_mapping``, ``register_slot_buffer`` for host-copy sidecars). What
@@ -62,7 +62,7 @@ class KVPool(Protocol):
     record buffers beside its KV (so a prefill->decode transfer ships the records).
 
     Sub-pools with a ``set_kv_buffer(layer, loc, k, v)`` that owns a fingerprinted buffer get
-    the store check (:mod:`kvcanary.canary.store_check`); a pool that stores another way
+    the store check (:mod:`kvcanary.canary.kernels.store_check`); a pool that stores another way
     simply gets none.
     """
 

@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from kvcanary.canary.adapters import AttachOptions, attach_canary_buffers
+from kvcanary.canary.attach.registry import AttachOptions, attach_canary_buffers
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.host import CanaryHost, TokenMirror
 from kvcanary.canary.manager import CanaryManager

@@ -41,19 +41,9 @@ from typing import Any
 import torch
 
 from kvcanary import envs
-from kvcanary.canary import kernels
-from kvcanary.canary.buffers import CanaryBufferGroup
+from kvcanary.canary.attach.buffers import CanaryBufferGroup
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import (
-    NUM_LAUNCH_TAGS,
-    NUM_SGLANG_LAUNCH_TAGS,
-    CanaryLaunchTag,
-    LaunchStage,
-    PoolKind,
-)
-from kvcanary.canary.delayed import DelayedDeviceHostHandler
-from kvcanary.canary.fused_rows import FusedRowLaunches
-from kvcanary.canary.health import KernelRunHealthChecker
+from kvcanary.canary.forward import CanaryRuntime, SingleForwardManager
 from kvcanary.canary.host import (
     AbortHandler,
     ExpectedInputs,
@@ -62,16 +52,26 @@ from kvcanary.canary.host import (
     PrefixCacheView,
     ReqToTokenTable,
 )
-from kvcanary.canary.plan import CanaryPlans
-from kvcanary.canary.pump import ViolationPump
-from kvcanary.canary.reporter import CanaryViolationRow, ImplicatedSlots, ViolationReporter
-from kvcanary.canary.ring import RunCounters, ViolationRing
-from kvcanary.canary.single_forward import CanaryRuntime, SingleForwardManager
-from kvcanary.canary.stats_logger import PeriodicStatsLogger
-from kvcanary.canary.store_check import StoreChecker
-from kvcanary.canary.swa_divergence import SwaDivergenceReporter, VerifyTotals
-from kvcanary.canary.sweep import SweepOrchestrator
-from kvcanary.canary.violation import ViolationRecord
+from kvcanary.canary.kernels import dispatch as kernels
+from kvcanary.canary.kernels.fused_rows import FusedRowLaunches
+from kvcanary.canary.kernels.store_check import StoreChecker
+from kvcanary.canary.observe.delayed import DelayedDeviceHostHandler
+from kvcanary.canary.observe.health import KernelRunHealthChecker
+from kvcanary.canary.observe.stats_logger import PeriodicStatsLogger
+from kvcanary.canary.observe.swa_divergence import SwaDivergenceReporter, VerifyTotals
+from kvcanary.canary.observe.sweep import SweepOrchestrator
+from kvcanary.canary.plan.reference import CanaryPlans
+from kvcanary.canary.report.pump import ViolationPump
+from kvcanary.canary.report.reporter import CanaryViolationRow, ImplicatedSlots, ViolationReporter
+from kvcanary.canary.report.ring import RunCounters, ViolationRing
+from kvcanary.canary.wire.constants import (
+    NUM_LAUNCH_TAGS,
+    NUM_SGLANG_LAUNCH_TAGS,
+    CanaryLaunchTag,
+    LaunchStage,
+    PoolKind,
+)
+from kvcanary.canary.wire.violation import ViolationRecord
 
 logger = logging.getLogger("kvcanary.canary")
 

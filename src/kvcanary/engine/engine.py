@@ -65,10 +65,10 @@ class Engine:
 
     def _install_canary(self) -> CanaryManager | None:
         """The KV canary (kvcanary.canary.manager.CanaryManager), or None when it is off.
-        The engine is one host of the canary (kvcanary.integrations.engine_host)."""
+        The engine is one host of the canary (kvcanary.integrations.native.host)."""
         if not self.config.canary.enabled:
             return None
-        from kvcanary.integrations.engine_host import install_on_engine  # a guest: lazy
+        from kvcanary.integrations.native.host import install_on_engine  # a guest: lazy
 
         canary = install_on_engine(self, self.config.canary)
         self.runner.canary = canary  # ModelRunner.forward calls its before/after hooks

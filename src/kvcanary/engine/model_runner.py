@@ -9,7 +9,7 @@ Who owns what:
     the latter also owns the full→SWA mapping); mutated only by the scheduler.
   * ``req_to_token_pool`` — per-request slot rows; written only by the scheduler.
   * ``canary`` — the forward hooks of a guest (the KV canary, installed by
-    ``kvcanary.integrations.engine_host``); None: no guest, no cost.
+    ``kvcanary.integrations.native.host``); None: no guest, no cost.
 
 The runner is also the KV canary's host object (``kvcanary.canary.host.CanaryHost``:
 ``token_to_kv_pool``, ``req_to_token_pool``, ``device``, ``sliding_window``,
@@ -121,7 +121,7 @@ class ModelRunner:
         # The CPU decode forward in one compiled call (engine/decode_cpu.py), where it applies.
         self._compiled_decode = CompiledDecode(self.model) if self.device == HOST else None
         self.is_draft_worker = False  # a speculative draft worker would hold token p + 1 at p
-        # Set by kvcanary.integrations.engine_host; None: no canary, no cost.
+        # Set by kvcanary.integrations.native.host; None: no canary, no cost.
         self.canary: ForwardHooks | None = None
 
     @property

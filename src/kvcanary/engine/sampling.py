@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary.canary.hashing import splitmix64
+from kvcanary.canary.wire.hashing import splitmix64
 from kvcanary.config import SamplingParams
 from kvcanary.engine.request import Req, TokenLogprob
 

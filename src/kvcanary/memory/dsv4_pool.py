@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from kvcanary.memory.base import BufInfos, WindowedKVPool
-from kvcanary.memory.mha_pool import buf_infos
 from kvcanary.memory.swa_pool import BaseSWAKVPool
+from kvcanary.utils import buf_infos
 
 COMPRESSION_RATIOS = (0, 4, 128)
 STATE_RING_SIZE = {4: 8, 128: 128}

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcanary.memory.base import BufInfos, KVPairPool, resolve_device
+from kvcanary.utils import buf_infos
 
 
 class BaseKVPool:
@@ -38,15 +39,6 @@ class BaseKVPool:
 
     def get_state_buf_infos(self) -> BufInfos:
         return [], [], []
-
-
-def buf_infos(buffers: list[torch.Tensor], page_size: int) -> BufInfos:
-    """(data_ptrs, data_lens, item_lens): page ``p`` of buffer ``i`` starts at
-    ``data_ptrs[i] + p * item_lens[i]``; ``item_lens`` = bytes of one page."""
-    ptrs = [b.data_ptr() for b in buffers]
-    lens = [b.nbytes for b in buffers]
-    items = [b[0].nbytes * page_size for b in buffers]
-    return ptrs, lens, items
 
 
 class MHAKVPool(BaseKVPool):

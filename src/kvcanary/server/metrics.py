@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvcanary.canary.metrics import CanaryCollector
+from kvcanary.canary.report.metrics import CanaryCollector
 from kvcanary.server.engine_loop import EngineLoop
 
 

@@ -17,9 +17,9 @@ Implementations, each on its own copy of the canary buffers, violation ring and 
   torch references SGLang pins its CUDA kernels to byte for byte), called exactly as
   ``sglang.srt.kv_canary.endpoint.CanaryEndpoint.launch_per_forward`` calls them (SWA write
   slots gathered through the LUT; HEAD launches without real-KV sources).
-* ``torch`` / ``numba``: :func:`kvcanary.canary.plan.build_plans` + :mod:`kvcanary.canary.kernels`
+* ``torch`` / ``numba``: :func:`kvcanary.canary.plan.reference.build_plans` + :mod:`kvcanary.canary.kernels.dispatch`
   with that backend (materialised plans).
-* ``rows``: :class:`kvcanary.canary.row_plan.RowPlanner` + the numba kernels (our CPU
+* ``rows``: :class:`kvcanary.canary.plan.rows.RowPlanner` + the numba kernels (our CPU
   per-forward path).
 
 After every launch the record buffers must be byte-identical, the rings identical (rows and
@@ -53,8 +53,12 @@ from sglang.kernels.ops.kv_canary.write_ref import (
     launch_canary_write_kernel_torch_reference as sg_write,
 )
 
-from kvcanary.canary import kernels
-from kvcanary.canary.constants import (
+from kvcanary.canary.kernels import dispatch as kernels
+from kvcanary.canary.plan.reference import build_plans
+from kvcanary.canary.plan.rows import HostInputs, RowPlanner
+from kvcanary.canary.plan.types import PlanInputs, VerifyPlan
+from kvcanary.canary.report.ring import RunCounters, ViolationRing
+from kvcanary.canary.wire.constants import (
     NUM_LAUNCH_TAGS,
     KvHalf,
     LaunchStage,
@@ -62,11 +66,7 @@ from kvcanary.canary.constants import (
     RealKvHashMode,
     launch_tag,
 )
-from kvcanary.canary.plan import build_plans
-from kvcanary.canary.plan_types import PlanInputs, VerifyPlan
-from kvcanary.canary.real_kv import RealKvSource, resolve_read_bytes
-from kvcanary.canary.ring import RunCounters, ViolationRing
-from kvcanary.canary.row_plan import HostInputs, RowPlanner
+from kvcanary.canary.wire.real_kv import RealKvSource, resolve_read_bytes
 
 OUR_IMPLS = ("torch", "numba", "rows")
 ALL_IMPLS = ("sglang", *OUR_IMPLS)

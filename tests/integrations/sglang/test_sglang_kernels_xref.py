@@ -15,7 +15,7 @@ import sglang_xref as X
 import torch
 from sglang.version import __version__ as sglang_version
 
-from kvcanary.canary.constants import (
+from kvcanary.canary.wire.constants import (
     CanaryLaunchTag,
     FailReason,
     KvHalf,
@@ -23,7 +23,7 @@ from kvcanary.canary.constants import (
     PoolKind,
     RealKvHashMode,
 )
-from kvcanary.canary.hashing import ANCHOR_HASH_I64, chain_hash, to_i64
+from kvcanary.canary.wire.hashing import ANCHOR_HASH_I64, chain_hash, to_i64
 
 NUM_SCENARIOS = int(os.environ.get("KVCANARY_SGLANG_XREF_SCENARIOS", "400"))
 NUM_CLEAN_SCENARIOS = max(1, NUM_SCENARIOS // 8)

@@ -37,7 +37,7 @@ from sglang_pool_harness import (
 )
 
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import PoolKind
+from kvcanary.canary.wire.constants import PoolKind
 
 CONFIG = CanaryConfig(mode="log", real_data="all", v_half=True)
 

@@ -22,9 +22,9 @@ from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 from sglang.srt.kv_canary.runner.violation_reporter import ViolationReporter
 from sglang.srt.kv_canary.state import CanaryDeviceState
 
-from kvcanary.canary.constants import FailReason, KvHalf, RealKvHashMode
 from kvcanary.canary.explain import CAUSES, explain, parse_log
-from kvcanary.canary.violation import (
+from kvcanary.canary.wire.constants import FailReason, KvHalf, RealKvHashMode
+from kvcanary.canary.wire.violation import (
     ViolationRecord,
     format_violation_line,
     format_violation_message,

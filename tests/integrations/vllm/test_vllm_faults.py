@@ -120,7 +120,7 @@ def test_kv_byte_flipped_in_live_block(checkpoints: dict[str, Path], caplog: pyt
         before = len(conn.worker.violations)
         # HEAD / TAIL run fused (one compiled call each): the real-KV words, one head's V
         # rows of each block of vLLM's CPU layout, are read through their row stride.
-        from kvcanary.canary.fused_rows import FusedRowLaunches
+        from kvcanary.canary.kernels.fused_rows import FusedRowLaunches
 
         sfm = conn.worker.managers[0].single_forward_managers[0]
         assert isinstance(sfm._fused, FusedRowLaunches)

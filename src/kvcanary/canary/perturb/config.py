@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any
 
-from kvcanary.canary.constants import PoolKind
+from kvcanary.canary.wire.constants import PoolKind
 
 
 class PerturbMode(StrEnum):

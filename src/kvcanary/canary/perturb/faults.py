@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from kvcanary.canary.buffers import CanaryBufferGroup
+from kvcanary.canary.attach.buffers import CanaryBufferGroup
+from kvcanary.canary.kernels.store_check import kv_buffer_owners
 from kvcanary.canary.perturb.slots import prefix_entries, write_entries
-from kvcanary.canary.store_check import kv_buffer_owners
 
 logger = logging.getLogger("kvcanary.canary")
 

@@ -27,8 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from kvcanary.canary.buffers import CanaryBufferGroup
-from kvcanary.canary.constants import KvHalf, LaunchStage, PoolKind, RealKvHashMode, launch_tag
+from kvcanary.canary.attach.buffers import CanaryBufferGroup
 from kvcanary.canary.perturb import faults
 from kvcanary.canary.perturb.config import (
     BYTE_FLIP_MODES,
@@ -44,6 +43,7 @@ from kvcanary.canary.perturb.slots import (
     unlocked_cached_slots,
     write_entries,
 )
+from kvcanary.canary.wire.constants import KvHalf, LaunchStage, PoolKind, RealKvHashMode, launch_tag
 
 logger = logging.getLogger("kvcanary.canary")
 

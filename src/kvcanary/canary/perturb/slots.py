@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kvcanary.canary.constants import REQ_POOL_IDX_PADDING
-from kvcanary.canary.state_plan import StateRing
+from kvcanary.canary.plan.state import StateRing
+from kvcanary.canary.wire.constants import REQ_POOL_IDX_PADDING
 
 
 class PrefixEntry(NamedTuple):
@@ -43,7 +43,7 @@ def complete_blocks(entries: list[PrefixEntry], ratio: int) -> list[PrefixEntry]
 def live_ring_rows(fb: Any, req_to_token: torch.Tensor, ring: StateRing, lut: torch.Tensor | None,
                    after_forward: bool = False) -> list[int]:  # fmt: skip
     """Compress-state rows of the batch's live tails that a TAIL verify fingerprints (see
-    :mod:`kvcanary.canary.state_plan`): before the forward, the tail of each prefix ``L`` the
+    :mod:`kvcanary.canary.plan.state`): before the forward, the tail of each prefix ``L`` the
     forward does not take over (positions ``>= L + E - ring_size``); after it, the tail of
     ``L + E`` a one-token decode keeps (``>= L + E + 1 - ring_size``). Rows whose SWA slot is
     gone are left out."""

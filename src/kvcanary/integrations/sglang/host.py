@@ -35,10 +35,10 @@ from typing import Any
 import torch
 
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import KvHalf
 from kvcanary.canary.install import install_canary
+from kvcanary.canary.kernels.store_check import StoreChecker
 from kvcanary.canary.manager import CanaryManager
-from kvcanary.canary.store_check import StoreChecker
+from kvcanary.canary.wire.constants import KvHalf
 from kvcanary.integrations.sglang.pools import check_sglang_version, check_supported_pool
 
 

@@ -1,7 +1,7 @@
 """Canary buffer groups on SGLang's own pool objects (SGLang 0.5.23).
 
 Importing this module imports SGLang and registers one attacher per supported pool class
-with :func:`kvcanary.canary.adapters.register_pool_attacher`; ``install_canary`` then picks
+with :func:`kvcanary.canary.attach.registry.register_pool_attacher`; ``install_canary`` then picks
 it by the pool's type, exactly as for kvcanary's own pools::
 
     SGLang pool                  groups (sub-pool, halves, slot translation, real-KV bytes)
@@ -31,7 +31,7 @@ Compress-state rows hold one token's raw compressor state (kv, score; fp32), wri
 the token is processed and read back only while the token is in the live tail (the open
 compression window, plus the previous one for the overlapping C4): one record per row
 binds it to that token's position and chain, and real-KV fingerprints cover the row's
-bytes (see :mod:`kvcanary.canary.state_plan`). Transfers carry the records: the state
+bytes (see :mod:`kvcanary.canary.plan.state`). Transfers carry the records: the state
 buf-infos (page-scoped C4 rings) and the request-state buf-infos (C128) are spliced too.
 
 Refused with a one-line error naming what is supported: another SGLang version, another
@@ -52,12 +52,13 @@ from typing import Any
 
 import torch
 
-from kvcanary.canary.adapters import AttachOptions, register_pool_attacher
-from kvcanary.canary.buffers import CanaryBufferGroup, allocate_group, real_kv_sources
-from kvcanary.canary.constants import PoolKind, RealKvHashMode
-from kvcanary.canary.real_kv import RealKvSource, resolve_read_bytes
-from kvcanary.canary.splice import Segment, patch_buf_infos
-from kvcanary.canary.state_plan import StateRing
+from kvcanary.canary.attach.buffers import CanaryBufferGroup, allocate_group, real_kv_sources
+from kvcanary.canary.attach.mha import attach_mha, attach_swa
+from kvcanary.canary.attach.registry import AttachOptions, register_pool_attacher
+from kvcanary.canary.attach.splice import Segment, patch_buf_infos
+from kvcanary.canary.plan.state import StateRing
+from kvcanary.canary.wire.constants import PoolKind, RealKvHashMode
+from kvcanary.canary.wire.real_kv import RealKvSource, resolve_read_bytes
 
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
 SUPPORTED_POOLS = ("MHATokenToKVPool", "SWAKVPool", "DeepSeekV4TokenToKVPool")
@@ -185,50 +186,19 @@ def _window(pool: Any, options: AttachOptions) -> int:
 # ------------------------------------------------------------------ MHA / SWA
 
 
-def _mha_group(sub: Any, kind: PoolKind, name: str, options: AttachOptions,
-               **extra: object) -> CanaryBufferGroup:  # fmt: skip
-    """K+V records over an SGLang ``MHATokenToKVPool`` (row ``s`` of ``k_buffer[l]`` = slot
-    ``s``, the padded page included); records only when it holds no layer."""
-    mode, layers = options.real_kv_mode, options.real_data_layers
-    k_layers, v_layers = list(sub.k_buffer or []), list(sub.v_buffer or [])
-    num_slots = int(k_layers[0].shape[0]) if k_layers else int(sub.size + sub.page_size)
-    return allocate_group(
-        kind, sub_pool=name, num_slots=num_slots, page_size=int(sub.page_size),
-        device=torch.device(sub.device), with_v=True,
-        real_kv_sources_k=real_kv_sources(k_layers, mode, layers, f"{name} K"),
-        real_kv_sources_v=real_kv_sources(v_layers, mode, layers, f"{name} V"),
-        kv_token_id_vs_position_offset=options.kv_token_id_vs_position_offset, **extra,
-    )  # fmt: skip
-
-
-def _mha_segments(sub: Any, group: CanaryBufferGroup) -> list[Segment]:
-    return [
-        Segment(len(sub.k_buffer or []), group.k_head, group.k_tail, group.page_size),
-        Segment(len(sub.v_buffer or []), group.v_head, group.v_tail, group.page_size),
-    ]
-
-
 def _attach_mha(pool: Any, options: AttachOptions) -> list[CanaryBufferGroup]:
     check_supported_pool(pool)
     if not pool.k_buffer:
         raise ValueError("kv-canary on SGLang: MHATokenToKVPool has no layers")
-    group = _mha_group(pool, PoolKind.FULL, "MHATokenToKVPool", options)
-    patch_buf_infos(pool, "get_contiguous_buf_infos", _mha_segments(pool, group))
-    return [group]
+    return [attach_mha(pool, "MHATokenToKVPool", options)]
 
 
 def _attach_swa(pool: Any, options: AttachOptions) -> list[CanaryBufferGroup]:
     check_supported_pool(pool)
-    full, swa = pool.full_kv_pool, pool.swa_kv_pool
-    if not swa.k_buffer:
+    if not pool.swa_kv_pool.k_buffer:
         raise ValueError("kv-canary on SGLang: SWAKVPool.swa_kv_pool has no layers")
     lut, window = _mapping(pool), _window(pool, options)
-    full_group = _mha_group(full, PoolKind.FULL, "full_kv_pool", options)
-    swa_group = _mha_group(swa, PoolKind.SWA, "swa_kv_pool", options,
-                           swa_index_lut=lut, window=window)  # fmt: skip
-    patch_buf_infos(pool, "get_contiguous_buf_infos", _mha_segments(full, full_group))
-    patch_buf_infos(pool, "get_state_buf_infos", _mha_segments(swa, swa_group))
-    return [full_group, swa_group]
+    return list(attach_swa(pool, lut, window, options))
 
 
 # ------------------------------------------------------------------ DeepSeek-V4

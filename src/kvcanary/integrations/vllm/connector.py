@@ -144,7 +144,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         )  # fmt: skip
         from prometheus_client import REGISTRY
 
-        from kvcanary.canary.metrics import CanaryCollector
+        from kvcanary.canary.report.metrics import CanaryCollector
         from kvcanary.integrations.vllm.worker import MetricsView
 
         self._metrics = MetricsView(self.worker)
@@ -236,7 +236,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             json.dump(self.summary(), f, indent=1, default=str)
         os.replace(tmp, path)
         if self.worker is not None:  # the Prometheus text exposition beside it
-            from kvcanary.canary.metrics import write_metrics_file
+            from kvcanary.canary.report.metrics import write_metrics_file
 
             write_metrics_file(self._metrics, f"{path}.prom")
 

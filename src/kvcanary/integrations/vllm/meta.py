@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcanary.canary.constants import PoolKind
+from kvcanary.canary.wire.constants import PoolKind
 
 
 @dataclass(frozen=True)

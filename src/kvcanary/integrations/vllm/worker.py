@@ -52,16 +52,16 @@ import numba
 import numpy as np
 import torch
 
-from kvcanary.canary.adapters import AttachOptions, register_pool_attacher
-from kvcanary.canary.buffers import CanaryBufferGroup
+from kvcanary.canary.attach.buffers import CanaryBufferGroup
+from kvcanary.canary.attach.registry import AttachOptions, register_pool_attacher
+from kvcanary.canary.attach.splice import BufInfos
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.canary.constants import MAX_REAL_KV_SOURCES, RealKvHashMode
 from kvcanary.canary.errors import KVCanaryViolation
 from kvcanary.canary.install import install_canary
 from kvcanary.canary.manager import CanaryManager
-from kvcanary.canary.real_kv import RealKvSource, resolve_read_bytes
-from kvcanary.canary.records import alloc_canary_buffer
-from kvcanary.canary.splice import BufInfos
+from kvcanary.canary.wire.constants import MAX_REAL_KV_SOURCES, RealKvHashMode
+from kvcanary.canary.wire.real_kv import RealKvSource, resolve_read_bytes
+from kvcanary.canary.wire.records import alloc_canary_buffer
 from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 
 logger = logging.getLogger("kvcanary.canary")
@@ -553,12 +553,12 @@ class VllmCanaryWorker:
 
     @property
     def reporter(self) -> Any:
-        """Every group's reported rows (what :class:`~kvcanary.canary.metrics.CanaryCollector`
+        """Every group's reported rows (what :class:`~kvcanary.canary.report.metrics.CanaryCollector`
         reads, with :meth:`collector_stats`)."""
         return SimpleNamespace(rows=self.violations)
 
     def collector_stats(self) -> dict[str, Any]:
-        """The keys :class:`~kvcanary.canary.metrics.CanaryCollector` reads, summed."""
+        """The keys :class:`~kvcanary.canary.report.metrics.CanaryCollector` reads, summed."""
         by_tag: Counter[str] = Counter()
         for m in self.managers:
             by_tag.update(m.stats()["verify_entries_by_tag"])
@@ -569,7 +569,7 @@ class VllmCanaryWorker:
 
 
 class MetricsView:
-    """A :class:`VllmCanaryWorker` as :class:`~kvcanary.canary.metrics.CanaryCollector`'s
+    """A :class:`VllmCanaryWorker` as :class:`~kvcanary.canary.report.metrics.CanaryCollector`'s
     ``canary`` (``stats()`` and ``reporter.rows``)."""
 
     def __init__(self, worker: VllmCanaryWorker):

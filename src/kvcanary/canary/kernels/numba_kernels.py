@@ -1,0 +1,625 @@
+"""CPU canary kernels (numba): verify and write, one compiled pass over the plan each.
+
+A prefill's hash chain is sequential per request, so the CPU path walks it in compiled code
+rather than a Python loop. Semantics are those of :mod:`kvcanary.canary.kernels.dispatch` (the
+contract), bit for bit equal to the torch path and the test-only Python reference.
+All tensors must be on the CPU; numba sees them through shared-memory numpy views.
+
+Plans are materialised (:mod:`.plan`) or row plans (:mod:`.row_plan`, the per-forward
+path). A row plan's verify first checks every row with a branch-free pass that vectorises,
+and computes the exact fail bits (and ring rows, in entry order) only for the rows that may
+violate; the real-KV fold gathers words across slots so that it vectorises too. From
+:data:`SPLIT_MIN_WORK` on, a row plan's fingerprints and fast checks are split among torch's
+threads (:func:`_split_rows`, one ``prange`` region; the cores are idle between forwards,
+and here one libgomp runs both numba's and torch's threads); the ring rows are then recorded
+on one thread, in entry order, so every result is the serial path's. Run counters are
+bumped inside the kernels (one Python call less per launch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import numba
+import numpy as np
+import torch
+from numba.core import types
+from numba.extending import intrinsic
+
+from kvcanary.canary.plan.types import HostWritePlan, RowVerifyPlan, VerifyPlan, WritePlan
+from kvcanary.canary.report.ring import RunCounters, ViolationRing
+from kvcanary.canary.wire.constants import NUM_LAUNCH_TAGS, FailReason
+from kvcanary.canary.wire.hashing import ANCHOR_HASH_I64, chain_hash_nb
+from kvcanary.canary.wire.real_kv import (
+    RealKvSource,
+    check_source_ranges,
+    numba_source_args,
+    real_kv_hashes_nb,
+)
+from kvcanary.canary.wire.records import as_int64_records
+from kvcanary.numba_parallel import parallel_lock, parallel_threads
+from kvcanary.numba_prefetch import prefetch
+
+_CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
+_POSITION = int(FailReason.VERIFY_POSITION_MISMATCH)
+_REAL_KV = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
+_TOKEN = int(FailReason.VERIFY_TOKEN_MISMATCH)
+_WRITE_TOKEN = int(FailReason.WRITE_TOKEN_MISMATCH)
+_WRITE_POSITION = int(FailReason.WRITE_POSITION_MISMATCH)
+_ANCHOR = np.int64(ANCHOR_HASH_I64)
+
+
+@intrinsic
+def i64_ptr(typingctx, addr):
+    """An int64 address as ``int64*`` (for :func:`numba.carray`)."""
+    sig = types.CPointer(types.int64)(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int64)))
+
+    return sig, codegen
+
+
+def entry_point(dispatcher: Any, *sample_args: Any) -> Callable[..., Any]:
+    """The compiled function of ``dispatcher`` (an ``njit`` function) for the numba types of
+    ``sample_args``, compiled (or loaded from the cache) now. Calling it skips the
+    dispatcher's typing of every argument and its overload lookup: ~2.3 us less a call right
+    after a model's forward, when that code is out of the caches (4.0 vs 6.3 us measured,
+    five arguments). Only for call sites whose argument types cannot change (the same
+    arrays, Python scalars): a wrong type is not caught, an array is read by the layout
+    compiled for. Anything but a dispatcher (a profiler's wrapper) is returned as it is."""
+    if not isinstance(dispatcher, numba.core.registry.CPUDispatcher):
+        return cast(Callable[..., Any], dispatcher)
+    return dispatcher.compile(tuple(numba.typeof(a) for a in sample_args))
+
+
+@numba.njit(cache=True)
+def _record(ring, ring_index, tag, slot, position, token, expected_token, chain, aux, bits):
+    seq = ring_index[0]
+    ring_index[0] = seq + 1
+    if seq < ring.shape[0]:
+        ring[seq, 0] = tag
+        ring[seq, 1] = slot
+        ring[seq, 2] = position
+        ring[seq, 3] = token
+        ring[seq, 4] = expected_token
+        ring[seq, 5] = chain
+        ring[seq, 6] = aux
+        ring[seq, 7] = bits
+
+
+@numba.njit(cache=True)
+def _check_tag(tag, runs):
+    if tag < 0 or tag >= runs.shape[0]:
+        raise IndexError("kv-canary: launch tag out of range of the run counters")
+
+
+@numba.njit(cache=True, inline="always")
+def _count(runs, processed, tag, num_entries):
+    """Per-tag run counters (:class:`.ring.RunCounters`, or dummies)."""
+    runs[tag] += 1
+    processed[tag] += num_entries
+
+
+@numba.njit(cache=True)
+def _check_slot(slot, num_slots):
+    if slot < 0 or slot >= num_slots:
+        raise IndexError("kv-canary: plan slot out of range of the canary buffer")
+
+
+@numba.njit(cache=True, inline="always")
+def _entry_bits(rec, slot, prev, position, expected_token, expected_real):
+    """``(fail bits, expected chain)`` of one verify entry (slot != 0, both slots in range)."""
+    stored_chain = rec[slot, 2]
+    if prev == 0:
+        expected_chain = stored_chain
+    elif prev < 0:
+        expected_chain = _ANCHOR
+    else:
+        expected_chain = np.int64(chain_hash_nb(rec[prev, 2], rec[prev, 0], rec[prev, 1]))
+    bits = 0
+    if prev != 0 and stored_chain != expected_chain:
+        bits |= _CHAIN
+    if expected_token != -1 and rec[slot, 0] != expected_token:
+        bits |= _TOKEN
+    if rec[slot, 1] != position:
+        bits |= _POSITION
+    if rec[slot, 3] != expected_real:
+        bits |= _REAL_KV
+    return bits, expected_chain
+
+
+@numba.njit(cache=True, inline="always")
+def _record_entry(ring, ring_index, tag, rec, slot, expected_token, expected_chain, bits):
+    _record(ring, ring_index, tag, slot, rec[slot, 1], rec[slot, 0], expected_token,
+            rec[slot, 2], expected_chain, bits)  # fmt: skip
+
+
+@numba.njit(cache=True)
+def _verify_kernel(
+    slots, prev_slots, positions, expected_tokens, check_token, tag,
+    rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index, runs, processed,
+):  # fmt: skip
+    _check_tag(tag, runs)
+    num_slots = rec.shape[0]
+    real = real_kv_hashes_nb(slots, words0, words1, words2, words3, meta, num_sources)
+    for i in range(slots.shape[0]):
+        slot = slots[i]
+        if slot == 0:
+            continue
+        _check_slot(slot, num_slots)
+        prev = prev_slots[i]
+        if prev > 0:
+            _check_slot(prev, num_slots)
+        expected_token = expected_tokens[i] if check_token else np.int64(-1)
+        bits, expected_chain = _entry_bits(rec, slot, prev, positions[i], expected_token, real[i])
+        if bits:
+            _record_entry(ring, ring_index, tag, rec, slot, expected_token, expected_chain, bits)
+    _count(runs, processed, tag, slots.shape[0])
+
+
+_VERIFY_BLOCK = 256  # row-plan entries whose records are gathered together
+
+
+# _row_may_violate asks for an entry's record this many entries before it reads it
+# (records sit in slot order, a row's slots in pages scattered over the pool).
+_PREFETCH_ENTRIES = 16
+
+
+@numba.njit(cache=True)
+def _row_may_violate(rec, slots, tokens, real, first, count, first_position, check_token,
+                     block):  # fmt: skip
+    """Whether an entry of a row-plan row, but its first, may violate (exact bits: see
+    :func:`_entry_bits`). Each entry's predecessor is the entry before it, so the records
+    are gathered once into ``block`` (fields x entries) and checked in a branch-free loop
+    over contiguous arrays that vectorises (2x faster than entry by entry on AVX-512)."""
+    token, position, chain, real_kv = block[0], block[1], block[2], block[3]
+    last = first + count - 1
+    e0 = first
+    num_bad = 0
+    while e0 < last:  # block covers entries e0 + 1 .. e0 + m, preceded by e0 .. e0 + m - 1
+        m = min(_VERIFY_BLOCK, last - e0)
+        for k in range(m + 1):
+            if e0 + k + _PREFETCH_ENTRIES < slots.shape[0]:
+                prefetch(rec, slots[e0 + k + _PREFETCH_ENTRIES])
+            slot = slots[e0 + k]
+            token[k], position[k] = rec[slot, 0], rec[slot, 1]
+            chain[k], real_kv[k] = rec[slot, 2], rec[slot, 3]
+        expected_position = first_position + (e0 - first)
+        for k in range(1, m + 1):
+            expected_chain = np.int64(chain_hash_nb(chain[k - 1], token[k - 1], position[k - 1]))
+            bad = (chain[k] != expected_chain) & (slots[e0 + k - 1] != 0)  # prev 0: unchecked
+            bad |= position[k] != expected_position + k
+            bad |= real_kv[k] != (real[e0 + k] if real.shape[0] else 0)
+            if check_token:
+                bad |= (tokens[e0 + k] != -1) & (token[k] != tokens[e0 + k])
+            num_bad += bad & (slots[e0 + k] != 0)
+        e0 += m
+    return num_bad != 0
+
+
+_ERR_SLOT = 1
+
+# A row plan's verify splits its rows among threads from this much work (entries, plus an
+# eighth of an entry per fingerprinted word): a parallel region costs ~3 us to start, about
+# what ~1000 entries of checks take on one core. Read by split_args (tests set it to 0 to
+# split every verify).
+SPLIT_MIN_WORK = 1024
+# prange loops only: no array expression or allocation becomes a parallel region of its own.
+_PRANGE_ONLY: Any = {
+    "prange": True, "comprehension": False, "numpy": False, "reduction": False,
+    "setitem": False, "stencil": False, "fusion": False, "inplace_binop": False,
+}  # fmt: skip
+
+
+def split_args() -> np.ndarray:
+    """The row-plan verifies' ``split`` argument: ``[threads, SPLIT_MIN_WORK]`` now."""
+    return np.array((parallel_threads(), SPLIT_MIN_WORK), dtype=np.int64)
+
+
+@numba.njit(cache=True, inline="always")
+def _splits(split, n, meta, num_sources):
+    """Whether work on ``n`` entries is split among threads (``split``: :func:`split_args`'s
+    ``[threads, min work]``; the work: entries plus an eighth per fingerprinted word)."""
+    work = n
+    for i in range(num_sources):
+        work += n * meta[i, 2] // 8
+    return split[0] > 1 and work >= split[1]
+
+
+@numba.njit(cache=True, parallel=_PRANGE_ONLY)
+def _split_hashes(slots, words0, words1, words2, words3, meta, num_sources, threads):
+    """:func:`.real_kv.real_kv_hashes_nb` on ``threads`` threads, one run of slots each (the
+    same values; slots range-checked before)."""
+    n = slots.shape[0]
+    real = np.zeros(n, dtype=np.int64)
+    for c in numba.prange(threads):
+        e0, e1 = c * n // threads, (c + 1) * n // threads
+        if e0 < e1:
+            part = real_kv_hashes_nb(slots[e0:e1], words0, words1, words2, words3, meta,
+                                     num_sources)  # fmt: skip
+            for e in range(e1 - e0):  # (not a slice copy: see real_kv.fold_windows_nb)
+                real[e0 + e] = part[e]
+    return real
+
+
+@numba.njit(cache=True)
+def _part_clean(rec, slots, tokens, real, requests, r, a, b, check_token, num_sources, block):
+    """Whether entries ``[a, b)`` of row ``r`` of a row plan surely have no violation (the
+    fast check: the row's first entry's exact bits, when ``a`` is it, then
+    :func:`_row_may_violate` on the others, each against the entry before it)."""
+    if a >= b:
+        return True
+    first, first_position = requests[0, r], requests[1, r]
+    if a > first:  # entries a .. b - 1 after their predecessors a - 1 .. b - 2
+        return not _row_may_violate(rec, slots, tokens, real, a - 1, b - a + 1,
+                                    first_position + (a - 1 - first), check_token, block)  # fmt: skip
+    slot = slots[first]
+    return not (
+        (slot != 0 and _entry_bits(rec, slot, requests[3, r], first_position,
+                                   tokens[first] if check_token else np.int64(-1),
+                                   real[first] if num_sources else 0)[0])
+        or _row_may_violate(rec, slots, tokens, real, first, b - first, first_position,
+                            check_token, block)
+    )  # fmt: skip
+
+
+@numba.njit(cache=True, parallel=_PRANGE_ONLY)
+def _split_rows(requests, num_rows, slots, tokens, check_token, rec,
+                words0, words1, words2, words3, meta, num_sources, threads):  # fmt: skip
+    """The fast checks of :func:`_verify_rows_kernel` on ``threads`` threads: ``(real,
+    clean)``, each entry's fingerprint and whether each row is surely clean. The entries
+    are split into ``threads`` runs of equal length (a long prefill row too: each entry's
+    check reads only its own and its predecessor's records); each run fingerprints its
+    entries, then checks the parts of the rows it holds (:func:`_part_clean`). The same
+    values as one thread computes, so the records, ring rows (written afterwards, in entry
+    order, by the caller) and counters are those of the serial path. Slots must be
+    range-checked (records and sources) before."""
+    n = slots.shape[0]
+    real = np.zeros(n if num_sources else 0, dtype=np.int64)
+    bad = np.zeros((threads, num_rows), dtype=np.bool_)  # per run: no two threads share a byte
+    for c in numba.prange(threads):
+        e0, e1 = c * n // threads, (c + 1) * n // threads
+        if e0 < e1:
+            if num_sources:
+                part = real_kv_hashes_nb(slots[e0:e1], words0, words1, words2, words3, meta,
+                                         num_sources)  # fmt: skip
+                for e in range(e1 - e0):  # (not a slice copy: see real_kv.fold_windows_nb)
+                    real[e0 + e] = part[e]
+            block = np.empty((4, _VERIFY_BLOCK + 1), dtype=np.int64)
+            for r in range(num_rows):
+                first = requests[0, r]
+                a, b = max(first, e0), min(first + requests[2, r], e1)
+                bad[c, r] = not _part_clean(rec, slots, tokens, real, requests, r, a, b,
+                                            check_token, num_sources, block)  # fmt: skip
+    clean = np.ones(num_rows, dtype=np.bool_)
+    for c in range(threads):
+        for r in range(num_rows):
+            clean[r] &= not bad[c, r]
+    return real, clean
+
+
+@numba.njit(cache=True)
+def _verify_rows_kernel(
+    requests, num_rows, entries, num_entries, check_token, tag,
+    rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index, runs, processed,
+    split,
+):  # fmt: skip
+    """:func:`_verify_kernel` over rows ``[0, num_rows)`` of a row plan (:mod:`.row_plan`)
+    holding ``num_entries``; returns an error status (0: ok), checked before any row is
+    recorded. ``split`` (int64 ``[threads, min work]``, :func:`split_args`): the fast checks
+    on that many threads (:func:`_split_rows`; the same results) when there are more than
+    one and the work (``SPLIT_MIN_WORK``'s measure) is at least the min work."""
+    _check_tag(tag, runs)
+    num_slots = rec.shape[0]
+    slots, tokens = entries[0, :num_entries], entries[1, :num_entries]
+    lo, hi = np.int64(0), np.int64(0)
+    for e in range(num_entries):
+        lo, hi = min(lo, slots[e]), max(hi, slots[e])
+    entries_hi = hi
+    for r in range(num_rows):  # a row's first predecessor matters only under a live slot
+        if requests[2, r] > 0 and slots[requests[0, r]] != 0:
+            hi = max(hi, requests[3, r])  # (< 0: the anchor)
+    if lo < 0 or hi >= num_slots:
+        return _ERR_SLOT
+    # Raises on slots outside a source, before any row (as _verify_kernel does).
+    real = np.empty(0, dtype=np.int64)  # no fingerprint: every record must hold 0
+    parts = _splits(split, num_entries, meta, num_sources)
+    clean = np.zeros(0, dtype=np.bool_)
+    if parts:
+        check_source_ranges(entries_hi, words0, words1, words2, words3, meta, num_sources)
+        real, clean = _split_rows(requests, num_rows, slots, tokens, check_token, rec,
+                                  words0, words1, words2, words3, meta, num_sources, split[0])  # fmt: skip
+    elif num_sources:
+        real = real_kv_hashes_nb(slots, words0, words1, words2, words3, meta, num_sources)
+    no_token = np.int64(-1)
+    block = np.empty((4, _VERIFY_BLOCK + 1), dtype=np.int64)
+    for r in range(num_rows):
+        first, first_position = requests[0, r], requests[1, r]
+        count, prev = requests[2, r], requests[3, r]
+        if clean[r] if parts else _part_clean(rec, slots, tokens, real, requests, r, first,
+                                              first + count, check_token, num_sources, block):  # fmt: skip
+            continue
+        for e in range(first, first + count):  # the slow path, in entry order
+            slot = slots[e]
+            if slot != 0:
+                expected_token = tokens[e] if check_token else no_token
+                bits, expected_chain = _entry_bits(
+                    rec, slot, prev, first_position + e - first, expected_token,
+                    real[e] if num_sources else 0,
+                )  # fmt: skip
+                if bits:
+                    _record_entry(ring, ring_index, tag, rec, slot, expected_token,
+                                  expected_chain, bits)  # fmt: skip
+            prev = slot
+    _count(runs, processed, tag, num_entries)
+    return 0
+
+
+@numba.njit(cache=True)
+def _write_kernel(
+    requests, num_reqs, token_ids, positions, slots,
+    check_inputs, expected_token_ids, expected_positions, position_assert, tag,
+    rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index, runs, processed,
+    split,
+):  # fmt: skip
+    """Requests ``[0, num_reqs)``: ``requests[-3:]`` = seed slots, token starts, token
+    counts (:mod:`.row_plan` scratch or a stacked WritePlan). ``split``: as
+    :func:`_verify_rows_kernel`'s, for the fingerprints of the written slots."""
+    _check_tag(tag, runs)
+    num_slots = rec.shape[0]
+    seed_slots, token_starts = requests[-3, :num_reqs], requests[-2, :num_reqs]
+    num_tokens = requests[-1, :num_reqs]
+    slots = slots[: token_ids.shape[0]]
+    written_slots = np.full(slots.shape[0], -1, dtype=np.int64)  # fingerprint only these
+    for r in range(num_reqs):
+        end = token_starts[r] + num_tokens[r]
+        if num_tokens[r] > 0 and (token_starts[r] < 0 or end > token_ids.shape[0]):
+            raise IndexError("kv-canary: write plan token range out of the flat token arrays")
+        written_slots[token_starts[r] : end] = slots[token_starts[r] : end]
+    if num_sources and _splits(split, written_slots.shape[0], meta, num_sources):
+        hi = np.int64(-1)
+        for i in range(written_slots.shape[0]):
+            hi = max(hi, written_slots[i])
+        check_source_ranges(hi, words0, words1, words2, words3, meta, num_sources)
+        real = _split_hashes(written_slots, words0, words1, words2, words3, meta, num_sources,
+                             split[0])  # fmt: skip
+    else:
+        real = real_kv_hashes_nb(written_slots, words0, words1, words2, words3, meta,
+                                 num_sources)  # fmt: skip
+    for r in range(num_reqs):  # every seed is range-checked before any store
+        if seed_slots[r] >= 0:
+            _check_slot(seed_slots[r], num_slots)
+    num_written = 0
+    for r in range(num_reqs):
+        # Each seed is read when its request starts (SGLang's write_ref): a store of an
+        # earlier request to it (a remapped entry) is seen.
+        seed = seed_slots[r]
+        running = _ANCHOR
+        prev_position = np.int64(0)
+        if seed >= 0:
+            running = np.int64(chain_hash_nb(rec[seed, 2], rec[seed, 0], rec[seed, 1]))
+            prev_position = rec[seed, 1]
+        assert_position = position_assert and seed >= 0
+        for i in range(token_starts[r], token_starts[r] + num_tokens[r]):
+            slot = slots[i]
+            if slot < 0:
+                continue
+            _check_slot(slot, num_slots)
+            token, position = token_ids[i], positions[i]
+            if check_inputs:
+                bits = 0
+                if token != expected_token_ids[i]:
+                    bits |= _WRITE_TOKEN
+                if position != expected_positions[i]:
+                    bits |= _WRITE_POSITION
+                if bits:
+                    _record(ring, ring_index, tag, slot, position, token, expected_token_ids[i],
+                            running, expected_positions[i], bits)  # fmt: skip
+            if assert_position:
+                if position != prev_position + 1:
+                    _record(ring, ring_index, tag, slot, position, token, token,
+                            running, prev_position + 1, _WRITE_POSITION)  # fmt: skip
+                prev_position = position
+            rec[slot, 0] = token
+            rec[slot, 1] = position
+            rec[slot, 2] = running
+            rec[slot, 3] = real[i]
+            running = np.int64(chain_hash_nb(running, token, position))
+            num_written += 1
+    _count(runs, processed, tag, num_written)
+    return num_written
+
+
+@numba.njit(cache=True, inline="always")
+def _launch_rows_kernel(
+    v_requests, v_rows, v_entries, v_num_entries, check_token,
+    w_requests, w_reqs, token_ids, positions, w_slots, do_write, check_inputs,
+    expected_token_ids, expected_positions, position_assert, tag,
+    rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
+    v_runs, v_processed, w_runs, w_processed, split,
+):  # fmt: skip
+    """One launch of a row plan: :func:`_verify_rows_kernel` then :func:`_write_kernel` on
+    the same records, sources and ring, in one call (returns the verify's error status;
+    nothing is written after an error)."""
+    status = _verify_rows_kernel(
+        v_requests, v_rows, v_entries, v_num_entries, check_token, tag,
+        rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
+        v_runs, v_processed, split,
+    )  # fmt: skip
+    if status:
+        return status
+    if do_write:
+        _write_kernel(
+            w_requests, w_reqs, token_ids, positions, w_slots, check_inputs, expected_token_ids,
+            expected_positions, position_assert, tag,
+            rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
+            w_runs, w_processed, split,
+        )  # fmt: skip
+    else:  # a write without tokens counts its launch, as write() does
+        _check_tag(tag, w_runs)
+        _count(w_runs, w_processed, tag, 0)
+    return 0
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A numpy view sharing ``t``'s memory (kernel outputs must never be copies)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"numba canary kernels need CPU tensors, got device {t.device}")
+    return t.numpy()
+
+
+_MAX_CACHED = 64
+_launch_cache: dict[tuple[int, ...], tuple[Any, ...]] = {}
+_NO_COUNTERS = (np.zeros(NUM_LAUNCH_TAGS, dtype=np.int64), np.zeros(NUM_LAUNCH_TAGS, np.int64))
+
+
+def _launch_args(
+    records: torch.Tensor,
+    sources: Sequence[RealKvSource],
+    ring: ViolationRing,
+    counters: RunCounters | None,
+) -> tuple[Any, ...]:
+    """The kernels' trailing arguments (int64 records, sources, ring, counters) as numpy
+    views, memoised on the identity of the objects (kept alive by the entry, so their ids
+    cannot be reused while cached): canary buffers, source tuples, rings and counters live
+    as long as the canary, and converting them per launch cost more than a decode-step
+    verify."""
+    key = (id(records), id(sources), id(ring), id(counters))
+    hit = _launch_cache.get(key)
+    if hit is not None and hit[0] is records and hit[1] is sources and hit[2] is ring and (
+        hit[3] is counters
+    ):
+        return hit[4]
+    if counters is None:
+        count_args = _NO_COUNTERS
+    elif counters.kernel_runs.device.type == "cpu":
+        count_args = (_np(counters.kernel_runs), _np(counters.slots_processed))
+    else:
+        raise ValueError(f"numba canary kernels need CPU counters, got {counters.kernel_runs.device}")
+    args = (_np(as_int64_records(records)), *numba_source_args(sources),
+            _np(ring.rows), _np(ring.write_index), *count_args)  # fmt: skip
+    if len(_launch_cache) >= _MAX_CACHED:
+        del _launch_cache[next(iter(_launch_cache))]
+    _launch_cache[key] = (records, sources, ring, counters, args)
+    return args
+
+
+def verify(
+    records: torch.Tensor,
+    plan: VerifyPlan | RowVerifyPlan,
+    ring: ViolationRing,
+    launch_tag: int,
+    *,
+    real_kv_sources: Sequence[RealKvSource] = (),
+    check_token: bool = False,
+    counters: RunCounters | None = None,
+) -> None:
+    if isinstance(plan, RowVerifyPlan):
+        verify_rows(records, plan, ring, launch_tag, real_kv_sources, check_token, counters)
+        return
+    if not (plan.enabled and plan.num_entries):
+        if counters is not None:
+            counters.add(launch_tag, 0)
+        return
+    _verify_kernel(
+        plan.slots.numpy(), plan.prev_slots.numpy(), plan.positions.numpy(),
+        plan.expected_tokens.numpy(), bool(check_token), int(launch_tag),
+        *_launch_args(records, real_kv_sources, ring, counters),
+    )  # fmt: skip
+
+
+def verify_rows(
+    records: torch.Tensor,
+    plan: RowVerifyPlan,
+    ring: ViolationRing,
+    launch_tag: int,
+    real_kv_sources: Sequence[RealKvSource],
+    check_token: bool,
+    counters: RunCounters | None,
+) -> None:
+    """:func:`verify` of a row plan (positional: the per-forward path, where every Python
+    operation costs microseconds once the forward has evicted the interpreter's caches)."""
+    args = (*_launch_args(records, real_kv_sources, ring, counters), split_args())
+    with parallel_lock:
+        status = _verify_rows_kernel(
+            plan.requests, plan.bs, plan.entries,
+            plan.num_requested_entries if plan.enabled else 0, check_token and plan.has_tokens,
+            int(launch_tag), *args,
+        )  # fmt: skip
+    if status:
+        raise IndexError("kv-canary: plan slot out of range of the canary buffer")
+
+
+def launch_rows(
+    records: torch.Tensor,
+    verify_plan: RowVerifyPlan,
+    write_plan: HostWritePlan,
+    ring: ViolationRing,
+    launch_tag: int,
+    real_kv_sources: Sequence[RealKvSource],
+    check_token: bool,
+    chain_position_assert: bool,
+    verify_counters: RunCounters | None,
+    write_counters: RunCounters | None,
+) -> None:
+    """:func:`verify_rows` then :func:`write` of one launch in one compiled call (the
+    per-forward path: it saves a dispatch and the Python around it per launch)."""
+    args = _launch_args(records, real_kv_sources, ring, verify_counters)
+    write_counts = args[-2:] if write_counters is verify_counters else (
+        _launch_args(records, real_kv_sources, ring, write_counters)[-2:])  # fmt: skip
+    tail = (*args, *write_counts, split_args())
+    ids, positions = write_plan.token_ids, write_plan.positions
+    expected_ids, expected_positions = write_plan.expected_token_ids, write_plan.expected_positions
+    check_inputs = expected_ids is not None and expected_positions is not None
+    if not check_inputs:  # typed dummies: numba compiles one signature either way
+        expected_ids, expected_positions = ids, positions
+    with parallel_lock:
+        status = _launch_rows_kernel(
+            verify_plan.requests, verify_plan.bs, verify_plan.entries,
+            verify_plan.num_requested_entries if verify_plan.enabled else 0,
+            check_token and verify_plan.has_tokens,
+            write_plan.requests, write_plan.bs, ids, positions, write_plan.slots,
+            write_plan.max_num_tokens > 0, check_inputs, expected_ids, expected_positions,
+            bool(chain_position_assert), int(launch_tag), *tail,
+        )  # fmt: skip
+    if status:
+        raise IndexError("kv-canary: plan slot out of range of the canary buffer")
+
+
+def write(
+    records: torch.Tensor,
+    plan: WritePlan | HostWritePlan,
+    ring: ViolationRing,
+    launch_tag: int,
+    *,
+    real_kv_sources: Sequence[RealKvSource] = (),
+    chain_position_assert: bool = False,
+    counters: RunCounters | None = None,
+) -> None:
+    if not plan.max_num_tokens:
+        if counters is not None:
+            counters.add(launch_tag, 0)
+        return
+    if isinstance(plan, HostWritePlan):
+        requests, num_reqs = plan.requests, plan.bs
+        ids, positions, slots = plan.token_ids, plan.positions, plan.slots
+        expected_ids, expected_positions = plan.expected_token_ids, plan.expected_positions
+    else:
+        requests = torch.stack((plan.seed_slots, plan.token_starts, plan.num_tokens)).numpy()
+        num_reqs = requests.shape[1]
+        ids, positions, slots = plan.token_ids.numpy(), plan.positions.numpy(), plan.slots.numpy()
+        expected_ids = None if plan.expected_token_ids is None else plan.expected_token_ids.numpy()
+        expected_positions = (
+            None if plan.expected_positions is None else plan.expected_positions.numpy()
+        )
+    check_inputs = expected_ids is not None and expected_positions is not None
+    if not check_inputs:  # typed dummies: numba compiles one signature either way
+        expected_ids, expected_positions = ids, positions
+    args = (*_launch_args(records, real_kv_sources, ring, counters), split_args())
+    with parallel_lock:
+        _write_kernel(
+            requests, num_reqs, ids, positions, slots, check_inputs, expected_ids,
+            expected_positions, bool(chain_position_assert), int(launch_tag), *args,
+        )  # fmt: skip

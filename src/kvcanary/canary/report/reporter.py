@@ -1,0 +1,130 @@
+"""ViolationReporter: what each mode does with the rows the pump brings back.
+
+    every mode   each row -> one ``logger.warning`` with SGLang's multi-line report (first
+                 line frozen: ``kv_canary violation: launch_tag=... fail_reason=...``) and
+                 one parsed :class:`CanaryViolationRow` in ``rows``
+    raise        then raise :class:`KVCanaryViolation` with the reports (once: later rows
+                 are still logged and kept, never raised again)
+    abort        then remember the violating slots (full and SWA index spaces) until the
+                 engine calls :meth:`take_implicated_slots` between steps
+
+Compressed-group slots (DSV4 C4/C128/indexer rows) implicate the ``ratio`` full slots the
+row summarises; ``verify_not_resident`` rows name a full slot whatever their tag.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import NamedTuple
+
+import torch
+
+from kvcanary.canary.errors import KVCanaryViolation
+from kvcanary.canary.plan.state import StateRing
+from kvcanary.canary.wire.constants import FailReason, PoolKind, split_launch_tag
+from kvcanary.canary.wire.violation import (
+    ViolationRecord,
+    fail_reason_labels,
+    format_violation_message,
+    launch_tag_name,
+)
+
+logger = logging.getLogger("kvcanary.canary")
+
+
+class CanaryViolationRow(NamedTuple):
+    """One reported violation, as a tool parsing the log line would see it."""
+
+    launch_tag: str
+    fail_reasons: tuple[str, ...]
+    slot_idx: int
+    position: int
+    stored_token: int
+    expected_token: int
+    stored_chain_hash: int  # signed int64 bits
+    expected_aux: int  # verify: expected chain hash; write: expected position
+    step: int  # forward steps completed when the row was reported
+
+
+class ImplicatedSlots(NamedTuple):
+    full: torch.Tensor  # int64, full-pool slots
+    swa: torch.Tensor  # int64, SWA sub-pool slots
+
+
+class ViolationReporter:
+    def __init__(self, mode: str, compression_ratios: dict[PoolKind, int],
+                 state_rings: dict[PoolKind, StateRing] | None = None):  # fmt: skip
+        self.mode = mode
+        self.compression_ratios = compression_ratios
+        self.state_rings = state_rings or {}
+        self.rows: list[CanaryViolationRow] = []
+        self.raised = False
+        self._full: set[int] = set()
+        self._swa: set[int] = set()
+
+    def report(
+        self, records: list[ViolationRecord], *, total: int, capacity: int, step: int
+    ) -> None:
+        if not records:
+            return
+        messages = [
+            format_violation_message(
+                r, total_violations=total, ring_overflow=total > capacity, step_when_pumped=step
+            )
+            for r in records
+        ]
+        for r, message in zip(records, messages, strict=True):
+            logger.warning(message)
+            self.rows.append(
+                CanaryViolationRow(
+                    launch_tag_name(r.launch_tag), tuple(fail_reason_labels(r.fail_reason)),
+                    r.slot_idx, r.position, r.stored_token, r.expected_token,
+                    r.stored_chain_hash, r.expected_aux, step,
+                )
+            )  # fmt: skip
+        if self.mode == "abort":
+            for r in records:
+                self._implicate(r)
+        if self.mode == "raise" and not self.raised:
+            self.raised = True
+            raise KVCanaryViolation("\n".join(messages))
+
+    def _implicate(self, r: ViolationRecord) -> None:
+        try:
+            kind = split_launch_tag(r.launch_tag)[0]
+        except ValueError:
+            return
+        if r.fail_reason & FailReason.VERIFY_NOT_RESIDENT:  # names the full slot (no SWA slot)
+            self._full.add(r.slot_idx)
+        elif kind == PoolKind.SWA:
+            self._swa.add(r.slot_idx)
+        elif kind == PoolKind.FULL:
+            self._full.add(r.slot_idx)
+        elif kind in self.state_rings:  # a ring row: the SWA page that owns the ring
+            ring = self.state_rings[kind]
+            if ring.addressing == "swa_page":
+                page = r.slot_idx // ring.ring_size
+                self._swa.update(range(page * ring.swa_page_size,
+                                       (page + 1) * ring.swa_page_size))  # fmt: skip
+            # request-addressed rings (SGLang's C128) name no slot: nothing to quarantine
+        else:  # a compressed row summarises `ratio` consecutive full slots
+            ratio = self.compression_ratios.get(kind, 1)
+            self._full.update(range(r.slot_idx * ratio, (r.slot_idx + 1) * ratio))
+
+    def take_implicated_slots(self) -> ImplicatedSlots | None:
+        """Slots of the rows reported since the last call (abort mode), or None."""
+        if not (self._full or self._swa):
+            return None
+        out = ImplicatedSlots(
+            torch.tensor(sorted(self._full), dtype=torch.int64),
+            torch.tensor(sorted(self._swa), dtype=torch.int64),
+        )
+        self._full, self._swa = set(), set()
+        return out
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Reported rows by launch tag and by fail reason."""
+        by_tag = Counter(r.launch_tag for r in self.rows)
+        by_reason = Counter(reason for r in self.rows for reason in r.fail_reasons)
+        return dict(sorted(by_tag.items())), dict(sorted(by_reason.items()))
