@@ -3,8 +3,8 @@ system and compact engine it guards."""
 
 from __future__ import annotations
 
-from kvcanary import _numba_cache_hook  # noqa: F401  (numba cache keyed by source; before any @njit)
 from kvcanary.config import CanaryConfig, EngineConfig, SamplingParams
+from kvcanary.jit import cache_hook  # noqa: F401  (numba cache keyed by source; before any @njit)
 
 __all__ = ["CanaryConfig", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -2,6 +2,6 @@
 
 import sys
 
-from kvcanary.cli import main
+from kvcanary.cli.command import main
 
 sys.exit(main())

@@ -97,7 +97,7 @@ KVCANARY_CPU_DECODE: EnvVar[str] = EnvVar(
     "KVCANARY_CPU_DECODE", "compiled", _choice("compiled", "eager"),
     "one of compiled, eager",
     "a CPU decode forward of a plain float32 decoder: compiled = every layer in one numba call "
-    "(engine/decode_cpu.py; where it applies), eager = module by module",
+    "(ops/cpu/decode.py; where it applies), eager = module by module",
 )  # fmt: skip
 
 KVCANARY_WARMUP_HELPER: EnvVar[str] = EnvVar(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -76,3 +77,14 @@ def buf_infos(buffers: list[torch.Tensor], page_size: int) -> tuple[list[int], l
     lens = [b.nbytes for b in buffers]
     items = [b[0].nbytes * page_size for b in buffers]
     return ptrs, lens, items
+
+
+def write_file_atomically(path: str | Path, data: bytes, flag: str = "--json") -> None:
+    """Write ``data`` to ``path`` through a temp file + rename, so a reader never sees half
+    a file; a missing directory is a ``ValueError`` naming ``flag``."""
+    path = Path(path)
+    if not path.parent.exists():
+        raise ValueError(f"{flag} {show(str(path))}: directory {show(str(path.parent))} does not exist")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvcanary.bench.vllm_peer import VllmPeer, VllmPeerError
-from kvcanary.cli import main
+from kvcanary.cli.command import main
 from kvcanary.integrations.vllm.bench import add_bench_vllm_flags, check_bench_vllm_args
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcanary.cli import main
+from kvcanary.cli.command import main
 
 SMALL = ["--num-requests", "4", "--input-len", "60", "--shared-prefix-len", "24",
          "--output-len", "8", "--max-total-tokens", "1024", "--no-progress"]  # fmt: skip
@@ -122,7 +122,7 @@ def test_canary_flags_come_from_the_config_fields(monkeypatch: pytest.MonkeyPatc
     import dataclasses
 
     from kvcanary.canary.config import CanaryConfig
-    from kvcanary.cli_args import add_dataclass_flags, dataclass_from_args
+    from kvcanary.cli.args import add_dataclass_flags, dataclass_from_args
 
     monkeypatch.setenv("KVCANARY_KV_CANARY_RING_CAPACITY", "77")
     p = argparse.ArgumentParser()

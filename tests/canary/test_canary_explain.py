@@ -14,8 +14,8 @@ from kvcanary.canary.explain import explain, parse_log
 from kvcanary.canary.perturb import ExpectedDetection
 from kvcanary.canary.wire.constants import CanaryLaunchTag, FailReason
 from kvcanary.canary.wire.violation import ViolationRecord, format_violation_message
-from kvcanary.cli import main
-from kvcanary.selftest import FaultCase, run_case
+from kvcanary.cli.command import main
+from kvcanary.cli.selftest import FaultCase, run_case
 
 # Verbatim from reference/kv_canary_core.md §8.2 (SGLang issues #33656 and #28971).
 ISSUE_33656 = (
@@ -160,7 +160,7 @@ def test_selftest_cli_reduced_campaign_json(tmp_path: Path, capsys: pytest.Captu
 
 def test_selftest_cli_fails_on_a_missed_class(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
-    monkeypatch.setattr("kvcanary.selftest.expected_detection",
+    monkeypatch.setattr("kvcanary.cli.selftest.expected_detection",
                         lambda mode, group=None: ExpectedDetection(("NO_SUCH_TAG",), ("write_token",)))  # fmt: skip
     assert main(["selftest", "--models", "builtin:tiny-mha", "--faults", "page_shift",
                  "--num-seeds", "1", "--no-progress"]) == 1  # fmt: skip

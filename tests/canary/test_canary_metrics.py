@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcanary import SamplingParams
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.report.metrics import write_metrics_file
-from kvcanary.cli import main
+from kvcanary.cli.command import main
 
 
 def _samples(path: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

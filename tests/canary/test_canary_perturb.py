@@ -21,10 +21,10 @@ from kvcanary.canary.perturb import (
     expected_detection,
     install_perturbation,
 )
+from kvcanary.cli.selftest import FaultCase, engine_config, run_case, run_selftest
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.forward_batch import ForwardBatch, ForwardMode
 from kvcanary.engine.sampling import oracle_token
-from kvcanary.selftest import FaultCase, engine_config, run_case, run_selftest
 
 LOG_PARTIAL = CanaryConfig(mode="log", real_data="partial")
 

@@ -165,7 +165,7 @@ def test_clean_graph_safe_run_is_silent_and_outputs_do_not_change() -> None:
 def test_the_fault_campaign_detects_every_class_with_graph_safe_plans() -> None:
     """kvcanary selftest --kv-canary-graph-safe (one seed): every class on every pool is
     reported with its expected tag and reason, clean runs are silent."""
-    from kvcanary.selftest import run_selftest
+    from kvcanary.cli.selftest import run_selftest
 
     summary = run_selftest(seeds=[0], progress=False, graph_safe=True)
     assert summary["graph_safe"] and summary["ok"], summary["missed"]

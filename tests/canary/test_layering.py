@@ -11,7 +11,7 @@ from pathlib import Path
 import kvcanary.canary
 
 CANARY = Path(kvcanary.canary.__file__).parent
-ALLOWED = ("kvcanary.canary", "kvcanary.envs", "kvcanary.utils", "kvcanary.report",
+ALLOWED = ("kvcanary.canary", "kvcanary.envs", "kvcanary.utils",
            "kvcanary.jit", "kvcanary.numba_")  # fmt: skip
 
 

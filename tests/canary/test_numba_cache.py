@@ -1,4 +1,4 @@
-"""kvcanary.numba_cache: numba's on-disk cache must never serve code compiled from old sources.
+"""kvcanary.jit.cache: numba's on-disk cache must never serve code compiled from old sources.
 
 Plain numba keys a function's cache by its own file, so a cached caller keeps the old code of
 a jitted callee in another file after that file is edited. The toy-package tests show the bug
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import kvcanary
-from kvcanary.numba_cache import (
+from kvcanary.jit.cache import (
     DIGEST_DIR_PREFIX,
     KEEP_OLD_DIGEST_DIRS,
     MIXED_DIR_PREFIX,
@@ -48,7 +48,7 @@ import json, sys
 root, mode = sys.argv[1], sys.argv[2]
 sys.path.insert(0, root)
 if mode.startswith("digest"):
-    from kvcanary.numba_cache import register_package
+    from kvcanary.jit.cache import register_package
     register_package(root + "/toypkg")  # snapshots the sources
 if mode == "digest-edit-midway":  # as an editor saving while this process imports
     import os
@@ -210,12 +210,12 @@ if sys.argv[1] == "numba-first":
     import numba
 import kvcanary
 numba_after_import_kvcanary = "numba" in sys.modules
-from kvcanary._numba_cache_hook import PACKAGE_ROOT, snapshot
+from kvcanary.jit.cache_hook import PACKAGE_ROOT, snapshot
 digest_at_import = snapshot(PACKAGE_ROOT)
 root = Path(kvcanary.__file__).resolve().parent
 modules = []
 for p in sorted(root.rglob("*.py")):
-    if "__pycache__" in p.parts or p.name == "numba_cache.py":
+    if "__pycache__" in p.parts or p.name == "jit/cache.py":
         continue
     if re.search(r"^\\s*(import numba|from numba)", p.read_text(), re.M):
         parts = p.relative_to(root.parent).with_suffix("").parts
@@ -235,7 +235,7 @@ for name in modules:
             )
 import numpy as np
 from kvcanary.canary.wire.hashing import splitmix64_nb
-from kvcanary.numba_cache import package_digest
+from kvcanary.jit.cache import package_digest
 splitmix64_nb(np.uint64(1))
 digest_at_end = package_digest(root)
 print(json.dumps({

@@ -1,4 +1,4 @@
-"""CPU decode attention straight from the paged K/V (engine/attention_cpu.py): the same
+"""CPU decode attention straight from the paged K/V (ops/cpu/attention.py): the same
 results as the torch path (gather + masked SDPA) on random pools, and the engine's decode
 through it (eager and graph-runner buckets with padding rows, full and sliding layers)
 gives the torch path's greedy tokens and near-identical logits."""
@@ -16,14 +16,14 @@ from device_mix import DeviceMixChecker
 from engine_utils import make_prompts, tiny_engine
 
 from kvcanary import SamplingParams
-from kvcanary.engine import attention_cpu
+from kvcanary.ops.cpu import attention as attention_cpu
 
 
 @pytest.fixture(autouse=True)
 def _eager_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests are of the eager decode forward's calls (a layer's rope_forward,
     decode_layer, the kernels under them), which the compiled decode forward
-    (engine/decode_cpu.py, tests/engine/test_decode_cpu.py) runs without them."""
+    (ops/cpu/decode.py, tests/engine/test_decode_cpu.py) runs without them."""
     monkeypatch.setenv("KVCANARY_CPU_DECODE", "eager")
 
 
@@ -482,8 +482,9 @@ def test_decode_layer_is_rope_store_and_attention(
     """decode_layer == rope_cpu.rope, index_copy_ of k / v into the buffers, decode_attention:
     the same output bits and the same buffers after (one thread and split), from the
     projection as the GEMM leaves it (the three calls take strided views of it)."""
-    from kvcanary.model import norm_cpu, rope_cpu
     from kvcanary.model.rope import RotaryEmbedding
+    from kvcanary.ops.cpu import rmsnorm as norm_cpu
+    from kvcanary.ops.cpu import rope as rope_cpu
 
     gen = torch.Generator().manual_seed(bs * 7 + heads + dim + len(norm))
     num_slots = 3 * bs * max_keys + 2

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary.cli import main
+from kvcanary.cli.command import main
 
 SMALL = ["--num-requests", "6", "--input-len", "160", "--shared-prefix-len", "40",
          "--output-len", "48", "--max-total-tokens", "2048", "--no-progress"]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvcanary import Engine, EngineConfig, SamplingParams
-from kvcanary.cli import build_parser, main
+from kvcanary.cli.command import build_parser, main
 from kvcanary.engine.errors import KVPoolTooSmallError, RequestTooLargeError
 from kvcanary.engine.kv_manager import pool_need
 from kvcanary.engine.pool_check import check_pools
@@ -59,7 +59,7 @@ def test_input_len_beyond_the_context_is_refused_before_the_engine_starts(
     def no_engine(*_: Any, **__: Any) -> None:
         raise AssertionError("the engine must not start")
 
-    monkeypatch.setattr("kvcanary.run.Engine", no_engine)
+    monkeypatch.setattr("kvcanary.cli.run.Engine", no_engine)
     assert main(["run", "--input-len", "100000", "--shared-prefix-len", "0", "--no-progress"]) == 2
     line = _one_error_line(capsys)
     assert "--input-len=100000 is invalid" in line
@@ -92,7 +92,7 @@ def test_a_mid_run_pool_error_is_one_line_too(monkeypatch: pytest.MonkeyPatch,
     def too_small(*_: Any, **__: Any) -> None:
         raise KVPoolTooSmallError("KV pool too small: request 1 cannot be scheduled even alone")
 
-    monkeypatch.setattr("kvcanary.run.Engine.generate", too_small)
+    monkeypatch.setattr("kvcanary.cli.run.Engine.generate", too_small)
     assert main(["run", *SMALL]) == 2
     assert "request 1 cannot be scheduled even alone" in _one_error_line(capsys)
 
@@ -164,7 +164,7 @@ def test_progress_bar_counts_tokens_and_moves(monkeypatch: pytest.MonkeyPatch) -
         def close(self) -> None:
             pass
 
-    from kvcanary import run
+    from kvcanary.cli import run
 
     monkeypatch.setattr(run, "tqdm", Recorder)
     spec = WorkloadSpec(num_requests=2, input_len=64, output_len=20, shared_prefix_len=0)

@@ -1,4 +1,4 @@
-"""The CPU decode forward in one compiled call (kvcanary.engine.decode_cpu) against the
+"""The CPU decode forward in one compiled call (kvcanary.ops.cpu.decode) against the
 eager, module-by-module forward: the same greedy tokens, logprobs and KV within float
 rounding, its GEMM bit for bit F.linear's, and the eager forward wherever a store must be
 seen (the canary's store check, a fault's wrapper) or the path is turned off."""
@@ -15,9 +15,9 @@ from torch.nn import functional as F
 
 from kvcanary import Engine, EngineConfig, SamplingParams
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.engine import decode_cpu
 from kvcanary.engine.attention import PagedAttentionBackend
 from kvcanary.memory.mha_pool import MHAKVPool
+from kvcanary.ops.cpu import decode as decode_cpu
 
 
 def _engine(monkeypatch: pytest.MonkeyPatch, mode: str, **overrides: Any) -> Engine:
@@ -175,7 +175,7 @@ def test_packed_linears_run_the_eager_forward(monkeypatch: pytest.MonkeyPatch) -
     """Where the eager forward's linears would take oneDNN's packed GEMM its bits are not
     sgemm's: the compiled forward steps aside."""
     monkeypatch.setenv("KVCANARY_CPU_GEMM", "onednn")
-    from kvcanary.model.gemm import cpu_gemm_mode
+    from kvcanary.ops.cpu.gemm import cpu_gemm_mode
 
     cpu_gemm_mode.cache_clear()
     try:

@@ -1,4 +1,4 @@
-"""Compile ahead (kvcanary.warmup): after warm_engine(config) a real workload on that
+"""Compile ahead (kvcanary.engine.warmup): after warm_engine(config) a real workload on that
 configuration compiles no kernel; the compile watcher sees compiles; both size variants of a
 split kernel are compiled while warming; workload defaults adapt to --input-len."""
 
@@ -17,12 +17,13 @@ import numba
 import numpy as np
 import pytest
 
-from kvcanary import EngineConfig, numba_parallel, warmup
+from kvcanary import EngineConfig
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.wire import hashing
-from kvcanary.cli import main
-from kvcanary.run import run_workload
-from kvcanary.warmup import (
+from kvcanary.cli.command import main
+from kvcanary.cli.run import run_workload
+from kvcanary.engine import warmup
+from kvcanary.engine.warmup import (
     CompileLog,
     _Helper,
     loaded_kernels,
@@ -33,6 +34,7 @@ from kvcanary.warmup import (
     warmup_config,
     watch_compiles,
 )
+from kvcanary.jit import parallel as numba_parallel
 from kvcanary.workload import WorkloadSpec
 
 # The demo's configuration (Makefile `demo`): window eviction, SWA tombstones, retraction.
@@ -76,7 +78,7 @@ NO_CANARY = dataclasses.replace(DEMO, canary=CanaryConfig())
 
 
 def test_helper_process_warms_a_configuration_into_the_shared_cache(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The helper (``python -m kvcanary.warmup``, config pickled on stdin) runs a warm-up to
+    """The helper (``python -m kvcanary.engine.warmup``, config pickled on stdin) runs a warm-up to
     the end, and a new process then finds every kernel of it in the on-disk cache."""
     log = CompileLog()
     helper = _Helper(NO_CANARY, str(tmp_path), log)
@@ -89,7 +91,7 @@ def no_canary_loads_only_scenario() -> None:
     with watch_compiles() as log:
         report = warm_engine(NO_CANARY, progress=False, helper=False)
     assert report.skipped is None and log.names() == []
-    assert any("norm_cpu" in name for name, _ in loaded_kernels())  # loaded, not compiled
+    assert any("rmsnorm" in name for name, _ in loaded_kernels())  # loaded, not compiled
 
 
 def _cached_kernel():  # type: ignore[no-untyped-def]
@@ -167,7 +169,7 @@ def after_warmup_scenario() -> None:
     assert report.skipped is None
     warm = loaded_kernels()
     assert any("fused_rows" in name for name, _ in warm)  # the canary's HEAD / TAIL
-    assert any("decode_cpu" in name for name, _ in warm)  # the compiled decode forward
+    assert any("ops.cpu.decode" in name for name, _ in warm)  # the compiled decode forward
     # Longer prompts, more requests, a larger decode batch than the warm-up's.
     spec = WorkloadSpec(num_requests=24, input_len=200, output_len=24, shared_prefix_len=64)
     with watch_compiles() as log:

@@ -190,8 +190,8 @@ def test_a_token_id_the_scheduler_sent_differently_is_reported_through_the_batch
 
 
 def warm_worker_scenario(extra: dict[str, Any]) -> None:
+    from kvcanary.engine.warmup import loaded_kernels
     from kvcanary.integrations.vllm.warmup import warm_worker
-    from kvcanary.warmup import loaded_kernels
 
     spec = GroupSpec(0, ("layer0",), BS, HEADS, DIM, None)
     kv = torch.zeros(BLOCKS, HEADS, BS, 2 * DIM)

@@ -164,9 +164,9 @@ def test_fused_qk_norm_and_rope_equal_separate_bit_for_bit(dtype: torch.dtype) -
 ])  # fmt: skip
 def test_cpu_rope_pass_equals_the_torch_ops_bit_for_bit(tokens: int, heads: int, dim: int,
                                                          strided: bool, weighted: bool) -> None:  # fmt: skip
-    """The compiled CPU rotation (:mod:`kvcanary.model.rope_cpu`) against the torch ops it
+    """The compiled CPU rotation (:mod:`kvcanary.ops.cpu.rope`) against the torch ops it
     replaces, on views of a wider projection (rows strided) and on contiguous tensors."""
-    from kvcanary.model import rope_cpu
+    from kvcanary.ops.cpu import rope as rope_cpu
 
     gen = torch.Generator().manual_seed(tokens * heads)
     wide = torch.randn(tokens, heads + 5, dim, generator=gen)

@@ -1,4 +1,4 @@
-"""The oneDNN packed-weight linear (model/gemm.py): same results as F.linear up to float
+"""The oneDNN packed-weight linear (ops/cpu/gemm.py): same results as F.linear up to float
 rounding, the packed copy follows in-place weight writes, the auto policy packs only big
 weights at the row counts where it pays, and the engine's greedy tokens do not change."""
 
@@ -9,8 +9,8 @@ import torch
 from engine_utils import greedy_outputs, make_prompts, tiny_engine
 from torch.nn import functional as F
 
-from kvcanary.model import gemm
-from kvcanary.model.gemm import MIN_PACKED_BYTES, PACKED_ROWS, SMALL_PACKED_ROWS, PackedLinear
+from kvcanary.ops.cpu import gemm
+from kvcanary.ops.cpu.gemm import MIN_PACKED_BYTES, PACKED_ROWS, SMALL_PACKED_ROWS, PackedLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                  reason="oneDNN is not built into this torch")  # fmt: skip

@@ -1,4 +1,4 @@
-"""CPU RMSNorm (:mod:`kvcanary.model.norm_cpu`): one compiled pass must give exactly
+"""CPU RMSNorm (:mod:`kvcanary.ops.cpu.rmsnorm`): one compiled pass must give exactly
 ``F.rms_norm``'s bits (torch's float32 sum tree included) for every row length, and the
 model must keep the torch ops wherever the pass does not apply."""
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from kvcanary.model import norm_cpu, rope_cpu
 from kvcanary.model.layers import RMSNorm
+from kvcanary.ops.cpu import rmsnorm as norm_cpu
+from kvcanary.ops.cpu import rope as rope_cpu
 
 # Shorter than a vector, tails, ILP remainders, one and several cascade levels of 16.
 LENGTHS = [*range(1, 41), 63, 64, 65, 127, 128, 129, 544, 1000, 1024, 3072, 4099, 16384, 40000]
@@ -137,7 +138,7 @@ def test_large_inputs_run_the_parallel_passes_bit_for_bit(
     split rows / tokens among them from ``_PARALLEL_MIN_*`` on (a big decode batch, a
     prefill), and give the torch ops' bits either way; on one thread the norm leaves rows
     past ``_MAX_ELEMENTS`` to torch."""
-    from kvcanary import numba_parallel
+    from kvcanary.jit import parallel as numba_parallel
 
     calls: list[str] = []
     run = numba_parallel.run_parallel

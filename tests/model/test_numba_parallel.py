@@ -6,7 +6,7 @@ import numba
 import pytest
 import torch
 
-from kvcanary import numba_parallel
+from kvcanary.jit import parallel as numba_parallel
 
 
 @numba.njit(parallel=True)

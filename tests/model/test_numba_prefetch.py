@@ -1,4 +1,4 @@
-"""kvcanary.numba_prefetch: a hint that never faults, reads nothing into the program and
+"""kvcanary.jit.prefetch: a hint that never faults, reads nothing into the program and
 types only arrays with at most ndim integer indices."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numba
 import numpy as np
 import pytest
 
-from kvcanary.numba_prefetch import prefetch
+from kvcanary.jit.prefetch import prefetch
 
 
 @numba.njit(cache=False)

@@ -1,4 +1,4 @@
-"""kvcanary.numba_simd's row reductions (softmax's maximum and sum in the CPU attention
+"""kvcanary.jit.simd's row reductions (softmax's maximum and sum in the CPU attention
 kernels): numpy's maximum, NaN passed over, and a sum in the documented fixed order."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from kvcanary.numba_simd import LANES, row_max, row_sum
+from kvcanary.jit.simd import LANES, row_max, row_sum
 
 
 @numba.njit(cache=False)

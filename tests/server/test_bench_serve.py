@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary.cli import main
+from kvcanary.cli.command import main
 
 SMALL = ["--num-requests", "12", "--concurrency", "6", "--input-len", "48", "--shared-prefix-len", "16",
          "--max-total-tokens", "4096", "--no-progress"]  # fmt: skip

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcanary import Engine, EngineConfig, SamplingParams
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.cli import main
+from kvcanary.cli.command import main
 from kvcanary.server import create_app
 from kvcanary.server.protocol import chat_prompt
 

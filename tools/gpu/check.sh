@@ -73,8 +73,8 @@ import triton.runtime.jit as _jit
 if not hasattr(_jit, "mangle_type"):  # imported by the cases module (launch recording only)
     _jit.mangle_type = lambda arg, specialize=False: "i64"
 
-from kvcanary.canary import kernels_triton as KT  # noqa: E402
-from kvcanary.canary import plan_triton as PT  # noqa: E402
+from kvcanary.canary.kernels import triton_kernels as KT  # noqa: E402
+from kvcanary.canary.plan import triton_plan as PT  # noqa: E402
 from kvcanary.canary.report.ring import RunCounters, ViolationRing  # noqa: E402
 
 DEV = torch.device(os.environ.get("KVC_SHIM_DEVICE", "cuda"))
@@ -244,7 +244,7 @@ from test_canary_kernels_equivalence import (  # noqa: E402
     make_verify_plan, make_world, make_write_plan, run,
 )
 
-from kvcanary.canary import kernels_triton  # noqa: E402
+from kvcanary.canary.kernels import triton_kernels as kernels_triton  # noqa: E402
 
 
 def test_random_worlds_counted(monkeypatch):
@@ -478,11 +478,11 @@ import dataclasses
 import os
 import sys
 
-import kvcanary.selftest as st
+import kvcanary.cli.selftest as st
 
 _orig = st.engine_config
 st.engine_config = lambda *a, **k: dataclasses.replace(_orig(*a, **k), device=os.environ.get("KVC_DEVICE", "cuda"))
-from kvcanary.cli import main  # noqa: E402
+from kvcanary.cli.command import main  # noqa: E402
 
 sys.exit(main(["selftest", *sys.argv[1:]]))
 PYEOF
@@ -510,7 +510,7 @@ for mod in ("triton", "numba", "numpy", "safetensors", "transformers", "tqdm", "
         info[mod] = getattr(importlib.import_module(mod), "__version__", "ok")
     except Exception as e:  # noqa: BLE001
         info[mod] = f"MISSING ({type(e).__name__})"
-from kvcanary.canary import kernels  # noqa: E402
+from kvcanary.canary.kernels import dispatch as kernels  # noqa: E402
 
 info["kvcanary_triton_installed"] = kernels.triton_installed()
 dev = os.environ.get("KVC_DEVICE", "cuda")

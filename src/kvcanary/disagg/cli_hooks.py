@@ -1,4 +1,4 @@
-"""Command-line entry points of disaggregation, for ``kvcanary.cli`` to wire in::
+"""Command-line entry points of disaggregation, for ``kvcanary.cli.command`` to wire in::
 
     run = sub.add_parser("run", ...); ...; add_disagg_run_flags(run)
     _cmd_run: if a.disagg: summary = run_disagg(a)        # instead of run_workload(...)
@@ -15,7 +15,7 @@ import dataclasses
 import time
 from typing import Any
 
-from kvcanary.cli_args import engine_config_from_args
+from kvcanary.cli.args import engine_config_from_args
 from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.disagg.config import DIST_BACKENDS, TRANSFER_BACKENDS, DisaggConfig
 from kvcanary.utils import show

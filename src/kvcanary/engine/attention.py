@@ -22,14 +22,14 @@ import numpy as np
 import torch
 from numba.typed import List as typed_list
 
-from kvcanary.engine import attention_cpu
 from kvcanary.engine.forward_batch import ForwardBatch
 from kvcanary.memory.base import HOST
 from kvcanary.memory.mha_pool import MHAKVPool
 from kvcanary.memory.req_to_token import ReqToTokenPool
 from kvcanary.memory.swa_pool import SWAKVPool
-from kvcanary.model import rope_cpu
 from kvcanary.model.base import AttentionLayerSpec
+from kvcanary.ops.cpu import attention as attention_cpu
+from kvcanary.ops.cpu import rope as rope_cpu
 
 
 @dataclass
@@ -301,7 +301,7 @@ class PagedAttentionBackend:
     def _key_view(self, layout: QueryLayout, rows: torch.Tensor, key_start: torch.Tensor,
                   window: int | None, device: torch.device, write_loc: torch.Tensor) -> _KeyView:  # fmt: skip
         """An extend forward's key view (:func:`key_view`). On the host, where
-        :func:`.attention_cpu.extend_attention` pays (``first_col`` set), the mask is
+        :func:`kvcanary.ops.cpu.attention.extend_attention` pays (``first_col`` set), the mask is
         deferred: that kernel reads none."""
         table = self.req_to_token_pool.req_to_token
         slots, num_keys = key_slots(table, rows, layout, key_start, device)
@@ -317,7 +317,7 @@ class PagedAttentionBackend:
 
     def _init_decode_cpu(self, fb: ForwardBatch) -> bool:
         """:meth:`init_forward_metadata` of a CPU decode forward in one compiled pass
-        (:func:`.attention_cpu.decode_tables`: the same tables); False when the slot table
+        (:func:`kvcanary.ops.cpu.attention.decode_tables`: the same tables); False when the slot table
         is not on the host (the torch path then runs)."""
         table = self.req_to_token_pool.host_table
         if table is None:
@@ -436,7 +436,7 @@ class PagedAttentionBackend:
         forward_batch: ForwardBatch,
     ) -> torch.Tensor | None:
         """A CPU decode layer's RoPE, K/V store and attention in one compiled call
-        (:func:`.attention_cpu.decode_layer`), from the QKV projection ``qkv [tokens, (heads +
+        (:func:`kvcanary.ops.cpu.attention.decode_layer`), from the QKV projection ``qkv [tokens, (heads +
         2 kv heads) * head_dim]`` (q, k, v side by side, before RoPE): the bits of the q/k
         views through ``apply_rope(qk, cos, sin, weight, norm_eps)`` then :meth:`forward`.
         Taken when this forward's key tables are on the host, ``qkv`` and the layer's K/V
@@ -477,7 +477,7 @@ class PagedAttentionBackend:
         return out
 
     def decode_buffers(self, layers: Sequence[AttentionLayerSpec]) -> tuple[Any, ...] | None:
-        """What :mod:`.decode_cpu`'s compiled decode forward needs of every layer in
+        """What :mod:`kvcanary.ops.cpu.decode`'s compiled decode forward needs of every layer in
         ``layers`` (in order): ``(K buffers, V buffers)`` as numba typed lists of numpy
         views, each layer's sliding flag (int64) and scale (float32), the full and sliding
         key tables ``(slots, write slots, key counts, tasks a request, split)`` (sliding: the

@@ -24,7 +24,6 @@ import torch
 
 from kvcanary.config import EngineConfig
 from kvcanary.engine.attention import PagedAttentionBackend
-from kvcanary.engine.decode_cpu import CompiledDecode
 from kvcanary.engine.dsv4_attention import DSV4AttentionBackend
 from kvcanary.engine.forward_batch import ForwardBatch
 from kvcanary.engine.hooks import ForwardHooks
@@ -36,6 +35,7 @@ from kvcanary.memory.req_to_token import ReqToTokenPool
 from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.memory.swa_pool import SWAKVPool
 from kvcanary.model import ModelConfig, load_model
+from kvcanary.ops.cpu.decode import CompiledDecode
 from kvcanary.utils import floor_page, show
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -118,7 +118,7 @@ class ModelRunner:
         else:
             self.attn_backend = PagedAttentionBackend(pool, self.req_to_token_pool, self.sliding_window)
         self.forward_ct = 0
-        # The CPU decode forward in one compiled call (engine/decode_cpu.py), where it applies.
+        # The CPU decode forward in one compiled call (ops/cpu/decode.py), where it applies.
         self._compiled_decode = CompiledDecode(self.model) if self.device == HOST else None
         self.is_draft_worker = False  # a speculative draft worker would hold token p + 1 at p
         # Set by kvcanary.integrations.native.host; None: no canary, no cost.

@@ -18,9 +18,9 @@ from torch import nn
 
 from kvcanary.model.base import AttentionLayerSpec
 from kvcanary.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from kvcanary.model.gemm import PackedLinear
 from kvcanary.model.layers import GatedMLP, RMSNorm, fuse_linears
 from kvcanary.model.rope import RotaryEmbedding, apply_rope
+from kvcanary.ops.cpu.gemm import PackedLinear
 
 Device = torch.device | str | None
 _NO_QK_NORM: tuple[None, None] = (None, None)
@@ -101,7 +101,7 @@ class Attention(nn.Module):
         with them; the eps of the unweighted rms_norm ``apply_rope`` does first, or None).
         Float32 without weight offset (one eps): ``apply_rope`` norms q and k together and
         applies the weights (``rms_norm(x, w) == rms_norm(x) * w`` bit for bit; on the CPU in
-        its one pass, :mod:`.rope_cpu`); else each norm on its heads here."""
+        its one pass, :mod:`kvcanary.ops.cpu.rope`); else each norm on its heads here."""
         folded = self._folded_qk_norm(qk.dtype)
         if folded is not None:
             return qk, *folded

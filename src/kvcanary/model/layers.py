@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kvcanary.model import norm_cpu
-from kvcanary.model.gemm import PackedLinear
+from kvcanary.ops.cpu import rmsnorm as norm_cpu
+from kvcanary.ops.cpu.gemm import PackedLinear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.weight_offset and x.dtype == torch.float32:
-            # One pass instead of ~8 small ops, the same bits (CPU: :mod:`.norm_cpu`).
+            # One pass instead of ~8 small ops, the same bits (CPU: :mod:`kvcanary.ops.cpu.rmsnorm`).
             if norm_cpu.applies(x):
                 return norm_cpu.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -59,7 +59,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + y, self(x + y))``: a residual add and this norm, in one CPU pass where
-        :mod:`.norm_cpu` applies (the same bits as the two apart)."""
+        :mod:`kvcanary.ops.cpu.rmsnorm` applies (the same bits as the two apart)."""
         if not self.weight_offset and x.dtype == torch.float32 and y.dtype == torch.float32 and (
             x.shape == y.shape and norm_cpu.applies(x)
         ):

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kvcanary.model import norm_cpu, rope_cpu
 from kvcanary.model.config import RopeScaling
+from kvcanary.ops.cpu import rmsnorm as norm_cpu
+from kvcanary.ops.cpu import rope as rope_cpu
 
 
 def rope_inv_freq(
@@ -144,7 +145,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     (eps ``norm_eps``) first when given: transformers' ``x * cos + rotate_half(x) * sin``
     with ``rotate_half(x) = cat(-x2, x1)``, the sign folded into ``sin`` (``sin_signed =
     cat(-sin1, sin2)``, exact: ``-a * b == a * -b``), so four ops instead of seven. CPU
-    float32: one compiled pass with the same float32 operations (:mod:`.rope_cpu`)."""
+    float32: one compiled pass with the same float32 operations (:mod:`kvcanary.ops.cpu.rope`)."""
     cpu = rope_cpu.applies(x, cos)
     if norm_eps is not None and not (cpu and norm_cpu.applies(x)):  # the norm apart
         x, norm_eps = F.rms_norm(x, (x.shape[-1],), None, norm_eps), None

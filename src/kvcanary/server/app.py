@@ -76,7 +76,7 @@ def create_app(
     flight; more get a 503. Bodies over ``max_body_bytes`` get a 413.
 
     ``warmup``: run on a thread of its own when the server starts (``kvcanary serve``: compile
-    every kernel the engine calls, :func:`kvcanary.warmup.warm_engine`); until it returns,
+    every kernel the engine calls, :func:`kvcanary.engine.warmup.warm_engine`); until it returns,
     ``/health`` answers 503 ``{"status": "starting"}``, generation requests get a 503 with
     Retry-After (bad ones still their 400), and the engine loop has not started, so no
     request ever waits on a compile. A warm-up that raises is logged and the server starts

@@ -15,7 +15,7 @@ import vllm_harness as H
 
 
 def first_generate_scenario(ckpt: str, options_json: str) -> None:
-    from kvcanary.warmup import loaded_kernels, watch_compiles
+    from kvcanary.engine.warmup import loaded_kernels, watch_compiles
 
     options = json.loads(options_json)
     prompts = H.shared_prefix_prompts(3, 6, prefix_len=40, tail=(3, 60))

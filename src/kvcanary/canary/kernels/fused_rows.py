@@ -61,7 +61,7 @@ from kvcanary.canary.report.ring import RunCounters, ViolationRing
 from kvcanary.canary.wire.constants import NO_TOKEN, FailReason, KvHalf, LaunchStage, launch_tag
 from kvcanary.canary.wire.real_kv import numba_source_args
 from kvcanary.canary.wire.records import as_int64_records
-from kvcanary.numba_parallel import parallel_lock
+from kvcanary.jit.parallel import parallel_lock
 
 _NOT_RESIDENT = int(FailReason.VERIFY_NOT_RESIDENT)
 # Per-group results of HEAD's planning: status, total verify, total extend, total write,

@@ -38,8 +38,8 @@ from kvcanary.canary.wire.real_kv import (
     real_kv_hashes_nb,
 )
 from kvcanary.canary.wire.records import as_int64_records
-from kvcanary.numba_parallel import parallel_lock, parallel_threads
-from kvcanary.numba_prefetch import prefetch
+from kvcanary.jit.parallel import parallel_lock, parallel_threads
+from kvcanary.jit.prefetch import prefetch
 
 _CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
 _POSITION = int(FailReason.VERIFY_POSITION_MISMATCH)

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvcanary.report import write_file_atomically
+from kvcanary.utils import write_file_atomically
 
 SWA_SIGNALS = ("swa_full_idx_divergence", "swa_out_of_window_tokens")
 

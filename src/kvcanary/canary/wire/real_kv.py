@@ -39,8 +39,8 @@ from kvcanary.canary.wire.hashing import (
     splitmix64_nb,
     splitmix64_t,
 )
-from kvcanary.numba_prefetch import array_pointer
-from kvcanary.numba_transpose import (
+from kvcanary.jit.prefetch import array_pointer
+from kvcanary.jit.transpose import (
     LANES,
     load_lines,
     transpose_arrays_ok,
@@ -165,7 +165,7 @@ def _fold_lines_of(groups: int) -> Any:
     """The intrinsic ``fold_lines(words, rows, cols, word0, chunks, h)``: ``h[k] = fold of
     h[k] over words[rows[k], cols[k] + word0 : ... + 8 * chunks]`` for the ``8 * groups``
     lanes ``k`` (``h``: uint64). Per chunk, one 64-byte line of each lane, a vector load,
-    each group's 8 lines transposed in registers (:mod:`kvcanary.numba_transpose`), then 8
+    each group's 8 lines transposed in registers (:mod:`kvcanary.jit.transpose`), then 8
     hash steps on each group's vector of 8 chains, the groups' steps interleaved (a chain is
     serial: more of them in flight hide the multiplies' latency). No bounds check (the
     caller's)."""

@@ -107,9 +107,9 @@ def warm_worker(config: CanaryConfig, specs: Sequence[GroupSpec],
                 layers: dict[str, torch.Tensor]) -> WorkerWarmup:  # fmt: skip
     """Compile (or load from the cache) every kernel a :class:`.worker.VllmCanaryWorker`
     with ``config`` over ``layers`` calls (module doc)."""
-    from kvcanary import numba_parallel
+    from kvcanary.engine.warmup import eager_canary, watch_compiles
     from kvcanary.integrations.vllm.worker import VllmCanaryWorker
-    from kvcanary.warmup import eager_canary, watch_compiles
+    from kvcanary.jit import parallel as numba_parallel
 
     t0 = time.perf_counter()
     # No abort handler to reach vLLM and nothing to raise at: the throwaway only logs.

@@ -1,10 +1,10 @@
 """Digests of a package's sources (no numba import: ``import kvcanary`` takes the snapshot).
 
-The keys of kvcanary's numba cache (:mod:`kvcanary.numba_cache`):
+The keys of kvcanary's numba cache (:mod:`kvcanary.jit.cache`):
 
 * :func:`package_digest`: a SHA-256 over the relative paths and contents of every ``*.py``
   file of the package, taken once per process (:func:`snapshot`) when ``import kvcanary``
-  starts (:mod:`kvcanary._numba_cache_hook`): did the sources change while this process
+  starts (:mod:`kvcanary.jit.cache_hook`): did the sources change while this process
   imported them?
 * :func:`closure_digest`: the same over the files of one module's static import closure
   within the package (the modules it imports, theirs, and so on; :func:`import_closure`):
@@ -19,7 +19,7 @@ import os
 import threading
 
 STAMP_TAG = "kvcanary-srcdigest-v1"
-PACKAGE_ROOT = os.path.dirname(os.path.realpath(__file__))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # src/kvcanary
 
 _lock = threading.Lock()
 _file_hashes: dict[tuple[str, int, int, int, int], bytes] = {}

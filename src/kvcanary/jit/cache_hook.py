@@ -1,4 +1,4 @@
-"""Boot half of :mod:`kvcanary.numba_cache` (no numba import here; ``import kvcanary`` must stay
+"""Boot half of :mod:`kvcanary.jit.cache` (no numba import here; ``import kvcanary`` must stay
 light, and numba costs ~0.2 s to import).
 
 Imported first thing by ``kvcanary/__init__.py``, so it runs before any other kvcanary module.
@@ -8,7 +8,7 @@ It does two things:
   package starts being imported (:func:`snapshot`). Cached kernels are keyed by their
   modules' import closures as long as the package's digest still equals it; a later digest
   that differs means the sources changed while this process was importing them, so its
-  in-memory code matches no single source state (see :mod:`kvcanary.numba_cache`);
+  in-memory code matches no single source state (see :mod:`kvcanary.jit.cache`);
 * installs the locator before any kvcanary ``@numba.njit`` decorator runs: now if numba is
   already imported, else by a one-shot ``sys.meta_path`` hook right after numba's own
   ``__init__`` finishes, i.e. before ``import numba`` returns to the module that asked for it,
@@ -25,17 +25,17 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from kvcanary.source_digest import PACKAGE_ROOT, snapshot
+from kvcanary.jit.source_digest import PACKAGE_ROOT, snapshot
 
 if TYPE_CHECKING:  # importlib.abc/machinery cost ~20 ms to import (importlib.resources)
     from importlib.machinery import ModuleSpec
 
 def _install_now() -> None:
     try:
-        # Installs on import (idempotent). If kvcanary.numba_cache is itself being imported
+        # Installs on import (idempotent). If kvcanary.jit.cache is itself being imported
         # (it is what imported numba), this returns its partial module and it installs at
         # the end of its own body.
-        import kvcanary.numba_cache  # noqa: F401
+        import kvcanary.jit.cache  # noqa: F401
     except Exception as exc:  # never break `import numba`; but say so loudly
         warnings.warn(
             f"kvcanary: could not install the source-digest numba cache locator ({exc!r}); "

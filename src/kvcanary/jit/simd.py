@@ -26,7 +26,7 @@ numba loops.
 Measured (microbenchmark, one thread, tiny-swa shapes: 4 query / 2 KV heads, dim 32, 64
 requests x 165 keys, K/V in L1): scores 13.3 -> 8.3 ns a key, weighted sum 15.7 -> 5.6. In
 the engine (tiny-swa, batch 64, 128 in / 64 out, the decode attention kernel
-:func:`kvcanary.engine.attention_cpu._attend` with them, old / new alternated): a decode
+:func:`kvcanary.ops.cpu.attention._attend` with them, old / new alternated): a decode
 step's attention at its last step's tables, warm, 2 full layers 1191-1335 -> 623-757 us, 4
 sliding 732-806 -> 444-532; the compiled decode forward over a run's 63 steps 170-243 ->
 146-186 ms.
@@ -46,8 +46,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from kvcanary.numba_prefetch import array_pointer, load_index
-from kvcanary.numba_transpose import vector_pointer
+from kvcanary.jit.prefetch import array_pointer, load_index
+from kvcanary.jit.transpose import vector_pointer
 
 LANES = 8
 _F32 = ir.FloatType()

@@ -22,7 +22,7 @@ from typing import Any
 from llvmlite import ir
 from numba.core import types
 
-from kvcanary.numba_prefetch import array_pointer, load_index
+from kvcanary.jit.prefetch import array_pointer, load_index
 
 LANES = 8
 _WORDS = (types.int64, types.uint64)

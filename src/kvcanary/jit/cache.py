@@ -12,7 +12,7 @@ registered on import; tests register throwaway packages with :func:`register_pac
 
 * the source stamp of a function defined in module M is a SHA-256 over the relative paths and
   *contents* (not mtimes) of M's static import closure within the package
-  (:func:`kvcanary.source_digest.import_closure`: every file M imports, anywhere in its text,
+  (:func:`kvcanary.jit.source_digest.import_closure`: every file M imports, anywhere in its text,
   and so on; ``from P import n`` counts module ``P.n`` when there is one, else ``P``). What a
   kernel can compile in reaches it through those imports (callees, frozen globals,
   intrinsics; kvcanary registers no ``@overload`` of foreign functions), so an edit
@@ -33,12 +33,12 @@ numba-srcdigest-*`` when writable (a source checkout, an editable or a writable 
 package), else the user cache dir (``~/.cache/numba/<dir key>/numba-srcdigest-*``; read-only
 site-packages). Functions outside registered roots, and kvcanary zipped or without ``.py``
 sources, get plain numba behaviour. If ``NUMBA_CACHE_LOCATOR_CLASSES`` is set, numba uses only
-that list: list ``kvcanary.numba_cache.SourceDigestCacheLocator`` first in it (the classes
+that list: list ``kvcanary.jit.cache.SourceDigestCacheLocator`` first in it (the classes
 after it then choose the base directory), otherwise :func:`install` warns that kvcanary's
 kernels are not protected.
 
 Which source state a process's kernels belong to: the whole package's digest is *snapshotted*
-when the package starts being imported (``import kvcanary``, done by :mod:`kvcanary._numba_cache_hook`; for other
+when the package starts being imported (``import kvcanary``, done by :mod:`kvcanary.jit.cache_hook`; for other
 roots, :func:`register_package`), before any of its modules is read, and compared again at each
 decoration (numba builds a function's cache then). If the sources changed in between, modules
 imported since may hold edited code, so the in-memory code matches no source state: that
@@ -66,7 +66,7 @@ from typing import Any
 
 from numba.core import caching, config
 
-from kvcanary.source_digest import (
+from kvcanary.jit.source_digest import (
     STAMP_TAG,
     closure_digest,
     import_closure,
@@ -91,7 +91,7 @@ __all__ = [
 _CacheImpl: Any = caching.CacheImpl  # numba's locator list lives on this class
 log = logging.getLogger(__name__)
 
-PACKAGE_ROOT = Path(__file__).resolve().parent
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # src/kvcanary
 DIGEST_DIR_PREFIX = "numba-srcdigest-"
 MIXED_DIR_PREFIX = DIGEST_DIR_PREFIX + "mixed-"
 KEEP_OLD_DIGEST_DIRS = 3  # besides the current one, newest first
@@ -296,7 +296,7 @@ def install() -> None:
     if env and "SourceDigestCacheLocator" not in env:
         warnings.warn(
             "NUMBA_CACHE_LOCATOR_CLASSES is set without "
-            "kvcanary.numba_cache.SourceDigestCacheLocator: kvcanary's numba kernels use "
+            "kvcanary.jit.cache.SourceDigestCacheLocator: kvcanary's numba kernels use "
             "numba's per-file cache, which can serve stale code after an edit",
             RuntimeWarning,
             stacklevel=2,

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcanary.cli_args import add_engine_flags, engine_config_from_args
+from kvcanary.cli.args import add_engine_flags, engine_config_from_args
 from kvcanary.config import DEFAULT_MAX_QUEUED_REQUESTS, EngineConfig
 from kvcanary.utils import show
 from kvcanary.workload import WorkloadSpec
@@ -59,8 +59,8 @@ def _log_to_stderr(level: str | None) -> Iterator[None]:
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
-    from kvcanary.report import emit
-    from kvcanary.run import run_workload
+    from kvcanary.cli.report import emit
+    from kvcanary.cli.run import run_workload
 
     spec = WorkloadSpec.from_flags(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
     for flag, out in (("--json", a.json), ("--metrics-file", a.metrics_file)):
@@ -86,8 +86,8 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
 
 def _cmd_warmup(a: argparse.Namespace) -> int:
-    from kvcanary.report import emit, render_matrix, write_json
-    from kvcanary.warmup import warm_engine
+    from kvcanary.cli.report import emit, render_matrix, write_json
+    from kvcanary.engine.warmup import warm_engine
 
     if a.json and not Path(a.json).resolve().parent.is_dir():
         raise ValueError(f"--json {show(a.json)}: directory {show(str(Path(a.json).parent))} does not exist")
@@ -128,7 +128,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     if a.api_key is not None and not a.api_key:
         raise ValueError('--api-key="" is invalid: allowed a non-empty string')
     config = engine_config_from_args(a)  # bad flags fail here, before anything starts
-    from kvcanary.warmup import warm_engine
+    from kvcanary.engine.warmup import warm_engine
 
     with _log_to_stderr(a.log_level):
         # The port opens at once; /health says "starting" and requests get a 503 until every
@@ -142,7 +142,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
 def _cmd_bench_overhead(a: argparse.Namespace) -> int:
     from kvcanary.bench.overhead import OverheadSpec, bench_overhead, parse_batches, table_rows
-    from kvcanary.report import render_matrix, render_table, write_json
+    from kvcanary.cli.report import render_matrix, render_table, write_json
 
     spec = OverheadSpec(
         models=tuple(_csv(a.model)), batches=parse_batches(a.batches), input_len=a.input_len,
@@ -184,7 +184,7 @@ def _set_threads(threads: int | None) -> None:
 def _cmd_bench_engine(a: argparse.Namespace) -> int:
     from kvcanary.bench.engine_vs_hf import EngineBenchSpec, bench_engine
     from kvcanary.bench.overhead import parse_batches
-    from kvcanary.report import render_matrix, render_table, write_json
+    from kvcanary.cli.report import render_matrix, render_table, write_json
 
     spec = EngineBenchSpec(
         model=a.model, batches=parse_batches(a.batches), input_len=a.input_len,
@@ -206,8 +206,8 @@ def _csv(value: str) -> list[str]:
 
 
 def _cmd_selftest(a: argparse.Namespace) -> int:
-    from kvcanary.report import write_json
-    from kvcanary.selftest import render_selftest, run_selftest
+    from kvcanary.cli.report import write_json
+    from kvcanary.cli.selftest import render_selftest, run_selftest
 
     if a.num_seeds < 1:
         raise ValueError(f"--num-seeds={show(a.num_seeds)} is invalid: allowed an integer >= 1")
@@ -230,7 +230,7 @@ def _cmd_selftest(a: argparse.Namespace) -> int:
 
 def _cmd_explain(a: argparse.Namespace) -> int:
     from kvcanary.canary.explain import explain, render_explain
-    from kvcanary.report import write_json
+    from kvcanary.cli.report import write_json
 
     if a.logfile == "-":
         text = sys.stdin.read()
@@ -247,8 +247,8 @@ def _cmd_explain(a: argparse.Namespace) -> int:
 
 
 def _cmd_bench_vllm(a: argparse.Namespace) -> int:
+    from kvcanary.cli.report import emit
     from kvcanary.integrations.vllm.bench import bench_vllm, check_bench_vllm_args
-    from kvcanary.report import emit
 
     check_bench_vllm_args(a)
     if importlib.util.find_spec("vllm") is None:
@@ -272,7 +272,7 @@ def _cmd_bench_vllm(a: argparse.Namespace) -> int:
     }  # fmt: skip
     emit("kvcanary bench vllm (plain vs canary connector)", summary, None)
     if a.json:
-        from kvcanary.report import write_json
+        from kvcanary.cli.report import write_json
 
         write_json(a.json, r)
     return 0 if r["outputs_identical"] else 1
@@ -280,7 +280,7 @@ def _cmd_bench_vllm(a: argparse.Namespace) -> int:
 
 def _cmd_bench_serve(a: argparse.Namespace) -> int:
     from kvcanary.bench.serve import BenchServeError, bench_ok, bench_serve
-    from kvcanary.report import emit
+    from kvcanary.cli.report import emit
 
     _set_threads(a.threads)
     spec = WorkloadSpec.from_flags(a.num_requests, a.input_len, a.output_len, a.shared_prefix_len, a.seed)
@@ -296,8 +296,8 @@ def _cmd_bench_serve(a: argparse.Namespace) -> int:
 
 
 def _cmd_bench_prealloc(a: argparse.Namespace) -> int:
+    from kvcanary.cli.report import emit
     from kvcanary.disagg.cli_hooks import cmd_bench_prealloc
-    from kvcanary.report import emit
 
     emit("kvcanary bench prealloc", cmd_bench_prealloc(a), a.json)
     return 0
@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.set_defaults(func=_cmd_warmup)
 
     from kvcanary.canary.perturb.config import PERTURB_MODES
-    from kvcanary.selftest import SELFTEST_MODELS
+    from kvcanary.cli.selftest import SELFTEST_MODELS
 
     selftest = sub.add_parser(
         "selftest", help="fault-injection campaign: every fault class x pool kind, detected? "

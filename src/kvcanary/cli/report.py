@@ -8,7 +8,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from kvcanary.utils import show
+from kvcanary.utils import write_file_atomically
 
 
 def _fmt(v: Any) -> str:
@@ -30,17 +30,6 @@ def render_matrix(title: str, rows: list[dict[str, Any]]) -> str:
         return f"{title}\n(no rows)"
     table = [[_fmt(r.get(k, "")) for k in rows[0]] for r in rows]
     return f"{title}\n{tabulate(table, headers=list(rows[0]), tablefmt='simple')}"
-
-
-def write_file_atomically(path: str | Path, data: bytes, flag: str = "--json") -> None:
-    """Write ``data`` to ``path`` through a temp file + rename, so a reader never sees half
-    a file; a missing directory is a ``ValueError`` naming ``flag``."""
-    path = Path(path)
-    if not path.parent.exists():
-        raise ValueError(f"{flag} {show(str(path))}: directory {show(str(path.parent))} does not exist")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
 
 
 def write_json(path: str | Path, data: dict[str, Any]) -> None:

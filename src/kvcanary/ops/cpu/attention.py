@@ -25,7 +25,7 @@ read (as ``index_select`` does).
 
 Work of at least :data:`PARALLEL_MIN_WORK` multiply-adds runs on ``torch.get_num_threads()``
 numba threads (a parallel launch costs ~10 us; smaller work runs on one), under
-:mod:`kvcanary.numba_parallel`'s lock.
+:mod:`kvcanary.jit.parallel`'s lock.
 
 :func:`extend_attention` is a prefill's (or any extend forward's) attention: per request
 and KV head, its keys gathered once, then each query over exactly the keys it may see
@@ -37,7 +37,7 @@ computes scores for every key of the table, not its W.
 this attention as one compiled call, from the QKV projection as the GEMM leaves it (no
 q / k / v views made): one call a layer instead of three (rope, two ``index_copy_``,
 attention) and their Python, the same bits
-(the rotation is :mod:`kvcanary.model.rope_cpu`'s, compiled apart so that this kernel's
+(the rotation is :mod:`kvcanary.ops.cpu.rope`'s, compiled apart so that this kernel's
 ``fastmath`` never reaches it). The backend takes it where the store is the pool's own or
 the canary store check's wrapper of it, whose observation it then makes with the k rows the
 kernel stored (:meth:`~kvcanary.engine.attention.PagedAttentionBackend.rope_forward`). tiny-swa shapes,
@@ -54,10 +54,9 @@ import numpy as np
 import torch
 from numba import prange
 
-from kvcanary import numba_parallel
-from kvcanary.model import norm_cpu, rope_cpu
-from kvcanary.numba_prefetch import prefetch
-from kvcanary.numba_simd import (
+from kvcanary.jit import parallel as numba_parallel
+from kvcanary.jit.prefetch import prefetch
+from kvcanary.jit.simd import (
     LANES,
     axpy1,
     axpy1x2,
@@ -69,6 +68,8 @@ from kvcanary.numba_simd import (
     row_max,
     row_sum,
 )
+from kvcanary.ops.cpu import rmsnorm as norm_cpu
+from kvcanary.ops.cpu import rope as rope_cpu
 
 # bs x kv heads x keys x dim below which one thread does the work.
 PARALLEL_MIN_WORK = 1 << 15
@@ -106,9 +107,9 @@ def _exp_one(x):  # type: ignore[no-untyped-def]
     compiler vectorises (``np.exp`` is a scalar libm call per score: a quarter of a decode layer's
     attention at tiny-swa's shapes). Cody-Waite reduction ``x = k ln2 + r``, ``|r| <= ln2 / 2``,
     Cephes' ``expf`` polynomial for ``e^r``, ``2^k`` built from its bits
-    (:func:`~kvcanary.numba_simd.f32_from_bits`); within 5 float32 ulps of the exact value
+    (:func:`~kvcanary.jit.simd.f32_from_bits`); within 5 float32 ulps of the exact value
     (libm's: 1), below ``-87`` (weights past ``1e-38`` of the peak's) ``e^-87``. Exact up to
-    ``x = 88`` too (``2^k`` stays a normal float): :func:`.decode_cpu._silu_mul`'s ``e^-g``,
+    ``x = 88`` too (``2^k`` stays a normal float): :func:`kvcanary.ops.cpu.decode._silu_mul`'s ``e^-g``,
     clamped there."""
     v = max(x, np.float32(-87.0))
     k = np.floor(v * np.float32(1.44269504088896341) + np.float32(0.5))
@@ -137,9 +138,9 @@ def _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts):  # type:
     task per KV head read every other run of a slot's lines: ~30 % slower with the K/V out
     of the caches, as a decode step finds them), short rows (:data:`_PREFETCH_MAX_FLOATS`)
     asked for ahead: each key's K rows :data:`_PREFETCH_KEYS` keys (a block) before, its V
-    rows with its K (:mod:`kvcanary.numba_prefetch`: the hardware prefetcher cannot follow
+    rows with its K (:mod:`kvcanary.jit.prefetch`: the hardware prefetcher cannot follow
     a slot table's jumps between pages). Scores and weighted sums by
-    :mod:`kvcanary.numba_simd`'s vector kernels (8 keys' scores a call, the output rows in
+    :mod:`kvcanary.jit.simd`'s vector kernels (8 keys' scores a call, the output rows in
     registers across a block), softmax's maximum and sum by its row reductions (8 lanes a
     step; 64 requests x 160 keys, the compiled call alone, 301 -> 273 us warm). Each head's
     sums run in the same order whatever ``parts``: the same bits."""
@@ -369,9 +370,9 @@ def _extend_task(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, windo
     ``i`` (table column ``c = first_col[b] + i``; keys ``[max(0, c - window + 1), c]``, all
     of ``[0, c]`` with ``window == 0``) and query head of the group: scores over those keys
     (a loop over keys the compiler vectorises), softmax with the maximum subtracted
-    (maximum and sum by :func:`~kvcanary.numba_simd.row_max` / ``row_sum``, exp by
+    (maximum and sum by :func:`~kvcanary.jit.simd.row_max` / ``row_sum``, exp by
     :func:`_exp_one`), weighted sum of the V rows (where they are whole 8-float
-    vectors, :func:`~kvcanary.numba_simd.axpy4`: the output row in registers across the
+    vectors, :func:`~kvcanary.jit.simd.axpy4`: the output row in registers across the
     keys; a tiny-swa prefill chunk of 4096 tokens, both compiled in one process, medians of
     8 alternated runs: a full layer 4079 -> 3583 us, a windowed one 2275 -> 2222; on those
     chunks the outputs were bit for bit the four-keys-a-pass loop's). The scores read K
@@ -565,8 +566,8 @@ def decode_layer(
     """A decode layer's attention from its QKV projection ``qkv [bs, heads + 2 kv heads,
     dim]`` (float32; its heads q, then k, then v) into ``out [bs, heads, dim]``, in one
     compiled call: per token the q and k heads normed / weighted / rotated as
-    :func:`.rope_cpu.rope` does (``weight [heads + kv heads, dim]``, ``norm_eps``: as its;
-    ``cos`` / ``sin`` ``[>= bs, dim]``, :func:`.rope_cpu.tables`), k and v stored at slot
+    :func:`kvcanary.ops.cpu.rope.rope` does (``weight [heads + kv heads, dim]``, ``norm_eps``: as its;
+    ``cos`` / ``sin`` ``[>= bs, dim]``, :func:`kvcanary.ops.cpu.rope.tables`), k and v stored at slot
     ``loc[t]`` of the layer's K / V buffers (``k_np`` / ``v_np``, ``[slots, kv heads, dim]``
     float32, as ``index_copy_`` would), then :func:`decode_attention` over ``slots`` /
     ``num_keys`` (int64, as its host tables). The same bits as those three calls.
@@ -574,7 +575,7 @@ def decode_layer(
     (for a store check to see what was stored, :meth:`PagedAttentionBackend.rope_forward`). False, with
     nothing done (the caller takes the three calls, which raise their own errors), when a
     shape or a slot is not one it takes, or the norm has no width here
-    (:func:`.norm_cpu.lanes`)."""
+    (:func:`kvcanary.ops.cpu.rmsnorm.lanes`)."""
     lanes = 0
     if norm_eps is not None and not (lanes := norm_cpu.lanes()):
         return False

@@ -10,9 +10,9 @@ from tqdm import tqdm
 from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.engine.engine import Engine, RequestOutput
 from kvcanary.engine.pool_check import check_engine_pools, check_workload
+from kvcanary.engine.warmup import warm_engine
 from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.memory.swa_pool import BaseSWAKVPool
-from kvcanary.warmup import warm_engine
 from kvcanary.workload import WorkloadSpec, make_prompts
 
 
@@ -23,7 +23,7 @@ def run_workload(
 
     The progress bar counts tokens (prompt tokens with KV + output tokens), so it moves
     with every forward rather than with each finished request. Before the engine starts,
-    every kernel it will call is compiled (:func:`kvcanary.warmup.warm_engine`: a bar of
+    every kernel it will call is compiled (:func:`kvcanary.engine.warmup.warm_engine`: a bar of
     its own while anything compiles; nothing shown with a warm cache)."""
     check_workload(config, spec)
     warm = warm_engine(config, progress=progress)

@@ -1,13 +1,13 @@
 """Compile ahead: every numba kernel a configuration's forwards call, before its first request.
 
 Numba compiles a kernel at its first call (or loads it from the on-disk cache,
-:mod:`kvcanary.numba_cache`). Left to itself that first call is inside the first request's
+:mod:`kvcanary.jit.cache`). Left to itself that first call is inside the first request's
 forward, where a cold compile costs a minute or more. :func:`warm_engine` moves it ahead:
 it builds a throwaway engine from the caller's configuration (the same model, pool kinds,
 page size, canary modes) with small pools and runs a tiny workload through it that takes
 every path a real workload takes (chunked prefill in real-sized chunks, a prefix-cache hit, batched decode,
 window eviction, a sampled request). Kernels whose serial or threaded variant is picked by
-the work's size are compiled in both (:func:`kvcanary.numba_parallel.compiling_both`), so a
+the work's size are compiled in both (:func:`kvcanary.jit.parallel.compiling_both`), so a
 larger batch later finds its variant compiled too.
 
 A compile shows on stderr as a progress bar that moves with every kernel numba compiles
@@ -238,7 +238,7 @@ def sharing_compiles(lock_dir: str) -> Iterator[None]:
         module = getattr(py_func, "__module__", "") or ""
         if py_func is None or not module.startswith(_PACKAGE) or not isinstance(self._cache, FunctionCache):
             return original(self, sig)
-        args, _ = sigutils.normalize_signature(sig)
+        args, _ = sigutils.normalize_signature(sig)  # type: ignore[no-untyped-call]
         if tuple(args) in self.overloads:
             return original(self, sig)
         with open(os.path.join(lock_dir, share_lock_name(py_func, tuple(args))), "a+b") as f:
@@ -286,9 +286,10 @@ def warm_engine(config: EngineConfig, progress: bool = True, helper: bool = True
     helper is stopped when this warm-up ends (everything it would still add is loaded).
     The two share their compiles (:func:`sharing_compiles`): a kernel one of them is
     compiling, the other waits for and loads. ``lock_dir``: the helper's side of that."""
-    from kvcanary import envs, numba_parallel
+    from kvcanary import envs
     from kvcanary.engine.engine import Engine
     from kvcanary.engine.errors import KVPoolTooSmallError
+    from kvcanary.jit import parallel as numba_parallel
 
     t0 = time.perf_counter()
     warm, prompt_len, new_tokens = warmup_config(config)
@@ -336,12 +337,12 @@ def warm_engine(config: EngineConfig, progress: bool = True, helper: bool = True
 
 
 class _Helper:
-    """A ``python -m kvcanary.warmup`` process warming ``config`` (sent pickled on stdin,
+    """A ``python -m kvcanary.engine.warmup`` process warming ``config`` (sent pickled on stdin,
     with the ``lock_dir`` of :func:`sharing_compiles`); it prints each kernel it compiled,
     shown on ``log``'s bar and counted in it."""
 
     def __init__(self, config: EngineConfig, lock_dir: str, log: CompileLog) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvcanary.warmup"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvcanary.engine.warmup"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(pickle.dumps((config, lock_dir)))
@@ -394,7 +395,7 @@ def print_compiles() -> Iterator[None]:
 
 
 def _helper_main() -> None:
-    """``python -m kvcanary.warmup``: warm the pickled (EngineConfig, lock dir) read from
+    """``python -m kvcanary.engine.warmup``: warm the pickled (EngineConfig, lock dir) read from
     stdin, reporting its compiles (:func:`print_compiles`)."""
     config, lock_dir = pickle.loads(sys.stdin.buffer.read())
     with print_compiles():

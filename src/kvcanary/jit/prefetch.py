@@ -7,7 +7,7 @@ For kernels whose reads jump: a decode step's attention reads each key's K and V
 through a slot table, a few hundred bytes a key from pages scattered over the pool, and the
 hardware prefetcher, which follows sequential streams, cannot guess the next page. Asking for
 a key's rows a few keys before they are read overlaps the DRAM trips that would otherwise run
-one after the other (:func:`kvcanary.engine.attention_cpu._attend`: a tiny-swa decode layer
+one after the other (:func:`kvcanary.ops.cpu.attention._attend`: a tiny-swa decode layer
 at batch 64 in the engine, whose K/V come from memory every step, ~20 % faster).
 
 The address is computed from the array's strides without a bounds check: a prefetch never
@@ -28,8 +28,8 @@ from numba.extending import intrinsic
 def array_pointer(context: Any, builder: Any, aty: Any, value: Any, idx: list[Any]) -> Any:
     """IR: the address of element ``idx`` (intp values, one per dimension) of array
     ``value`` of numba type ``aty``, from its strides, no bounds check (for intrinsics'
-    codegen: this module's, :mod:`kvcanary.numba_transpose`'s and
-    :mod:`kvcanary.numba_simd`'s)."""
+    codegen: this module's, :mod:`kvcanary.jit.transpose`'s and
+    :mod:`kvcanary.jit.simd`'s)."""
     array = context.make_array(aty)(context, builder, value)
     return cgutils.get_item_pointer2(
         context, builder, array.data, cgutils.unpack_tuple(builder, array.shape),

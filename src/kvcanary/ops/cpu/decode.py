@@ -1,6 +1,6 @@
 """A CPU decode forward of a :class:`~kvcanary.model.decoder.HybridDecoder` in one compiled
 call (numba): embeddings, every layer (norms, QKV GEMM, the fused RoPE + K/V store +
-attention of :func:`.attention_cpu.decode_layer`, o-projection, MLP) and the final norm.
+attention of :func:`kvcanary.ops.cpu.attention.decode_layer`, o-projection, MLP) and the final norm.
 
 The eager forward of a tiny model's decode step is mostly Python: ~9 calls a layer into
 torch or numba, each a few microseconds of dispatch around microseconds of work (tiny-swa
@@ -54,11 +54,13 @@ from numba.typed import List
 from torch.nn import functional as F
 from torch.nn.modules import module as torch_module
 
-from kvcanary import envs, numba_parallel
-from kvcanary.engine import attention_cpu
-from kvcanary.model import norm_cpu, rope_cpu
+from kvcanary import envs
+from kvcanary.jit import parallel as numba_parallel
 from kvcanary.model.decoder import HybridDecoder
-from kvcanary.model.gemm import MIN_PACKED_BYTES, SMALL_PACKED_ROWS, cpu_gemm_mode
+from kvcanary.ops.cpu import attention as attention_cpu
+from kvcanary.ops.cpu import rmsnorm as norm_cpu
+from kvcanary.ops.cpu import rope as rope_cpu
+from kvcanary.ops.cpu.gemm import MIN_PACKED_BYTES, SMALL_PACKED_ROWS, cpu_gemm_mode
 
 # Scratch of one sgemm_ call: int32 [m, n, k, lda, ldb, ldc, transa, transb], float32
 # [alpha, beta] (Fortran passes every argument by address).
@@ -112,7 +114,7 @@ def _silu_row(gu, t, inter, out, buf):  # type: ignore[no-untyped-def]
 @numba.njit(cache=True, boundscheck=False, nogil=True, fastmath=False, error_model="numpy")
 def _silu_mul(gu, inter, out, buf):  # type: ignore[no-untyped-def]
     """``out[t] = silu(gu[t, :inter]) * gu[t, inter:]`` with ``silu(g) = g / (1 + e^-g)``,
-    ``e^-g`` by :func:`.attention_cpu._exp_one` (its argument clamped to ``[-87, 88]``: no
+    ``e^-g`` by :func:`kvcanary.ops.cpu.attention._exp_one` (its argument clamped to ``[-87, 88]``: no
     overflow of ``2^k``) into ``buf`` (``inter`` floats), then the product: two loops a row
     the compiler vectorises (one loop of both is not: ~4x slower). numpy's error model:
     numba's default checks every float division for a zero divisor (Python's
@@ -321,7 +323,7 @@ class CompiledDecode:
 
     def _packs(self, rows: int) -> bool:
         """Whether the eager forward's linears would take oneDNN's packed GEMM at ``rows``
-        rows (:class:`~kvcanary.model.gemm.PackedLinear`'s policy): then this path's GEMMs
+        rows (:class:`~kvcanary.ops.cpu.gemm.PackedLinear`'s policy): then this path's GEMMs
         would not be theirs."""
         mode = cpu_gemm_mode()
         if mode != "auto":

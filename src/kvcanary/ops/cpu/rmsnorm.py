@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from numba import prange
 
-from kvcanary import numba_parallel
-from kvcanary.numba_parallel import parallel_threads
+from kvcanary.jit import parallel as numba_parallel
+from kvcanary.jit.parallel import parallel_threads
 
 _ILP, _LEVELS = 4, 4  # torch's row_sum ILP factor, multi_row_sum's cascade levels
 _MAX_LANES = 16

@@ -8,7 +8,7 @@ qwen3-0.6b-shape preset's 1024-token prefill those ops took ~25 ms a layer (13 %
 forward); one pass here reads each element once and writes it once. Per element it does
 exactly the torch path's float32 operations in the same order (``w * x`` rounded, then
 ``a * cos + b * sin`` as two rounded products and a rounded sum; no fused multiply-add), so
-the results are bit for bit the same. The norm, when asked for, is :mod:`.norm_cpu`'s (the
+the results are bit for bit the same. The norm, when asked for, is :mod:`kvcanary.ops.cpu.rmsnorm`'s (the
 composite ``F.rms_norm``'s bits) on each head's row before the weight.
 
 Halves layout (transformers' ``rotate_half``), ``sin`` sign-folded as
@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from numba import prange
 
-from kvcanary import numba_parallel
-from kvcanary.model import norm_cpu
-from kvcanary.model.norm_cpu import SQ_SUM_SCRATCH, inv_rms_nb
+from kvcanary.jit import parallel as numba_parallel
+from kvcanary.ops.cpu import rmsnorm as norm_cpu
+from kvcanary.ops.cpu.rmsnorm import SQ_SUM_SCRATCH, inv_rms_nb
 
 
 @numba.njit(cache=True, inline="always")
@@ -66,7 +66,7 @@ def _rope_token(x, t, weight, has_weight, norm_eps, lanes, cos, sin, out, a, acc
 
 
 # fastmath=False set, not left to the default: a compiled caller built with fastmath (the
-# decode layer, kvcanary.engine.attention_cpu) would otherwise compile these with its flags,
+# decode layer, kvcanary.ops.cpu.attention) would otherwise compile these with its flags,
 # and their float rounding must stay rope()'s (the same bits).
 @numba.njit(cache=True, boundscheck=False, nogil=True, fastmath=False)
 def _rope(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
@@ -94,7 +94,7 @@ _PARALLEL_MIN_TOKENS = 16
 @numba.njit(cache=True, inline="always")
 def rope_nb(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
     """:func:`rope`'s pass for a compiled caller (the decode layer,
-    :mod:`kvcanary.engine.attention_cpu`), on threads from the same token count; ``out``
+    :mod:`kvcanary.ops.cpu.attention`), on threads from the same token count; ``out``
     ``[tokens, heads, dim]``. The passes keep their own float rounding (``fastmath=False``
     set on them), whatever the caller's flags."""
     if x.shape[0] >= _PARALLEL_MIN_TOKENS:
@@ -121,7 +121,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """``apply_rope(rms_norm(x) * weight, cos, sin)`` (``weight [heads, dim]``, or None: no
     weight; ``norm_eps`` None: no norm) as a new contiguous ``[tokens, heads, dim]`` tensor;
     ``cos`` / ``sin`` ``[tokens, 1, dim]``. Call only where :func:`applies` (and, with a
-    norm, :func:`.norm_cpu.applies`)."""
+    norm, :func:`kvcanary.ops.cpu.rmsnorm.applies`)."""
     tokens, heads, dim = x.shape
     out = torch.empty((tokens, heads, dim), dtype=torch.float32, device=x.device)
     w = _NO_WEIGHT if weight is None else weight.numpy()
