@@ -106,7 +106,7 @@ def _hf_generate(hf: Any, prompts: list[list[int]], max_new_tokens: int, pad_id:
 
 
 def bench_engine(spec: EngineBenchSpec, threads: int | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run the comparison (module doc); the summary (stable JSON keys, see README).
+    """Run the comparison (module doc); the summary (stable JSON keys, see docs/CLI.md).
     ``threads``: vLLM's, as torch's were set in this process (None: each its own choice)."""
     prompts = {b: make_prompts(WorkloadSpec(b, spec.input_len, spec.output_len, 0, spec.seed), 256)
                for b in spec.batches}  # fmt: skip

@@ -175,7 +175,7 @@ def bench_overhead(
     page_size: int | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Run every model's cases (module doc); the summary (stable JSON keys, see README).
+    """Run every model's cases (module doc); the summary (stable JSON keys, see docs/CLI.md).
 
     ``fit``: the EngineConfig pool fields sized per model to its largest case (the rest as
     in ``base``). ``page_size``: None gives each model its default (``--page-size``)."""

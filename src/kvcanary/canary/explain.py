@@ -251,7 +251,7 @@ def _swapped_tokens(rows: list[ParsedViolation]) -> int:
 
 
 def explain(text: str) -> dict[str, Any]:
-    """The analysis of a log (stable JSON keys, see README)."""
+    """The analysis of a log (stable JSON keys, see docs/CLI.md)."""
     rows, unparsed = parse_log(text)
     groups: dict[tuple[str, str], list[ParsedViolation]] = defaultdict(list)
     slots: dict[tuple[str, int], list[ParsedViolation]] = defaultdict(list)

@@ -111,7 +111,7 @@ def written_by_group(write_entries_by_tag: dict[str, int]) -> dict[str, int]:
 
 
 def canary_summary(engine: Engine) -> dict[str, Any]:
-    """The canary's figures (zeros when it is off); see README for the keys."""
+    """The canary's figures (zeros when it is off); see docs/CLI.md for the keys."""
     c = engine.canary.stats() if engine.canary is not None else {}
     return {
         "kv_canary_real_data": engine.config.canary.real_data,

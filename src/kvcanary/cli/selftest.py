@@ -244,7 +244,7 @@ def run_selftest(
     progress: bool = True,
     graph_safe: bool = False,
 ) -> dict[str, Any]:
-    """The whole campaign; the summary (stable JSON keys, see README). ``modes`` None: every
+    """The whole campaign; the summary (stable JSON keys, see docs/CLI.md). ``modes`` None: every
     fault class that applies to each model; given: each must apply to at least one."""
     t0 = time.perf_counter()
     explicit = modes is not None
