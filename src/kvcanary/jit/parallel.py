@@ -17,6 +17,11 @@ from typing import Any
 
 import numba
 import torch
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from kvcanary.jit.calls import Callee
 
 parallel_lock = threading.Lock()
 
@@ -92,12 +97,49 @@ def _compile_for(kernel: Any, args: tuple[Any, ...]) -> None:
 
 def run(serial: Any, parallel: Any, split: bool, *args: Any) -> Any:
     """``parallel(*args)`` (:func:`run_parallel`) when the caller's work is big enough to
-    ``split`` and there are threads to split it among, else ``serial(*args)``."""
+    ``split`` and there are threads to split it among, else ``serial(*args)``. ``serial``
+    may be a :class:`~kvcanary.jit.calls.Callee` whose ranges ``parallel`` splits
+    (:func:`split_ranges`): then ``parallel`` gets its address first."""
     threaded = parallel_threads() > 1
+    callee = serial if isinstance(serial, Callee) else None
+    if callee is not None:
+        serial = callee.kernel
     if _compile_both:
         _compile_for(serial, args)
         if threaded:
-            _compile_for(parallel, args)
+            _compile_for(parallel, (callee.address(), *args) if callee else args)
     if split and threaded:
+        if callee is not None:
+            return run_parallel(parallel, callee.address(), *args)
         return run_parallel(parallel, *args)
     return serial(*args)
+
+
+@intrinsic
+def _num_threads(typingctx):
+    """``numba.get_num_threads()`` by the threading layer's symbol (:func:`launch_threads`
+    registers it): numba's own calls a ctypes pointer, an address no cached kernel may hold."""
+
+    def codegen(context, builder, signature, args):
+        # (declared as numba's parfors declare it, so that both may share one module; the
+        # count read as the C int it is)
+        fnty = ir.FunctionType(cgutils.intp_t, [])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "get_num_threads")
+        count = builder.trunc(builder.call(fn, []), ir.IntType(32))
+        return builder.sext(count, cgutils.intp_t)
+
+    return types.int64(), codegen
+
+
+@numba.njit(cache=True, inline="always")
+def split_ranges(lo, hi):
+    """How many contiguous parts ``[lo, hi)`` splits into: one a thread, at most one an item
+    (the parallel variants of a kernel over ranges, :func:`part_range`)."""
+    return max(1, min(_num_threads(), hi - lo))
+
+
+@numba.njit(cache=True, inline="always")
+def part_range(lo, hi, p, parts):
+    """Part ``p`` of ``parts`` of ``[lo, hi)``: ``(start, stop)``, sizes differing by at most one."""
+    n = hi - lo
+    return lo + p * n // parts, lo + (p + 1) * n // parts

@@ -48,7 +48,12 @@ import numpy as np
 
 from kvcanary.canary.kernels.numba_kernels import (
     _NO_COUNTERS,
-    _launch_rows_kernel,
+    VERIFY_ROWS,
+    VERIFY_ROWS_T,
+    WRITE,
+    WRITE_T,
+    _check_tag,
+    _count,
     _np,
     _record,
     entry_point,
@@ -61,6 +66,7 @@ from kvcanary.canary.report.ring import RunCounters, ViolationRing
 from kvcanary.canary.wire.constants import NO_TOKEN, FailReason, KvHalf, LaunchStage, launch_tag
 from kvcanary.canary.wire.real_kv import numba_source_args
 from kvcanary.canary.wire.records import as_int64_records
+from kvcanary.jit.calls import call
 from kvcanary.jit.parallel import parallel_lock
 
 _NOT_RESIDENT = int(FailReason.VERIFY_NOT_RESIDENT)
@@ -79,7 +85,8 @@ _NO_WATCH = (np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.int64),
 #            runs, verify processed, write runs, write processed [1D each], out [2D],
 #            verify totals [1D] (the SWA divergence reporter's, or empty), threads and
 #            min work of the verifies' split (:func:`.kernels_numba.split_args` when bound:
-#            the first forward, or a scratch grown)
+#            the first forward, or a scratch grown), the addresses of the verify and write
+#            kernels (:data:`.kernels_numba.VERIFY_ROWS`, :data:`.kernels_numba.WRITE`)
 #   group    window, has LUT, offset, capacity, check holes, LUT [1D], requests [2D],
 #            entries [2D], write slots [1D], holes [2D], verify totals index (-1: none)
 #   launch   group, tag, hole tag, sources, records [2D], words0..3 [2D: address, rows,
@@ -96,8 +103,9 @@ _NO_WATCH = (np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.int64),
 # not); made once for a host's persistent batch arrays without a token table
 # (ForwardBatch.host_arrays), per forward otherwise, so a call passes 3 arrays instead of 14
 # (:meth:`FusedRowLaunches.batch_block`).
-_HEADER = 23
+_HEADER = 25
 _SPLIT = 21  # [threads, min work] (kernels_numba.split_args)
+_VERIFY_FN, _WRITE_FN = 23, 24  # the verify and write kernels' addresses
 _GROUP_W = 19
 _LAUNCH_W = 30
 _BATCH_W = 18
@@ -146,14 +154,27 @@ def _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inpu
     num_verify = total_verify if total_verify <= blk[kg + 3] else 0
     check_table = check_token and has_table
     requests = _a2(blk, kg + 7)
-    return _launch_rows_kernel(  # (<= 30 arguments: more are a call on a list, not inlined)
-        requests, bs, _a2(blk, kg + 10), num_verify, check_table, requests, bs, input_ids,
-        positions, _a1(blk, kg + 13),
-        out[g, _MAX_WRITE] > 0, check_inputs, exp_ids, exp_positions, position_assert,
-        blk[k + 1], _a2(blk, k + 4), _a2(blk, k + 7), _a2(blk, k + 10), _a2(blk, k + 13),
-        _a2(blk, k + 16), _a2(blk, k + 19), blk[k + 3], _a2(blk, 3), _a1(blk, 6), _a1(blk, 8),
-        _a1(blk, 10), _a1(blk, 12), _a1(blk, 14), blk[_SPLIT : _SPLIT + 2],
-    )  # fmt: skip
+    rec, words0, words1, words2 = _a2(blk, k + 4), _a2(blk, k + 7), _a2(blk, k + 10), _a2(blk, k + 13)
+    words3, meta, num_sources = _a2(blk, k + 16), _a2(blk, k + 19), blk[k + 3]
+    ring, ring_index, split = _a2(blk, 3), _a1(blk, 6), blk[_SPLIT : _SPLIT + 2]
+    tag = blk[k + 1]
+    # (as kernels_numba._launch_rows_kernel, its verify and write called through their
+    # addresses)
+    v_runs, v_processed, w_runs, w_processed = _a1(blk, 8), _a1(blk, 10), _a1(blk, 12), _a1(blk, 14)
+    status = call(VERIFY_ROWS_T, blk[_VERIFY_FN], (
+        requests, bs, _a2(blk, kg + 10), num_verify, check_table, tag, rec, words0, words1,
+        words2, words3, meta, num_sources, ring, ring_index, v_runs, v_processed, split))  # fmt: skip
+    if status:
+        return status
+    if out[g, _MAX_WRITE] > 0:
+        call(WRITE_T, blk[_WRITE_FN], (
+            requests, bs, input_ids, positions, _a1(blk, kg + 13), check_inputs, exp_ids,
+            exp_positions, position_assert, tag, rec, words0, words1, words2, words3, meta,
+            num_sources, ring, ring_index, w_runs, w_processed, split))  # fmt: skip
+    else:  # a write without tokens counts its launch, as write() does
+        _check_tag(tag, w_runs)
+        _count(w_runs, w_processed, tag, 0)
+    return 0
 
 
 @numba.njit(cache=True, inline="always")
@@ -367,6 +388,7 @@ class FusedRowLaunches:
         for a in (ring, index, *self.count_args, self.out, self.totals):
             arr(a)
         words += split_args().tolist()  # the threads now: the first forward, or a scratch grown
+        words += [VERIFY_ROWS.address(), WRITE.address()]
         for i, p in enumerate(ps):
             words.extend((int(self.windows[i]), int(self.has_luts[i]), int(self.offsets[i]),
                           int(self.capacities[i]), int(self.check_holes[i])))  # fmt: skip

@@ -38,6 +38,7 @@ from kvcanary.canary.wire.real_kv import (
     real_kv_hashes_nb,
 )
 from kvcanary.canary.wire.records import as_int64_records
+from kvcanary.jit.calls import Callee
 from kvcanary.jit.parallel import parallel_lock, parallel_threads
 from kvcanary.jit.prefetch import prefetch
 
@@ -430,6 +431,19 @@ def _write_kernel(
             num_written += 1
     _count(runs, processed, tag, num_written)
     return num_written
+
+
+# The verify and write kernels as the fused HEAD / TAIL (:mod:`.fused_rows`) call them:
+# through their addresses (kvcanary.jit.calls), every array int64 C-contiguous as the fused
+# argument block describes them. Linked, both would be compiled again into HEAD and into
+# TAIL.
+_I1, _I2 = types.Array(types.int64, 1, "C"), types.Array(types.int64, 2, "C")
+_SHARED_ARGS = (_I2, _I2, _I2, _I2, _I2, _I2, types.int64, _I2, _I1, _I1, _I1, _I1)
+VERIFY_ROWS = Callee(_verify_rows_kernel, types.int64, _I2, types.int64, _I2, types.int64,
+                     types.boolean, types.int64, *_SHARED_ARGS)  # fmt: skip
+WRITE = Callee(_write_kernel, types.int64, _I2, types.int64, _I1, _I1, _I1, types.boolean, _I1,
+               _I1, types.boolean, types.int64, *_SHARED_ARGS)  # fmt: skip
+VERIFY_ROWS_T, WRITE_T = VERIFY_ROWS.type, WRITE.type
 
 
 @numba.njit(cache=True, inline="always")

@@ -234,7 +234,7 @@ def _decode_attention(q, k_buf, v_buf, slots, num_keys, scale, out, parts):  # t
 
 
 def _decode_layer(qkv, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,  # type: ignore[no-untyped-def]
-                  k_buf, v_buf, loc, slots, num_keys, scale, out, k_out, parts):  # fmt: skip
+                  k_buf, v_buf, loc, slots, num_keys, scale, out, k_out, parts, rope_fns):  # fmt: skip
     bs, dim = qkv.shape[0], qkv.shape[2]
     kv_heads, num_slots = k_buf.shape[1], k_buf.shape[0]
     first_v = num_heads + kv_heads  # qkv's heads: q, then k, then v
@@ -259,7 +259,7 @@ def _decode_layer(qkv, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,
     # cost ~100 ns a head in argument passing and reference counts: a tiny-swa batch-64
     # layer's rope 33-39 -> ~15 us.
     q_k = np.empty((bs, first_v, dim), dtype=np.float32)
-    rope_cpu.rope_nb(qkv[:, :first_v], weight, has_weight, norm_eps, lanes, cos, sin, q_k)
+    rope_cpu.rope_nb(rope_fns, qkv[:, :first_v], weight, has_weight, norm_eps, lanes, cos, sin, q_k)
     q = q_k[:, :num_heads]
     for t in prange(bs):
         s = loc[t]
@@ -585,6 +585,7 @@ def decode_layer(
         _NO_WEIGHT if weight is None else weight, weight is not None,
         np.float32(norm_eps or 0.0), lanes, cos, sin, k_np, v_np, loc, slots, num_keys,
         np.float32(scale), out, _NO_K_OUT if k_out is None else k_out, parts,
+        rope_cpu.addresses(),
     )  # fmt: skip
     return bool(status != _LAYER_REFUSED)
 

@@ -56,6 +56,7 @@ from torch.nn.modules import module as torch_module
 
 from kvcanary import envs
 from kvcanary.jit import parallel as numba_parallel
+from kvcanary.jit.calls import Callee, call
 from kvcanary.model.decoder import HybridDecoder
 from kvcanary.ops.cpu import attention as attention_cpu
 from kvcanary.ops.cpu import rmsnorm as norm_cpu
@@ -140,12 +141,57 @@ SILU_PARALLEL_MIN = 8192
 _BAD_TOKEN = 1 << 30  # _forward_nb: a token id outside the embedding
 _NO_ROWS = np.zeros((0, 1, 1), dtype=np.float32)  # _forward_nb: a layer's rows not kept
 
+# The kernels _forward_nb calls once a layer (or once a forward), through their addresses
+# (kvcanary.jit.calls): linked, each would be compiled again into the forward (~44 s of
+# compile on the 2-core host for a call a layer costs nothing).
+_A1, _A2, _A3 = (types.Array(types.float32, n, "C") for n in (1, 2, 3))
+_I1, _I2 = (types.Array(types.int64, n, "C") for n in (1, 2))
+_LAYER_ARGS = (_A3, types.int64, _A2, types.boolean, types.float32, types.int64, _A2, _A2,
+               _A3, _A3, _I1, _I2, _I1, types.float32, _A3, _A3, types.int64, _I1)  # fmt: skip
+_LAYER = (Callee(attention_cpu._layer_serial, types.int64, *_LAYER_ARGS),
+          Callee(attention_cpu._layer_parallel, types.int64, *_LAYER_ARGS))  # fmt: skip
+_SILU = (Callee(_silu_mul, types.none, _A2, types.int64, _A2, _A1),
+         Callee(_silu_mul_parallel, types.none, _A2, types.int64, _A2))  # fmt: skip
+_RMS_PAR = Callee(norm_cpu._rms_rows_parallel, types.none, types.int64, *norm_cpu._RMS_ARGS)
+_ADD_RMS_PAR = Callee(norm_cpu._add_rms_rows_parallel, types.none, types.int64,
+                      *norm_cpu._ADD_RMS_ARGS)  # fmt: skip
+_RMS_T, _ADD_RMS_T = norm_cpu._RMS_ROWS_T, norm_cpu._ADD_RMS_ROWS_T
+_RMS_PAR_T, _ADD_RMS_PAR_T, _LAYER_T = _RMS_PAR.type, _ADD_RMS_PAR.type, _LAYER[0].type
+_SILU_T, _SILU_PAR_T = _SILU[0].type, _SILU[1].type
+# _forward_nb's fns, in this order
+_RMS_I, _RMS_PAR_I, _ADD_RMS_I, _ADD_RMS_PAR_I, _LAYER_I, _LAYER_PAR_I, _SILU_I, _SILU_PAR_I = range(8)
+_addresses: np.ndarray | None = None
+
+
+def _callee_addresses() -> np.ndarray:
+    """The addresses of the kernels :func:`_forward_nb` calls (compiled or loaded at the
+    first call; the norm's row kernels of this process's width)."""
+    global _addresses
+    if _addresses is None:
+        lanes = norm_cpu.lanes()
+        callees = (norm_cpu.RMS_ROWS[lanes], _RMS_PAR, norm_cpu.ADD_RMS_ROWS[lanes], _ADD_RMS_PAR,
+                   *_LAYER, *_SILU)  # fmt: skip
+        _addresses = np.array([c.address() for c in callees], dtype=np.int64)
+    return _addresses
+
+
+@numba.njit(cache=True, inline="always")
+def _add_rms(fns, split, x, y, weight, eps, total, out):  # type: ignore[no-untyped-def]
+    """``total = x + y``, ``out = rms_norm(total) * weight`` on every row, on threads if ``split``."""
+    rows = x.shape[0]
+    if split:
+        call(_ADD_RMS_PAR_T, fns[_ADD_RMS_PAR_I], (fns[_ADD_RMS_I], x, y, weight, eps, total, out,
+                                                   0, rows))  # fmt: skip
+    else:
+        call(_ADD_RMS_T, fns[_ADD_RMS_I], (x, y, weight, eps, total, out, 0, rows))
+
 
 @numba.njit(cache=True, boundscheck=False, nogil=True)
-def _forward_nb(fn, ids, embed, vecs, mats, k_bufs, v_bufs, sliding, scales, full, swa,  # type: ignore[no-untyped-def]
-                k_outs, v_outs, num_heads, eps, lanes, qk_eps, qk_lanes, has_qk, cos, sin,
+def _forward_nb(fn, fns, rope_fns, ids, embed, vecs, mats, k_bufs, v_bufs, sliding, scales, full, swa,  # type: ignore[no-untyped-def]
+                k_outs, v_outs, num_heads, eps, qk_eps, qk_lanes, has_qk, cos, sin,
                 norm_split, hidden):  # fmt: skip
-    """The forward (module doc) into ``hidden [bs, H]`` (after the final norm). ``vecs``:
+    """The forward (module doc) into ``hidden [bs, H]`` (after the final norm). ``fns``:
+    :func:`_callee_addresses`; ``rope_fns``: :func:`kvcanary.ops.cpu.rope.addresses`. ``vecs``:
     per layer input norm, post-attention norm, then the final norm's weight; ``mats``: per
     layer QKV, q/k norm weight (``[heads + kv heads, dim]``, or a placeholder), o, gate-up,
     down. ``full`` / ``swa``: the key tables (slots, write slots, key counts, tasks a
@@ -173,14 +219,12 @@ def _forward_nb(fn, ids, embed, vecs, mats, k_bufs, v_bufs, sliding, scales, ful
             mats[5 * i + 3], mats[5 * i + 4]  # fmt: skip
         if i == 0:
             if norm_split:
-                norm_cpu._rms_rows_parallel(x, vecs[0], True, eps, lanes, normed)
+                call(_RMS_PAR_T, fns[_RMS_PAR_I], (fns[_RMS_I], x, vecs[0], True, eps, normed, 0,
+                                                   bs))  # fmt: skip
             else:
-                norm_cpu._rms_rows(x, vecs[0], True, eps, lanes, normed)
+                call(_RMS_T, fns[_RMS_I], (x, vecs[0], True, eps, normed, 0, bs))
         else:  # x + the previous layer's MLP output
-            if norm_split:
-                norm_cpu._add_rms_rows_parallel(x, mlp, vecs[2 * i], eps, lanes, total, normed)
-            else:
-                norm_cpu._add_rms_rows(x, mlp, vecs[2 * i], eps, lanes, total, normed)
+            _add_rms(fns, norm_split, x, mlp, vecs[2 * i], eps, total, normed)
             x, total = total, x
         qkv = np.empty((bs, w_qkv.shape[0]), dtype=np.float32)
         _linear(fn, normed, w_qkv, qkv, si, sf)
@@ -189,16 +233,10 @@ def _forward_nb(fn, ids, embed, vecs, mats, k_bufs, v_bufs, sliding, scales, ful
         att = np.empty((bs, num_heads, dim), dtype=np.float32)
         tb = swa if sliding[i] else full
         slots, loc, num_keys, parts, split = tb
-        if split:
-            status = attention_cpu._layer_parallel(
+        status = call(_LAYER_T, fns[_LAYER_PAR_I] if split else fns[_LAYER_I], (
                 heads3, num_heads, w_qk, has_qk, qk_eps, qk_lanes, cos, sin, k_bufs[i],
                 v_bufs[i], loc, slots, num_keys, scales[i], att, k_outs[i],
-                parts)  # fmt: skip
-        else:
-            status = attention_cpu._layer_serial(
-                heads3, num_heads, w_qk, has_qk, qk_eps, qk_lanes, cos, sin, k_bufs[i],
-                v_bufs[i], loc, slots, num_keys, scales[i], att, k_outs[i],
-                parts)  # fmt: skip
+                parts, rope_fns))  # fmt: skip
         if status == attention_cpu._LAYER_REFUSED:
             return i
         v_out = v_outs[i]
@@ -211,24 +249,18 @@ def _forward_nb(fn, ids, embed, vecs, mats, k_bufs, v_bufs, sliding, scales, ful
                         v_out[t, h, e] = heads3[t, first_v + h, e]
         o = np.empty((bs, width), dtype=np.float32)
         _linear(fn, att.reshape(bs, num_heads * dim), w_o, o, si, sf)
-        if norm_split:
-            norm_cpu._add_rms_rows_parallel(x, o, vecs[2 * i + 1], eps, lanes, total, normed)
-        else:
-            norm_cpu._add_rms_rows(x, o, vecs[2 * i + 1], eps, lanes, total, normed)
+        _add_rms(fns, norm_split, x, o, vecs[2 * i + 1], eps, total, normed)
         x, total = total, x
         inter = w_gu.shape[0] // 2
         gu = np.empty((bs, 2 * inter), dtype=np.float32)
         _linear(fn, normed, w_gu, gu, si, sf)
         act = np.empty((bs, inter), dtype=np.float32)
         if bs * inter >= SILU_PARALLEL_MIN:
-            _silu_mul_parallel(gu, inter, act)
+            call(_SILU_PAR_T, fns[_SILU_PAR_I], (gu, inter, act))
         else:
-            _silu_mul(gu, inter, act, np.empty(inter, dtype=np.float32))
+            call(_SILU_T, fns[_SILU_I], (gu, inter, act, np.empty(inter, dtype=np.float32)))
         _linear(fn, act, w_down, mlp, si, sf)
-    if norm_split:
-        norm_cpu._add_rms_rows_parallel(x, mlp, vecs[2 * num_layers], eps, lanes, total, hidden)
-    else:
-        norm_cpu._add_rms_rows(x, mlp, vecs[2 * num_layers], eps, lanes, total, hidden)
+    _add_rms(fns, norm_split, x, mlp, vecs[2 * num_layers], eps, total, hidden)
     return -1
 
 
@@ -430,9 +462,9 @@ class CompiledDecode:
         with numba_parallel.parallel_lock:
             numba_parallel.set_threads()
             bad = _forward_nb(  # type: ignore[call-arg]
-                sgemm_address(), input_ids.numpy(), model.embed_tokens.weight.detach().numpy(),
+                sgemm_address(), _callee_addresses(), rope_cpu.addresses(), input_ids.numpy(), model.embed_tokens.weight.detach().numpy(),
                 self._vecs, self._mats, *tables, k_outs, v_outs, attn0.spec.num_heads,
-                np.float32(model.norm.eps), lanes, qk_eps, lanes if has_qk else 0, has_qk,
+                np.float32(model.norm.eps), qk_eps, lanes if has_qk else 0, has_qk,
                 cos_np, sin_np, norm_split, hidden.numpy(),
             )  # fmt: skip
         if bad >= 0:

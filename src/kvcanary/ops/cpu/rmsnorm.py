@@ -26,14 +26,18 @@ rows of many lengths.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
 from numba import prange
+from numba.core import types
 
 from kvcanary.jit import parallel as numba_parallel
-from kvcanary.jit.parallel import parallel_threads
+from kvcanary.jit.calls import Callee, call
+from kvcanary.jit.parallel import parallel_threads, part_range, split_ranges
 
 _ILP, _LEVELS = 4, 4  # torch's row_sum ILP factor, multi_row_sum's cascade levels
 _MAX_LANES = 16
@@ -124,13 +128,10 @@ def sq_sum_nb(row, lanes, acc):
 
 @numba.njit(cache=True, inline="always")
 def inv_rms_nb(row, eps, lanes, acc):
-    """``1 / sqrt(mean(row * row) + eps)`` as torch's composite rounds it (float32)."""
-    if lanes == 8:  # a constant width for the compiler: ~1.25x faster (512 rows of 128)
-        total = sq_sum_nb(row, 8, acc)
-    elif lanes == 16:
-        total = sq_sum_nb(row, 16, acc)
-    else:
-        total = sq_sum_nb(row, lanes, acc)
+    """``1 / sqrt(mean(row * row) + eps)`` as torch's composite rounds it (float32); ``lanes``:
+    a compile-time constant in every kernel that inlines this (:data:`WIDTHS`: ~1.25x faster
+    than a run-time width, 512 rows of 128)."""
+    total = sq_sum_nb(row, lanes, acc)
     mean = total / np.float32(row.shape[0])
     return np.float32(1) / np.sqrt(mean + eps)
 
@@ -155,32 +156,75 @@ def _add_rms_row(x, y, t, weight, eps, lanes, acc, total, out):
         out[t, e] = (total[t, e] * r) * weight[e]
 
 
-@numba.njit(cache=True, boundscheck=False, nogil=True)
-def _rms_rows(x, weight, has_weight, eps, lanes, out):
-    acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
-    for t in range(x.shape[0]):
-        _rms_row(x, t, weight, has_weight, eps, lanes, acc, out)
+# The vector widths :func:`lanes` tries, in order. Each row kernel is compiled once per width
+# it runs with (the width a constant of the kernel, a closure variable: numba's cache keys it),
+# so a process compiles one copy of the sum: three in one kernel (a branch per width) took
+# ~5x the compile time.
+WIDTHS = (8, 16, 4)
+
+
+def per_width(make: Any, name: str) -> dict[int, Any]:
+    """``{width: make(width)}`` for :data:`WIDTHS`; each kernel's name ``<name>_w<width>``
+    (numba's cache files, the warm-up's progress line)."""
+    kernels = {}
+    for width in WIDTHS:
+        kernel = make(width)
+        kernel.py_func.__qualname__ = kernel.py_func.__name__ = f"{name}_w{width}"
+        kernels[width] = kernel
+    return kernels
+
+
+def _rms_rows_for(width: int) -> Any:
+    @numba.njit(cache=True, boundscheck=False, nogil=True)
+    def rms_rows(x, weight, has_weight, eps, out, lo, hi):
+        acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
+        for t in range(lo, hi):
+            _rms_row(x, t, weight, has_weight, eps, width, acc, out)
+
+    return rms_rows
+
+
+def _add_rms_rows_for(width: int) -> Any:
+    @numba.njit(cache=True, boundscheck=False, nogil=True)
+    def add_rms_rows(x, y, weight, eps, total, out, lo, hi):
+        acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
+        for t in range(lo, hi):
+            _add_rms_row(x, y, t, weight, eps, width, acc, total, out)
+
+    return add_rms_rows
+
+
+# The row kernels: rows [lo, hi) of x normed into out (weighted if has_weight); with the add,
+# total = x + y first. Called through their addresses (kvcanary.jit.calls) by the parallel
+# passes and the compiled decode forward, so that the row body compiles once a width.
+_A1, _A2 = types.Array(types.float32, 1, "C"), types.Array(types.float32, 2, "C")
+_RMS_ARGS = (_A2, _A1, types.boolean, types.float32, _A2, types.int64, types.int64)
+_ADD_RMS_ARGS = (_A2, _A2, _A1, types.float32, _A2, _A2, types.int64, types.int64)
+RMS_ROWS = {w: Callee(k, types.none, *_RMS_ARGS)
+            for w, k in per_width(_rms_rows_for, "_rms_rows").items()}  # fmt: skip
+ADD_RMS_ROWS = {w: Callee(k, types.none, *_ADD_RMS_ARGS)
+                for w, k in per_width(_add_rms_rows_for, "_add_rms_rows").items()}  # fmt: skip
+_RMS_ROWS_T, _ADD_RMS_ROWS_T = RMS_ROWS[8].type, ADD_RMS_ROWS[8].type
 
 
 @numba.njit(cache=True, boundscheck=False, nogil=True, parallel=True)
-def _rms_rows_parallel(x, weight, has_weight, eps, lanes, out):
-    for t in prange(x.shape[0]):
-        acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
-        _rms_row(x, t, weight, has_weight, eps, lanes, acc, out)
-
-
-@numba.njit(cache=True, boundscheck=False, nogil=True)
-def _add_rms_rows(x, y, weight, eps, lanes, total, out):
-    acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
-    for t in range(x.shape[0]):
-        _add_rms_row(x, y, t, weight, eps, lanes, acc, total, out)
+def _rms_rows_parallel(rows_fn, x, weight, has_weight, eps, out, lo, hi):
+    """A row kernel of :data:`RMS_ROWS` (at address ``rows_fn``) on one contiguous part of
+    the rows a thread: the same bits."""
+    parts = split_ranges(lo, hi)
+    for p in prange(parts):
+        a, b = part_range(lo, hi, p, parts)
+        call(_RMS_ROWS_T, rows_fn, (x, weight, has_weight, eps, out, a, b))
 
 
 @numba.njit(cache=True, boundscheck=False, nogil=True, parallel=True)
-def _add_rms_rows_parallel(x, y, weight, eps, lanes, total, out):
-    for t in prange(x.shape[0]):
-        acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
-        _add_rms_row(x, y, t, weight, eps, lanes, acc, total, out)
+def _add_rms_rows_parallel(rows_fn, x, y, weight, eps, total, out, lo, hi):
+    """A row kernel of :data:`ADD_RMS_ROWS` (at address ``rows_fn``), as
+    :func:`_rms_rows_parallel`."""
+    parts = split_ranges(lo, hi)
+    for p in prange(parts):
+        a, b = part_range(lo, hi, p, parts)
+        call(_ADD_RMS_ROWS_T, rows_fn, (x, y, weight, eps, total, out, a, b))
 
 
 _NO_WEIGHT = np.ones(1, dtype=np.float32)
@@ -201,7 +245,7 @@ def _probe() -> int:
     # Rows shorter than a vector, tails, ILP remainders, one and several cascade levels.
     rows = [torch.randn(3, d, generator=gen) * 7 for d in (5, 24, 100, 128, 1000, 5003)]
     weights = [torch.randn(x.shape[1], generator=gen) for x in rows]
-    for width in (8, 16, 4):
+    for width in WIDTHS:
         if all(torch.equal(_rms(x, w, 1e-6, width), F.rms_norm(x, (x.shape[1],), w, 1e-6))
                for x, weight in zip(rows, weights, strict=True) for w in (weight, None)):  # fmt: skip
             return width
@@ -226,7 +270,7 @@ def applies(x: torch.Tensor) -> bool:
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return (t.detach() if t.requires_grad else t).numpy()
+    return np.ascontiguousarray((t.detach() if t.requires_grad else t).numpy())
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -246,8 +290,8 @@ def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float, width: int) -
     rows = _rows(x)
     out = torch.empty_like(rows)
     args = (rows.numpy(), _NO_WEIGHT if weight is None else _np(weight), weight is not None,
-            np.float32(eps), width, out.numpy())  # fmt: skip
-    numba_parallel.run(_rms_rows, _rms_rows_parallel, _split(rows), *args)
+            np.float32(eps), out.numpy(), 0, rows.shape[0])  # fmt: skip
+    numba_parallel.run(RMS_ROWS[width], _rms_rows_parallel, _split(rows), *args)
     return out if x.dim() == 2 else out.view(x.shape)
 
 
@@ -264,9 +308,9 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
     one shape)."""
     rows_x, rows_y = _rows(x), _rows(y)
     total, out = torch.empty_like(rows_x), torch.empty_like(rows_x)
-    args = (rows_x.numpy(), rows_y.numpy(), _np(weight), np.float32(eps), lanes(), total.numpy(),
-            out.numpy())  # fmt: skip
-    numba_parallel.run(_add_rms_rows, _add_rms_rows_parallel, _split(rows_x), *args)
+    args = (rows_x.numpy(), rows_y.numpy(), _np(weight), np.float32(eps), total.numpy(),
+            out.numpy(), 0, rows_x.shape[0])  # fmt: skip
+    numba_parallel.run(ADD_RMS_ROWS[lanes()], _add_rms_rows_parallel, _split(rows_x), *args)
     if x.dim() == 2:
         return total, out
     return total.view(x.shape), out.view(x.shape)

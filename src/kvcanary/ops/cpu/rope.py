@@ -20,18 +20,23 @@ Halves layout (transformers' ``rotate_half``), ``sin`` sign-folded as
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 import torch
 from numba import prange
+from numba.core import types
 
 from kvcanary.jit import parallel as numba_parallel
+from kvcanary.jit.calls import Callee, call
+from kvcanary.jit.parallel import part_range, split_ranges
 from kvcanary.ops.cpu import rmsnorm as norm_cpu
 from kvcanary.ops.cpu.rmsnorm import SQ_SUM_SCRATCH, inv_rms_nb
 
 
 @numba.njit(cache=True, inline="always")
-def _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, dst, dt, dh, a, acc):
+def _rope_head(x, t, h, weight, has_weight, norm_eps, norm, lanes, cos, sin, dst, dt, dh, a, acc):
     """Head ``h`` of token ``t`` of ``x``, normed, weighted and rotated, into the row
     ``dst[dt, dh]`` (``a`` ``[>= dim]``, ``acc``: scratch). The normed, weighted row goes to ``a[:dim]``
     (``x * 1`` is exact: an absent norm or weight changes no bit), then each half of the
@@ -45,7 +50,7 @@ def _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, dst, dt, 
     dim = x.shape[2]
     half = dim // 2
     u = np.uint64  # (unsigned offsets: no wrap-around code, which compiles scalar)
-    r = inv_rms_nb(x[t, h], norm_eps, lanes, acc) if lanes else np.float32(1.0)
+    r = inv_rms_nb(x[t, h], norm_eps, lanes, acc) if norm else np.float32(1.0)
     if has_weight:
         for d in range(dim):
             a[d] = (x[t, h, d] * r) * weight[h, d]
@@ -60,28 +65,50 @@ def _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, dst, dt, 
 
 
 @numba.njit(cache=True, inline="always")
-def _rope_token(x, t, weight, has_weight, norm_eps, lanes, cos, sin, out, a, acc):
+def _rope_token(x, t, weight, has_weight, norm_eps, norm, lanes, cos, sin, out, a, acc):
     for h in range(x.shape[1]):
-        _rope_head(x, t, h, weight, has_weight, norm_eps, lanes, cos, sin, out, t, h, a, acc)
+        _rope_head(x, t, h, weight, has_weight, norm_eps, norm, lanes, cos, sin, out, t, h, a,
+                   acc)  # fmt: skip
 
 
-# fastmath=False set, not left to the default: a compiled caller built with fastmath (the
-# decode layer, kvcanary.ops.cpu.attention) would otherwise compile these with its flags,
-# and their float rounding must stay rope()'s (the same bits).
-@numba.njit(cache=True, boundscheck=False, nogil=True, fastmath=False)
-def _rope(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
-    a = np.empty(x.shape[2], dtype=np.float32)
-    acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
-    for t in range(x.shape[0]):
-        _rope_token(x, t, weight, has_weight, norm_eps, lanes, cos, sin, out, a, acc)
+def _rope_for(width: int) -> Any:
+    # fastmath=False set, not left to the default: a compiled caller built with fastmath (the
+    # decode layer, kvcanary.ops.cpu.attention) would otherwise compile these with its flags,
+    # and their float rounding must stay rope()'s (the same bits).
+    @numba.njit(cache=True, boundscheck=False, nogil=True, fastmath=False)
+    def rope_rows(x, weight, has_weight, norm_eps, norm, cos, sin, out, lo, hi):
+        a = np.empty(x.shape[2], dtype=np.float32)
+        acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
+        for t in range(lo, hi):
+            _rope_token(x, t, weight, has_weight, norm_eps, norm, width, cos, sin, out, a, acc)
+
+    return rope_rows
+
+
+# The token kernels, one a norm width (kvcanary.ops.cpu.rmsnorm.WIDTHS): tokens [lo, hi) of x
+# (normed first if norm), weighted if has_weight, rotated, into out. Called through their
+# addresses (kvcanary.jit.calls) by the parallel pass and the decode layer, so that the body
+# compiles once a width. ``x``: any layout (q / k heads are a view of the QKV projection).
+_F2, _F3 = types.Array(types.float32, 2, "C"), types.Array(types.float32, 3, "C")
+_ROPE_ARGS = (types.Array(types.float32, 3, "A"), _F2, types.boolean, types.float32,
+              types.boolean, _F2, _F2, _F3, types.int64, types.int64)  # fmt: skip
+ROPE = {w: Callee(k, types.none, *_ROPE_ARGS)
+        for w, k in norm_cpu.per_width(_rope_for, "_rope").items()}  # fmt: skip
+_ROPE_T = ROPE[8].type
 
 
 @numba.njit(cache=True, boundscheck=False, nogil=True, parallel=True, fastmath=False)
-def _rope_parallel(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
-    for t in prange(x.shape[0]):
-        a = np.empty(x.shape[2], dtype=np.float32)
-        acc = np.empty(SQ_SUM_SCRATCH, dtype=np.float32)
-        _rope_token(x, t, weight, has_weight, norm_eps, lanes, cos, sin, out, a, acc)
+def _rope_parallel(rope_fn, x, weight, has_weight, norm_eps, norm, cos, sin, out, lo, hi):
+    """A token kernel of :data:`ROPE` (at address ``rope_fn``) on one contiguous part of the
+    tokens a thread: the same bits."""
+    parts = split_ranges(lo, hi)
+    for p in prange(parts):
+        a, b = part_range(lo, hi, p, parts)
+        call(_ROPE_T, rope_fn, (x, weight, has_weight, norm_eps, norm, cos, sin, out, a, b))
+
+
+ROPE_PARALLEL = Callee(_rope_parallel, types.none, types.int64, *_ROPE_ARGS)
+_ROPE_PARALLEL_T = ROPE_PARALLEL.type
 
 
 # Tokens from which the pass splits them among torch's threads. The parallel build is also
@@ -92,15 +119,37 @@ _PARALLEL_MIN_TOKENS = 16
 
 
 @numba.njit(cache=True, inline="always")
-def rope_nb(x, weight, has_weight, norm_eps, lanes, cos, sin, out):
+def rope_nb(fns, x, weight, has_weight, norm_eps, lanes, cos, sin, out):
     """:func:`rope`'s pass for a compiled caller (the decode layer,
     :mod:`kvcanary.ops.cpu.attention`), on threads from the same token count; ``out``
-    ``[tokens, heads, dim]``. The passes keep their own float rounding (``fastmath=False``
-    set on them), whatever the caller's flags."""
-    if x.shape[0] >= _PARALLEL_MIN_TOKENS:
-        _rope_parallel(x, weight, has_weight, norm_eps, lanes, cos, sin, out)
+    ``[tokens, heads, dim]``; ``fns``: :func:`addresses`. The passes keep their own float
+    rounding (``fastmath=False`` set on them, and called through their addresses), whatever
+    the caller's flags."""
+    n, norm = x.shape[0], lanes != 0
+    if n >= _PARALLEL_MIN_TOKENS:
+        call(_ROPE_PARALLEL_T, fns[1], (fns[0], x, weight, has_weight, norm_eps, norm, cos, sin,
+                                        out, 0, n))  # fmt: skip
     else:
-        _rope(x, weight, has_weight, norm_eps, lanes, cos, sin, out)
+        call(_ROPE_T, fns[0], (x, weight, has_weight, norm_eps, norm, cos, sin, out, 0, n))
+
+
+_addresses: np.ndarray | None = None
+
+
+def addresses() -> np.ndarray:
+    """:func:`rope_nb`'s ``fns``: the addresses of this process's token kernel
+    (:func:`width`) and of :data:`ROPE_PARALLEL`."""
+    global _addresses
+    if _addresses is None:
+        _addresses = np.array([ROPE[width()].address(), ROPE_PARALLEL.address()], dtype=np.int64)
+    return _addresses
+
+
+def width() -> int:
+    """The norm width of this process's token kernel: the norm's
+    (:func:`kvcanary.ops.cpu.rmsnorm.lanes`), or 8 where it has none (then only ``x`` without
+    a norm is taken)."""
+    return norm_cpu.lanes() or 8
 
 
 def applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -124,12 +173,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     norm, :func:`kvcanary.ops.cpu.rmsnorm.applies`)."""
     tokens, heads, dim = x.shape
     out = torch.empty((tokens, heads, dim), dtype=torch.float32, device=x.device)
-    w = _NO_WEIGHT if weight is None else weight.numpy()
-    lanes = 0 if norm_eps is None else norm_cpu.lanes()
+    w = _NO_WEIGHT if weight is None else np.ascontiguousarray(weight.numpy())
     cos_np, sin_np = tables(cos, sin, tokens, dim)
-    args = (x.numpy(), w, weight is not None, np.float32(norm_eps or 0.0), lanes, cos_np, sin_np,
-            out.numpy())  # fmt: skip
-    numba_parallel.run(_rope, _rope_parallel, tokens >= _PARALLEL_MIN_TOKENS, *args)
+    args = (x.numpy(), w, weight is not None, np.float32(norm_eps or 0.0), norm_eps is not None,
+            cos_np, sin_np, out.numpy(), 0, tokens)  # fmt: skip
+    numba_parallel.run(ROPE[width()], _rope_parallel, tokens >= _PARALLEL_MIN_TOKENS, *args)
     return out
 
 
