@@ -47,14 +47,17 @@ batch 16 x 100 random keys, warm: 45 us against 62 for the three calls (batch 64
 
 from __future__ import annotations
 
-import types
+from typing import Any
 
 import numba
 import numpy as np
 import torch
 from numba import prange
+from numba.core import types as nbtypes
 
 from kvcanary.jit import parallel as numba_parallel
+from kvcanary.jit.calls import Callee, call
+from kvcanary.jit.parallel import part_range, split_ranges
 from kvcanary.jit.prefetch import prefetch
 from kvcanary.jit.simd import (
     LANES,
@@ -223,18 +226,68 @@ def _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts):  # type:
             out[b, q0 + i, e] = acc_out[i, e] * inv
 
 
-def _decode_attention(q, k_buf, v_buf, slots, num_keys, scale, out, parts):  # type: ignore[no-untyped-def]
+_FLAGS: dict[str, Any] = dict(fastmath=True, boundscheck=False, nogil=True, cache=True, error_model="numpy")
+# (numpy's error model: a NaN in a K / V row (a corrupted cache) makes the softmax's sum NaN
+# or 0 and the outputs of the heads reading it NaN, as SDPA's; numba's default raised
+# ZeroDivisionError out of the forward instead.)
+
+
+@numba.njit(**_FLAGS)
+def _attend_tasks(q, k_buf, v_buf, slots, num_keys, scale, out, parts, lo, hi):  # type: ignore[no-untyped-def]
+    """Tasks ``[lo, hi)`` of :func:`_attend` (every slot read is in the buffer)."""
+    for task in range(lo, hi):
+        _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts)
+
+
+# The task kernels as the decode attention, the decode layer and their parallel drivers call
+# them: through their addresses (kvcanary.jit.calls), so that the attention body compiles
+# once, not once a caller and variant. ``q``: any layout (a view of the QKV projection).
+_F3A = nbtypes.Array(nbtypes.float32, 3, "A")
+_F2, _F3 = nbtypes.Array(nbtypes.float32, 2, "C"), nbtypes.Array(nbtypes.float32, 3, "C")
+_I1, _I2 = nbtypes.Array(nbtypes.int64, 1, "C"), nbtypes.Array(nbtypes.int64, 2, "C")
+_ATTEND_ARGS = (_F3A, _F3, _F3, _I2, _I1, nbtypes.float32, _F3, nbtypes.int64, nbtypes.int64,
+                nbtypes.int64)  # fmt: skip
+ATTEND = Callee(_attend_tasks, nbtypes.none, *_ATTEND_ARGS)
+_ATTEND_T = ATTEND.type
+
+
+@numba.njit(parallel=True, **_FLAGS)
+def _attend_tasks_parallel(fn, q, k_buf, v_buf, slots, num_keys, scale, out, parts, lo, hi):  # type: ignore[no-untyped-def]
+    """:data:`ATTEND` (at address ``fn``) on one contiguous run of the tasks a thread."""
+    n = split_ranges(lo, hi)
+    for p in prange(n):
+        a, b = part_range(lo, hi, p, n)
+        call(_ATTEND_T, fn, (q, k_buf, v_buf, slots, num_keys, scale, out, parts, a, b))
+
+
+ATTEND_PARALLEL = Callee(_attend_tasks_parallel, nbtypes.none, nbtypes.int64, *_ATTEND_ARGS)
+_ATTEND_PARALLEL_T = ATTEND_PARALLEL.type
+
+
+@numba.njit(cache=True, inline="always")
+def _attend_all(fns, split, q, k_buf, v_buf, slots, num_keys, scale, out, parts):  # type: ignore[no-untyped-def]
+    """Every task of ``q``'s requests, on threads if ``split`` (``fns``: :func:`addresses`)."""
+    n = q.shape[0] * parts
+    if split:
+        call(_ATTEND_PARALLEL_T, fns[3], (fns[2], q, k_buf, v_buf, slots, num_keys, scale, out,
+                                          parts, 0, n))  # fmt: skip
+    else:
+        call(_ATTEND_T, fns[2], (q, k_buf, v_buf, slots, num_keys, scale, out, parts, 0, n))
+
+
+@numba.njit(**_FLAGS)
+def _decode_attention(fns, split, q, k_buf, v_buf, slots, num_keys, scale, out, parts):  # type: ignore[no-untyped-def]
     bs = q.shape[0]  # every slot read is in the buffer (the caller raises otherwise)
     bad = _check_reads(slots, num_keys, k_buf.shape[0], bs)
     if bad >= 0:
         return bad
-    for task in prange(bs * parts):
-        _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts)
+    _attend_all(fns, split, q, k_buf, v_buf, slots, num_keys, scale, out, parts)
     return -1
 
 
+@numba.njit(**_FLAGS)
 def _decode_layer(qkv, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,  # type: ignore[no-untyped-def]
-                  k_buf, v_buf, loc, slots, num_keys, scale, out, k_out, parts, rope_fns):  # fmt: skip
+                  k_buf, v_buf, loc, slots, num_keys, scale, out, k_out, parts, split, fns):  # fmt: skip
     bs, dim = qkv.shape[0], qkv.shape[2]
     kv_heads, num_slots = k_buf.shape[1], k_buf.shape[0]
     first_v = num_heads + kv_heads  # qkv's heads: q, then k, then v
@@ -259,9 +312,9 @@ def _decode_layer(qkv, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,
     # cost ~100 ns a head in argument passing and reference counts: a tiny-swa batch-64
     # layer's rope 33-39 -> ~15 us.
     q_k = np.empty((bs, first_v, dim), dtype=np.float32)
-    rope_cpu.rope_nb(rope_fns, qkv[:, :first_v], weight, has_weight, norm_eps, lanes, cos, sin, q_k)
+    rope_cpu.rope_nb(fns, qkv[:, :first_v], weight, has_weight, norm_eps, lanes, cos, sin, q_k)
     q = q_k[:, :num_heads]
-    for t in prange(bs):
+    for t in range(bs):
         s = loc[t]
         for h in range(kv_heads):
             for e in range(dim):
@@ -269,28 +322,38 @@ def _decode_layer(qkv, num_heads, weight, has_weight, norm_eps, lanes, cos, sin,
                 v_buf[s, h, e] = qkv[t, first_v + h, e]
                 if k_out.shape[0]:  # the stored k rows, for the caller too
                     k_out[t, h, e] = q_k[t, num_heads + h, e]
-    for task in prange(bs * parts):  # 2. attention, as _decode_attention
-        _attend(q, k_buf, v_buf, slots, num_keys, scale, out, task, parts)
+    # 2. attention, as _decode_attention
+    _attend_all(fns, split, q, k_buf, v_buf, slots, num_keys, scale, out, parts)
     return -1
 
 
-def _compile(fn, parallel: bool):  # type: ignore[no-untyped-def]
-    """``fn`` compiled with or without ``prange`` threads. Each copy gets its own qualified
-    name: numba's on-disk cache is indexed by it, and two jits of one function would share
-    (and serve each other) one cache entry."""
-    copy = types.FunctionType(fn.__code__, fn.__globals__)
-    copy.__qualname__ = copy.__name__ = f"{fn.__name__[1:]}_{'parallel' if parallel else 'serial'}"
-    # numpy's error model: a NaN in a K / V row (a corrupted cache) makes the softmax's sum
-    # NaN or 0 and the outputs of the heads reading it NaN, as SDPA's; numba's default
-    # raised ZeroDivisionError out of the forward instead.
-    return numba.njit(parallel=parallel, fastmath=True, boundscheck=False, nogil=True, cache=True,
-                      error_model="numpy")(copy)  # fmt: skip
+_LAYER_ARGS = (_F3, nbtypes.int64, _F2, nbtypes.boolean, nbtypes.float32, nbtypes.int64, _F2, _F2,
+               _F3, _F3, _I1, _I2, _I1, nbtypes.float32, _F3, _F3, nbtypes.int64, nbtypes.boolean,
+               _I1)  # fmt: skip
+LAYER = Callee(_decode_layer, nbtypes.int64, *_LAYER_ARGS)  # (the compiled decode forward's)
+_addresses: np.ndarray | None = None
 
 
-_serial = _compile(_decode_attention, False)
-_parallel = _compile(_decode_attention, True)
-_layer_serial = _compile(_decode_layer, False)
-_layer_parallel = _compile(_decode_layer, True)
+def addresses() -> np.ndarray:
+    """The ``fns`` of :func:`_decode_layer` and :func:`_decode_attention`: this process's
+    RoPE token kernel and its parallel pass (:func:`kvcanary.ops.cpu.rope.addresses`), then
+    :data:`ATTEND` and :data:`ATTEND_PARALLEL`."""
+    global _addresses
+    if _addresses is None:
+        _addresses = np.concatenate(
+            (rope_cpu.addresses(), np.array([ATTEND.address(), ATTEND_PARALLEL.address()])))
+    return _addresses
+
+
+def _contiguous(*arrays: np.ndarray) -> bool:
+    return all(a.flags.c_contiguous for a in arrays)
+
+
+def _call(kernel: Any, split: bool, *args: Any) -> Any:
+    """``kernel(*args)``, under :mod:`kvcanary.jit.parallel`'s lock when it splits."""
+    if split and numba_parallel.parallel_threads() > 1:
+        return numba_parallel.run_parallel(kernel, *args)
+    return kernel(*args)
 
 
 def _split(bs: int, k_buf: np.ndarray, slots: np.ndarray) -> tuple[bool, int]:
@@ -344,8 +407,11 @@ def decode_attention(
     # q as it is (a decode step's is a view of the q/k projection): the kernel copies each
     # query row once, where a contiguous() copy of all of q cost a torch op per layer.
     split, parts = _split(bs, k_np, slots_np)
-    args = (q.numpy(), k_np, v_np, slots_np, keys_np, np.float32(scale), out.numpy(), parts)
-    bad_row = numba_parallel.run(_serial, _parallel, split, *args)
+    k_np, v_np = np.ascontiguousarray(k_np), np.ascontiguousarray(v_np)  # (theirs are: no copy)
+    slots_np, keys_np = np.ascontiguousarray(slots_np), np.ascontiguousarray(keys_np)
+    args = (addresses(), split, q.numpy(), k_np, v_np, slots_np, keys_np, np.float32(scale),
+            out.numpy(), parts)  # fmt: skip
+    bad_row = _call(_decode_attention, split, *args)
     if bad_row >= 0:  # as index_select would refuse it (nothing was read)
         n = max(int(num_keys[bad_row]), 1)
         raise IndexError(
@@ -465,9 +531,42 @@ def _extend_task(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, windo
                 out[t, qh, e] = acc[e] * inv
 
 
-def _extend_attention(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, window, scale,  # type: ignore[no-untyped-def]
-                      out):  # fmt: skip
-    """Every request's queries over its keys (:func:`_extend_task`); -1, or the first
+@numba.njit(**_FLAGS)
+def _extend_tasks(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, window, scale, out,  # type: ignore[no-untyped-def]
+                  lo, hi):  # fmt: skip
+    """Tasks ``[lo, hi)`` of :func:`_extend_task` (the tables checked before)."""
+    for task in range(lo, hi):
+        _extend_task(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, window, scale,
+                     out, task)  # fmt: skip
+
+
+# As ATTEND: the task kernel through its address, from the checks and the parallel driver.
+_EXTEND_ARGS = (_F3A, _F3, _F3, _I2, _I1, _I1, _I1, _I1, nbtypes.int64, nbtypes.float32, _F3,
+                nbtypes.int64, nbtypes.int64)  # fmt: skip
+EXTEND = Callee(_extend_tasks, nbtypes.none, *_EXTEND_ARGS)
+_EXTEND_T = EXTEND.type
+
+
+@numba.njit(parallel=True, **_FLAGS)
+def _extend_tasks_parallel(fn, q, k_buf, v_buf, slots, num_keys, starts, ext, first_col,  # type: ignore[no-untyped-def]
+                           window, scale, out, lo, hi):  # fmt: skip
+    """:data:`EXTEND` (at address ``fn``) on one contiguous run of the tasks a thread."""
+    n = split_ranges(lo, hi)
+    for p in prange(n):
+        a, b = part_range(lo, hi, p, n)
+        call(_EXTEND_T, fn, (q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, window,
+                             scale, out, a, b))  # fmt: skip
+
+
+EXTEND_PARALLEL = Callee(_extend_tasks_parallel, nbtypes.none, nbtypes.int64, *_EXTEND_ARGS)
+_EXTEND_PARALLEL_T = EXTEND_PARALLEL.type
+
+
+@numba.njit(**_FLAGS)
+def _extend_attention(fns, split, q, k_buf, v_buf, slots, num_keys, starts, ext, first_col,  # type: ignore[no-untyped-def]
+                      window, scale, out):  # fmt: skip
+    """Every request's queries over its keys (:func:`_extend_task`, on threads if ``split``;
+    ``fns``: :data:`EXTEND`'s and :data:`EXTEND_PARALLEL`'s addresses); -1, or the first
     request row whose tables do not hold (nothing read then)."""
     bs = ext.shape[0]
     if (num_keys.shape[0] < bs or starts.shape[0] < bs or first_col.shape[0] < bs
@@ -480,14 +579,24 @@ def _extend_attention(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, 
     bad = _check_reads(slots, num_keys, k_buf.shape[0], bs)
     if bad >= 0:
         return bad
-    for task in prange(bs * k_buf.shape[1]):
-        _extend_task(q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, window, scale,
-                     out, task)  # fmt: skip
+    n = bs * k_buf.shape[1]
+    if split:
+        call(_EXTEND_PARALLEL_T, fns[1], (fns[0], q, k_buf, v_buf, slots, num_keys, starts, ext,
+                                          first_col, window, scale, out, 0, n))  # fmt: skip
+    else:
+        call(_EXTEND_T, fns[0], (q, k_buf, v_buf, slots, num_keys, starts, ext, first_col, window,
+                                 scale, out, 0, n))  # fmt: skip
     return -1
 
 
-_extend_serial = _compile(_extend_attention, False)
-_extend_parallel = _compile(_extend_attention, True)
+_extend_addresses: np.ndarray | None = None
+
+
+def _extend_fns() -> np.ndarray:
+    global _extend_addresses
+    if _extend_addresses is None:
+        _extend_addresses = np.array([EXTEND.address(), EXTEND_PARALLEL.address()], dtype=np.int64)
+    return _extend_addresses
 
 
 # extend_attention against the torch path's padded, masked SDPA (whose rate per score is
@@ -538,11 +647,15 @@ def extend_attention(
     queries = int(ext.sum())
     covers = queries == tokens and np.array_equal(starts, np.cumsum(ext) - ext)
     out = (torch.empty if covers else torch.zeros)((tokens, heads, dim), dtype=torch.float32)
-    k_np, v_np = k_buf.numpy(), v_buf.numpy()
+    # (contiguous: the types the task kernel is compiled for; the engine's are, no copy made)
+    k_np, v_np = np.ascontiguousarray(k_buf.numpy()), np.ascontiguousarray(v_buf.numpy())
+    slots, num_keys, starts, ext, first_col = (np.ascontiguousarray(a, dtype=np.int64) for a in (
+        slots, num_keys, starts, ext, first_col))  # fmt: skip
     work = queries * heads * dim * (min(window, slots.shape[1]) if window > 0 else slots.shape[1])
-    args = (q.numpy(), k_np, v_np, slots, num_keys, starts, ext, first_col, np.int64(window),
-            np.float32(scale), out.numpy())  # fmt: skip
-    bad = numba_parallel.run(_extend_serial, _extend_parallel, work >= PARALLEL_MIN_WORK, *args)
+    split = work >= PARALLEL_MIN_WORK and numba_parallel.parallel_threads() > 1
+    args = (_extend_fns(), split, q.numpy(), k_np, v_np, slots, num_keys, starts, ext, first_col,
+            np.int64(window), np.float32(scale), out.numpy())  # fmt: skip
+    bad = _call(_extend_attention, split, *args)
     if bad >= 0:
         raise IndexError(
             f"extend attention: request row {bad} (ext {int(ext[bad])}, first column "
@@ -579,13 +692,15 @@ def decode_layer(
     lanes = 0
     if norm_eps is not None and not (lanes := norm_cpu.lanes()):
         return False
+    k_out = _NO_K_OUT if k_out is None else k_out
+    w = _NO_WEIGHT if weight is None else weight
+    if not _contiguous(qkv, w, cos, sin, k_np, v_np, loc, slots, num_keys, out, k_out):
+        return False  # (the types the kernel is compiled for; the engine's arrays are)
     split, parts = _split(qkv.shape[0], k_np, slots)
-    status = numba_parallel.run(
-        _layer_serial, _layer_parallel, split, qkv, num_heads,
-        _NO_WEIGHT if weight is None else weight, weight is not None,
+    status = _call(
+        _decode_layer, split, qkv, num_heads, w, weight is not None,
         np.float32(norm_eps or 0.0), lanes, cos, sin, k_np, v_np, loc, slots, num_keys,
-        np.float32(scale), out, _NO_K_OUT if k_out is None else k_out, parts,
-        rope_cpu.addresses(),
+        np.float32(scale), out, k_out, parts, split, addresses(),
     )  # fmt: skip
     return bool(status != _LAYER_REFUSED)
 

@@ -144,22 +144,18 @@ _NO_ROWS = np.zeros((0, 1, 1), dtype=np.float32)  # _forward_nb: a layer's rows 
 # The kernels _forward_nb calls once a layer (or once a forward), through their addresses
 # (kvcanary.jit.calls): linked, each would be compiled again into the forward (~44 s of
 # compile on the 2-core host for a call a layer costs nothing).
-_A1, _A2, _A3 = (types.Array(types.float32, n, "C") for n in (1, 2, 3))
-_I1, _I2 = (types.Array(types.int64, n, "C") for n in (1, 2))
-_LAYER_ARGS = (_A3, types.int64, _A2, types.boolean, types.float32, types.int64, _A2, _A2,
-               _A3, _A3, _I1, _I2, _I1, types.float32, _A3, _A3, types.int64, _I1)  # fmt: skip
-_LAYER = (Callee(attention_cpu._layer_serial, types.int64, *_LAYER_ARGS),
-          Callee(attention_cpu._layer_parallel, types.int64, *_LAYER_ARGS))  # fmt: skip
+_A1, _A2 = (types.Array(types.float32, n, "C") for n in (1, 2))
 _SILU = (Callee(_silu_mul, types.none, _A2, types.int64, _A2, _A1),
          Callee(_silu_mul_parallel, types.none, _A2, types.int64, _A2))  # fmt: skip
 _RMS_PAR = Callee(norm_cpu._rms_rows_parallel, types.none, types.int64, *norm_cpu._RMS_ARGS)
 _ADD_RMS_PAR = Callee(norm_cpu._add_rms_rows_parallel, types.none, types.int64,
                       *norm_cpu._ADD_RMS_ARGS)  # fmt: skip
 _RMS_T, _ADD_RMS_T = norm_cpu._RMS_ROWS_T, norm_cpu._ADD_RMS_ROWS_T
-_RMS_PAR_T, _ADD_RMS_PAR_T, _LAYER_T = _RMS_PAR.type, _ADD_RMS_PAR.type, _LAYER[0].type
+_RMS_PAR_T, _ADD_RMS_PAR_T = _RMS_PAR.type, _ADD_RMS_PAR.type
+_LAYER_T = attention_cpu.LAYER.type
 _SILU_T, _SILU_PAR_T = _SILU[0].type, _SILU[1].type
 # _forward_nb's fns, in this order
-_RMS_I, _RMS_PAR_I, _ADD_RMS_I, _ADD_RMS_PAR_I, _LAYER_I, _LAYER_PAR_I, _SILU_I, _SILU_PAR_I = range(8)
+_RMS_I, _RMS_PAR_I, _ADD_RMS_I, _ADD_RMS_PAR_I, _LAYER_I, _SILU_I, _SILU_PAR_I = range(7)
 _addresses: np.ndarray | None = None
 
 
@@ -170,7 +166,7 @@ def _callee_addresses() -> np.ndarray:
     if _addresses is None:
         lanes = norm_cpu.lanes()
         callees = (norm_cpu.RMS_ROWS[lanes], _RMS_PAR, norm_cpu.ADD_RMS_ROWS[lanes], _ADD_RMS_PAR,
-                   *_LAYER, *_SILU)  # fmt: skip
+                   attention_cpu.LAYER, *_SILU)  # fmt: skip
         _addresses = np.array([c.address() for c in callees], dtype=np.int64)
     return _addresses
 
@@ -187,11 +183,11 @@ def _add_rms(fns, split, x, y, weight, eps, total, out):  # type: ignore[no-unty
 
 
 @numba.njit(cache=True, boundscheck=False, nogil=True)
-def _forward_nb(fn, fns, rope_fns, ids, embed, vecs, mats, k_bufs, v_bufs, sliding, scales, full, swa,  # type: ignore[no-untyped-def]
+def _forward_nb(fn, fns, layer_fns, ids, embed, vecs, mats, k_bufs, v_bufs, sliding, scales, full, swa,  # type: ignore[no-untyped-def]
                 k_outs, v_outs, num_heads, eps, qk_eps, qk_lanes, has_qk, cos, sin,
                 norm_split, hidden):  # fmt: skip
     """The forward (module doc) into ``hidden [bs, H]`` (after the final norm). ``fns``:
-    :func:`_callee_addresses`; ``rope_fns``: :func:`kvcanary.ops.cpu.rope.addresses`. ``vecs``:
+    :func:`_callee_addresses`; ``layer_fns``: :func:`kvcanary.ops.cpu.attention.addresses`. ``vecs``:
     per layer input norm, post-attention norm, then the final norm's weight; ``mats``: per
     layer QKV, q/k norm weight (``[heads + kv heads, dim]``, or a placeholder), o, gate-up,
     down. ``full`` / ``swa``: the key tables (slots, write slots, key counts, tasks a
@@ -233,10 +229,10 @@ def _forward_nb(fn, fns, rope_fns, ids, embed, vecs, mats, k_bufs, v_bufs, slidi
         att = np.empty((bs, num_heads, dim), dtype=np.float32)
         tb = swa if sliding[i] else full
         slots, loc, num_keys, parts, split = tb
-        status = call(_LAYER_T, fns[_LAYER_PAR_I] if split else fns[_LAYER_I], (
+        status = call(_LAYER_T, fns[_LAYER_I], (
                 heads3, num_heads, w_qk, has_qk, qk_eps, qk_lanes, cos, sin, k_bufs[i],
                 v_bufs[i], loc, slots, num_keys, scales[i], att, k_outs[i],
-                parts, rope_fns))  # fmt: skip
+                parts, split, layer_fns))  # fmt: skip
         if status == attention_cpu._LAYER_REFUSED:
             return i
         v_out = v_outs[i]
@@ -462,7 +458,7 @@ class CompiledDecode:
         with numba_parallel.parallel_lock:
             numba_parallel.set_threads()
             bad = _forward_nb(  # type: ignore[call-arg]
-                sgemm_address(), _callee_addresses(), rope_cpu.addresses(), input_ids.numpy(), model.embed_tokens.weight.detach().numpy(),
+                sgemm_address(), _callee_addresses(), attention_cpu.addresses(), input_ids.numpy(), model.embed_tokens.weight.detach().numpy(),
                 self._vecs, self._mats, *tables, k_outs, v_outs, attn0.spec.num_heads,
                 np.float32(model.norm.eps), qk_eps, lanes if has_qk else 0, has_qk,
                 cos_np, sin_np, norm_split, hidden.numpy(),
