@@ -1,7 +1,7 @@
 # Set-up is idempotent: the venv is rebuilt only when pyproject.toml changes. `make demo`
 # needs only the runtime install ($(RUNTIME_STAMP)); `make setup` / `make test` add the dev
-# tools and warm numba's cache for the demo's configuration (`kvcanary warmup`: about a
-# minute with an empty cache, a few seconds after).
+# tools and warm numba's cache for the demo's configuration (`kvcanary warmup`: about 40 s
+# with an empty cache on two cores, a few seconds after).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
