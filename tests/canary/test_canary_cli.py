@@ -122,7 +122,7 @@ def test_canary_flags_come_from_the_config_fields(monkeypatch: pytest.MonkeyPatc
     import dataclasses
 
     from kvcanary.canary.config import CanaryConfig
-    from kvcanary.cli.args import add_dataclass_flags, dataclass_from_args
+    from kvcanary.engine.args import add_dataclass_flags, dataclass_from_args
 
     monkeypatch.setenv("KVCANARY_KV_CANARY_RING_CAPACITY", "77")
     p = argparse.ArgumentParser()

@@ -21,8 +21,8 @@ from engine_utils import assert_all_memory_free
 
 from kvcanary import Engine, EngineConfig, SamplingParams
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.cli.args import default_page_size
 from kvcanary.cli.run import canary_summary, run_workload
+from kvcanary.engine.args import default_page_size
 from kvcanary.memory import host_pool
 from kvcanary.memory.dsv4_pool import DSV4KVPool
 from kvcanary.model import deepseek_v4

@@ -200,7 +200,7 @@ def warm_worker_scenario(extra: dict[str, Any]) -> None:
     assert report.skipped is None
     warm = loaded_kernels()
     assert any(".fused_rows." in name for name, _ in warm)
-    assert any("vllm.worker._batch_nb" in name for name, _ in warm)
+    assert any("vllm.steps.batch_nb" in name for name, _ in warm)
     fake = FakeVllm()
     fake.worker = VllmCanaryWorker(config, [spec], {"layer0": kv})
     for i in range(3):

@@ -45,8 +45,8 @@ from tqdm import tqdm
 
 from kvcanary.bench.engines import fit_pools, random_prompt, record_forward_shapes, shared_decoder
 from kvcanary.bench.traffic import StepShape, canary_bytes, canary_groups, kv_read_bytes
-from kvcanary.cli.args import default_page_size
 from kvcanary.config import EngineConfig, SamplingParams
+from kvcanary.engine.args import default_page_size
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.pool_check import check_workload
 from kvcanary.model.loader import load_model_config

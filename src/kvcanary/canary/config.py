@@ -1,7 +1,7 @@
 """CanaryConfig: what the canary checks and what it does on a violation (frozen).
 
 ``EngineConfig.canary`` holds one (default: mode ``none``). Each field's ``metadata`` names
-its ``kvcanary run`` flag, help text and choices; :mod:`kvcanary.cli.args` builds the
+its ``kvcanary run`` flag, help text and choices; :mod:`kvcanary.engine.args` builds the
 ``--kv-canary*`` flags from them, so this class is the one list of the canary's options.
 Fields that are no flag say so (``"flag": None``). Validation errors name the flag (with its
 argparse dest), the value and the allowed values. Environment variables only supply
@@ -32,7 +32,7 @@ KERNEL_BACKENDS = ("auto", "numba", "torch", "triton")
 
 
 def _flag(flag: str, help: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """A field's metadata: its command-line flag (see :func:`kvcanary.cli.args.add_dataclass_flags`)."""
+    """A field's metadata: its command-line flag (see :func:`kvcanary.engine.args.add_dataclass_flags`)."""
     return {"flag": flag, "help": help, "choices": choices}
 
 

@@ -18,8 +18,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcanary.cli.args import add_engine_flags, engine_config_from_args
 from kvcanary.config import DEFAULT_MAX_QUEUED_REQUESTS, EngineConfig
+from kvcanary.engine.args import add_engine_flags, engine_config_from_args
 from kvcanary.utils import show
 from kvcanary.workload import WorkloadSpec
 

@@ -15,9 +15,9 @@ import dataclasses
 import time
 from typing import Any
 
-from kvcanary.cli.args import engine_config_from_args
 from kvcanary.config import EngineConfig, SamplingParams
 from kvcanary.disagg.config import DIST_BACKENDS, TRANSFER_BACKENDS, DisaggConfig
+from kvcanary.engine.args import engine_config_from_args
 from kvcanary.utils import show
 
 _D = DisaggConfig()

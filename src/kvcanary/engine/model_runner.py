@@ -35,6 +35,7 @@ from kvcanary.memory.req_to_token import ReqToTokenPool
 from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.memory.swa_pool import SWAKVPool
 from kvcanary.model import ModelConfig, load_model
+from kvcanary.model.decoder import HybridDecoder
 from kvcanary.ops.cpu.decode import CompiledDecode
 from kvcanary.utils import floor_page, show
 
@@ -119,7 +120,9 @@ class ModelRunner:
             self.attn_backend = PagedAttentionBackend(pool, self.req_to_token_pool, self.sliding_window)
         self.forward_ct = 0
         # The CPU decode forward in one compiled call (ops/cpu/decode.py), where it applies.
-        self._compiled_decode = CompiledDecode(self.model) if self.device == HOST else None
+        self._compiled_decode = (CompiledDecode(self.model)
+                                 if self.device == HOST and isinstance(self.model, HybridDecoder)
+                                 else None)  # fmt: skip
         self.is_draft_worker = False  # a speculative draft worker would hold token p + 1 at p
         # Set by kvcanary.integrations.native.host; None: no canary, no cost.
         self.canary: ForwardHooks | None = None

@@ -11,7 +11,7 @@ the work's size are compiled in both (:func:`kvcanary.jit.parallel.compiling_bot
 larger batch later finds its variant compiled too.
 
 A compile shows on stderr as a progress bar that moves with every kernel numba compiles
-(``compiling kernels (first run, cached afterwards): 12 kernel [00:31, rope_cpu._rope]``);
+(``compiling kernels (first run, cached afterwards): 12 kernel [00:11, rope._rope_w8]``);
 with a warm cache nothing compiles and nothing is printed. Users: ``kvcanary run`` and
 ``kvcanary serve`` (before the first request is admitted), ``kvcanary warmup`` (on demand, e.g.
 in a container build), and the vLLM connector's worker (:mod:`kvcanary.integrations.vllm`).

@@ -739,7 +739,7 @@ def _launch(world: World, impls: dict[str, Impl], plans: dict[str, Any], gi: int
                 compare_state(f"{where} {op} tag={tag}", impls)
             except Mismatch as e:
                 if op == "write" and (alias := seed_aliasing(world, gi, fwd)):
-                    raise Mismatch(f"{e}\nDIAGNOSIS (known divergence, see SEED_ALIASING): "
+                    raise Mismatch(f"{e}\nDIAGNOSIS (seed aliasing, see SEED_ALIASING): "
                                    f"{alias}") from None  # fmt: skip
                 raise
         STATS.launches += 1
@@ -749,8 +749,9 @@ SEED_ALIASING = """\
 A request's chain seed slot is also written by an EARLIER request of the same write launch
 (only after a fault: a remapped req->token entry or LUT entry aliasing a fresh slot).
 SGLang's write_ref walks requests in batch order on one buffer copy, so request r seeds from
-the record request q < r just stored (chain and chain-position assert). Ours (kernels.py
-contract) reads every seed before any store. SGLang's CUDA kernel (one block per request,
+the record request q < r just stored (chain and chain-position assert). Ours must too: every
+write kernel reads a request's seed when that request starts (numba_kernels._write_kernel),
+so a mismatch here is a regression of that. SGLang's CUDA kernel (one block per request,
 concurrent) races here; its reference is the declared spec and what SGLang runs off CUDA."""
 
 

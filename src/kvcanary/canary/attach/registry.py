@@ -1,7 +1,7 @@
 """The pool-attacher registry: which canary buffer groups a KV pool gets, chosen by the
 pool's type. A host registers an attacher per pool class it serves
 (:func:`register_pool_attacher`; ours: :mod:`kvcanary.integrations.native.pools`, SGLang's:
-:mod:`kvcanary.integrations.sglang.pools`, vLLM's: :mod:`kvcanary.integrations.vllm.worker`);
+:mod:`kvcanary.integrations.sglang.pools`, vLLM's: :mod:`kvcanary.integrations.vllm.pool`);
 the MHA / SWA layouts' groups are built once for all of them (:mod:`.mha`). An attacher
 allocates the groups, splices their record buffers into the pool's buf-infos
 (:mod:`.splice`) so transfers carry them, and, where the pool has them, registers slot

@@ -57,7 +57,6 @@ from torch.nn.modules import module as torch_module
 from kvcanary import envs
 from kvcanary.jit import parallel as numba_parallel
 from kvcanary.jit.calls import Callee, call
-from kvcanary.model.decoder import HybridDecoder
 from kvcanary.ops.cpu import attention as attention_cpu
 from kvcanary.ops.cpu import rmsnorm as norm_cpu
 from kvcanary.ops.cpu import rope as rope_cpu
@@ -303,8 +302,10 @@ _GLOBAL_HOOKS = (torch_module._global_forward_hooks, torch_module._global_forwar
 
 
 class CompiledDecode:
-    """The compiled decode forward of one model (weights as numpy views, checked per call
-    against the tensors' addresses); :meth:`forward` or None (the eager forward)."""
+    """The compiled decode forward of one :class:`~kvcanary.model.decoder.HybridDecoder`
+    (the caller's choice: this module reads its layers by name and does not import the
+    model package) with weights as numpy views, checked per call against the tensors'
+    addresses; :meth:`forward` or None (the eager forward)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -330,7 +331,7 @@ class CompiledDecode:
     @staticmethod
     def _eligible(model: Any) -> bool:
         """The model-level conditions (module doc); the per-forward ones are :meth:`forward`'s."""
-        if not isinstance(model, HybridDecoder) or envs.KVCANARY_CPU_DECODE.get() != "compiled":
+        if envs.KVCANARY_CPU_DECODE.get() != "compiled":
             return False
         m: Any = model  # (its layers are DecoderLayers)
         c = m.config

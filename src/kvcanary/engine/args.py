@@ -1,6 +1,6 @@
 """Command-line flags of the engine configuration, and the parsed flags back into it.
 
-Shared by :mod:`kvcanary.cli.command` and the subcommands other packages contribute (e.g.
+Shared by :mod:`kvcanary.cli.command`, the benchmarks and the subcommands other packages contribute (e.g.
 :mod:`kvcanary.disagg.cli_hooks`), which therefore never import the CLI itself.
 
 Dataclasses whose fields carry their flag in ``metadata`` (``{"flag": "--x", "help": ...,

@@ -1,0 +1,215 @@
+"""Each vLLM step's attention metadata as the canary's forward batches: the req->token
+tables all groups share (:class:`StepTables`), their per-group views and hosts, and the
+compiled passes that rebuild them from vLLM's block tables every step.
+
+Sliding groups: vLLM frees the blocks that leave a window without telling the worker (its
+block table keeps the stale ids), so rows keep only positions ``>= K - W + 1`` (K: tokens
+already computed), exactly the ones the scheduler keeps (``SlidingWindowManager``); a hole
+inside that range is ``verify_not_resident``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+import numba
+import numpy as np
+import torch
+
+from kvcanary.integrations.vllm.pool import VllmGroupPool
+
+
+class StepTables:
+    """The req->token tables (one per group) and the token mirror, all groups sharing rows:
+    each live request keeps one row (1 and up; row 0 = padding) from the first step it runs
+    until it finishes. Its token ids go into the host store (``tokens`` / ``lens``, numpy)
+    as the scheduler sends them (:meth:`.worker.VllmCanaryWorker.on_meta`); its req->token rows are
+    refilled from the block tables every step it runs. On the CPU the mirror the canary
+    reads (``token_ids`` / ``token_lens``) is the store itself; on another device the rows
+    of a step's batch are copied there. Grown on demand (token ids kept)."""
+
+    def __init__(self, num_groups: int, device: torch.device):
+        self.device = device
+        self.r2t = [torch.zeros(1, 1, dtype=torch.int64, device=device)
+                    for _ in range(num_groups)]  # fmt: skip
+        self.r2t_host = self._r2t_host()
+        self.tokens = np.full((1, 1), -1, dtype=np.int64)
+        self.lens = np.zeros(1, dtype=np.int64)
+        self.token_ids, self.token_lens = self._mirror()
+
+    def _r2t_host(self) -> list[np.ndarray]:
+        """The req->token tables as numpy views (on the CPU; empty elsewhere)."""
+        return [t.numpy() for t in self.r2t] if self.device.type == "cpu" else []
+
+    def _mirror(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, lens = torch.from_numpy(self.tokens), torch.from_numpy(self.lens)
+        if self.device.type == "cpu":
+            return ids, lens
+        return torch.full_like(ids, -1, device=self.device), lens.to(self.device)
+
+    def ensure(self, rows: int, cols: int) -> None:
+        have_rows, have_cols = self.tokens.shape
+        if rows <= have_rows and cols <= have_cols:
+            return
+        rows = max(rows, 2 * have_rows) if rows > have_rows else have_rows
+        cols = max(cols, 2 * have_cols) if cols > have_cols else have_cols
+        for g in range(len(self.r2t)):
+            self.r2t[g] = torch.zeros(rows, cols, dtype=torch.int64, device=self.device)
+        self.r2t_host = self._r2t_host()
+        tokens = np.full((rows, cols), -1, dtype=np.int64)
+        tokens[:have_rows, :have_cols] = self.tokens
+        lens = np.zeros(rows, dtype=np.int64)
+        lens[:have_rows] = self.lens
+        self.tokens, self.lens = tokens, lens
+        self.token_ids, self.token_lens = self._mirror()
+
+    def publish(self, rows: np.ndarray) -> None:
+        """The mirror rows ``rows`` as the store holds them (off the CPU: copied over)."""
+        if self.device.type != "cpu":
+            idx = torch.from_numpy(rows).to(self.device)
+            self.token_ids[idx] = torch.from_numpy(self.tokens[rows]).to(self.device)
+            self.token_lens[idx] = torch.from_numpy(self.lens[rows]).to(self.device)
+
+
+class GroupTableView:
+    """The :class:`~kvcanary.canary.host.ReqToTokenTable` (+ TokenMirror) of one group."""
+
+    def __init__(self, tables: StepTables, group: int):
+        self._tables, self._group = tables, group
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self._tables.r2t[self._group]
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        return self._tables.token_ids
+
+    @property
+    def token_lens(self) -> torch.Tensor:
+        return self._tables.token_lens
+
+
+@dataclass
+class GroupHost:
+    """The :class:`~kvcanary.canary.host.CanaryHost` of one group."""
+
+    token_to_kv_pool: VllmGroupPool
+    req_to_token_pool: GroupTableView
+    device: torch.device
+    sliding_window: int | None
+    is_draft_worker: bool = False
+
+
+class StepBatch:
+    """A :class:`~kvcanary.canary.host.ForwardBatchView` of one group for one step: six
+    tensors, or on the CPU their numpy arrays (``host_arrays``, which the canary reads),
+    made into tensors only when something asks for one."""
+
+    __slots__ = ("_tensors", "host_arrays")
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...] | None,
+                 host_arrays: tuple[np.ndarray, ...] | None = None) -> None:  # fmt: skip
+        self._tensors, self.host_arrays = tensors, host_arrays
+
+    def _field(self, i: int) -> torch.Tensor:
+        if self._tensors is None:
+            self._tensors = tuple(torch.from_numpy(a) for a in cast(tuple, self.host_arrays))
+        return self._tensors[i]
+
+    req_pool_indices = property(lambda self: self._field(0))
+    prefix_lens = property(lambda self: self._field(1))
+    extend_seq_lens = property(lambda self: self._field(2))
+    input_ids = property(lambda self: self._field(3))
+    positions = property(lambda self: self._field(4))
+    out_cache_loc = property(lambda self: self._field(5))
+
+
+@numba.njit(cache=True)
+def batch_nb(qsl, seq_lens, key_slots, keys, key_rows, tokens, lens):
+    """A step's batch from ``qsl`` (query start locations [n + 1], from 0) and ``seq_lens``
+    ([>= n]): per row its new tokens ``ql``, the tokens computed before them ``prefix`` and
+    their sum; each token's position; the longest sequence (1 without rows); whether some
+    row starts on a prefix with several new tokens (and there are rows to share it); each
+    row's table row (``key_rows[i]`` where ``keys[i]``, sorted, is the key group's slot
+    ``key_slots`` of its first new token; -1 where none is); the input ids from the token
+    store (-1 where not known yet, and for unmatched rows); whether some row is unmatched."""
+    n = qsl.shape[0] - 1
+    num_tokens = max(qsl[n], 0)
+    ql = np.empty(n, dtype=np.int64)
+    prefix = np.empty(n, dtype=np.int64)
+    rows = np.full(n, -1, dtype=np.int64)
+    positions = np.empty(num_tokens, dtype=np.int64)
+    max_seq = 0 if n else 1
+    may_depend = unmatched = False
+    at = 0
+    for r in range(n):
+        e = np.int64(qsl[r + 1] - qsl[r])
+        k = np.int64(seq_lens[r]) - e
+        ql[r], prefix[r] = e, k
+        max_seq = max(max_seq, np.int64(seq_lens[r]))
+        may_depend |= e > 1 and k > 0
+        for i in range(e):
+            positions[at + i] = k + i
+        if e > 0 and at < key_slots.shape[0]:
+            i = np.searchsorted(keys, np.int64(key_slots[at]))
+            if i < keys.shape[0] and keys[i] == key_slots[at]:
+                rows[r] = key_rows[i]
+        unmatched |= rows[r] < 0
+        at += e
+    ids = input_ids_nb(tokens, lens, rows, prefix, ql, num_tokens)
+    return ql, prefix, prefix + ql, positions, max_seq, may_depend and n > 1, rows, ids, unmatched
+
+
+@numba.njit(cache=True)
+def meta_nb(rows, first_slots, starts, counts, tokens, store, lens):
+    """:meth:`.worker.VllmCanaryWorker.on_meta`'s columns: each request's token ids into its row of
+    the token store (``store``, lengths ``lens``: the known prefix grows); returns (the
+    first slots that are allocated, sorted; their requests' rows)."""
+    at = 0
+    for i in range(rows.shape[0]):
+        row, start, count = rows[i], starts[i], counts[i]
+        for j in range(count):
+            store[row, start + j] = tokens[at + j]
+        at += count
+        if start + count > lens[row]:
+            lens[row] = start + count
+    keep = first_slots >= 0
+    keys, key_rows = first_slots[keep], rows[keep]
+    order = np.argsort(keys, kind="mergesort")  # (stable: the first of equal slots first)
+    return keys[order], key_rows[order]
+
+
+@numba.njit(cache=True)
+def input_ids_nb(tokens, lens, rows, prefix, ql, num_tokens):
+    """This step's input ids from the token store (-1 where not known yet, and for rows
+    without a table row, -1)."""
+    ids = np.full(num_tokens, -1, dtype=np.int64)
+    at = 0
+    for r in range(rows.shape[0]):
+        k, row = prefix[r], rows[r]
+        if row >= 0:
+            for i in range(max(min(lens[row], k + ql[r]) - k, 0)):
+                ids[at + i] = tokens[row, k + i]
+        at += ql[r]
+    return ids
+
+
+@numba.njit(cache=True)
+def group_rows_nb(bt, slot_mapping, seq, prefix, bs, window, table, rows, num_tokens):
+    """:meth:`.worker.VllmCanaryWorker._group_rows` on the CPU (batch row r -> table row
+    ``rows[r]``; only positions < seq[r] are written, the planner reads no further)."""
+    nb = bt.shape[1]
+    for r in range(seq.shape[0]):
+        lo = max(0, prefix[r] - window + 1) if window > 0 else 0
+        row = rows[r]
+        for p in range(seq[r]):
+            bi = p // bs
+            b = bt[r, bi] if bi < nb else 0
+            table[row, p] = b * bs + p % bs if (b != 0 and p >= lo) else 0
+    out = np.empty(min(num_tokens, slot_mapping.shape[0]), dtype=np.int64)
+    for t in range(out.shape[0]):
+        s = slot_mapping[t]
+        out[t] = s if s >= bs else -1
+    return out
