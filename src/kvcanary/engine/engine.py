@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 import torch
 
 from kvcanary.config import EngineConfig, SamplingParams
+from kvcanary.engine.hooks import CANARY_HOST, load_by_name
 from kvcanary.engine.kv_manager import KVManager
 from kvcanary.engine.model_runner import ModelRunner
 from kvcanary.engine.request import Req, TokenLogprob
@@ -64,13 +65,11 @@ class Engine:
         self.canary: CanaryManager | None = self._install_canary()
 
     def _install_canary(self) -> CanaryManager | None:
-        """The KV canary (kvcanary.canary.manager.CanaryManager), or None when it is off.
-        The engine is one host of the canary (kvcanary.integrations.native.host)."""
+        """The KV canary (kvcanary.canary.manager.CanaryManager), or None when it is off,
+        installed by the engine's canary host, loaded by name (:data:`CANARY_HOST`)."""
         if not self.config.canary.enabled:
             return None
-        from kvcanary.integrations.native.host import install_on_engine  # a guest: lazy
-
-        canary = install_on_engine(self, self.config.canary)
+        canary: CanaryManager | None = load_by_name(CANARY_HOST)(self, self.config.canary)
         self.runner.canary = canary  # ModelRunner.forward calls its before/after hooks
         return canary
 

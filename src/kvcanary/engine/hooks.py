@@ -14,9 +14,24 @@ to the req->token table or the SWA mapping (fault injection) is what attention r
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import importlib
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 from kvcanary.engine.forward_batch import ForwardBatch
+
+# The engine's canary host, ``module:function`` (``function(engine, canary_config)`` installs
+# the canary and returns its manager): loaded by name when a configuration turns the canary
+# on, as vLLM's KVConnectorFactory loads a connector, so the engine imports no host (the host
+# imports the engine's types; kvcanary.integrations.native).
+CANARY_HOST = "kvcanary.integrations.native.host:install_on_engine"
+
+
+def load_by_name(spec: str) -> Callable[..., Any]:
+    """The function ``spec`` (``module:function``) names, its module imported."""
+    module, _, name = spec.partition(":")
+    fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
+    return fn
 
 
 @runtime_checkable
