@@ -349,11 +349,16 @@ def _contiguous(*arrays: np.ndarray) -> bool:
     return all(a.flags.c_contiguous for a in arrays)
 
 
-def _call(kernel: Any, split: bool, *args: Any) -> Any:
-    """``kernel(*args)``, under :mod:`kvcanary.jit.parallel`'s lock when it splits."""
-    if split and numba_parallel.parallel_threads() > 1:
-        return numba_parallel.run_parallel(kernel, *args)
-    return kernel(*args)
+def _threaded(split: bool) -> bool:
+    """``split`` (the work is worth the threads) where there are threads to split it among."""
+    return split and numba_parallel.parallel_threads() > 1
+
+
+def _call(kernel: Any, *args: Any) -> Any:
+    """``kernel(*args)`` under :mod:`kvcanary.jit.parallel`'s lock, on this thread's count:
+    any of these kernels may enter a parallel region (a split pass, the decode layer's
+    RoPE from 16 tokens)."""
+    return numba_parallel.run_parallel(kernel, *args)
 
 
 def _split(bs: int, k_buf: np.ndarray, slots: np.ndarray) -> tuple[bool, int]:
@@ -407,11 +412,12 @@ def decode_attention(
     # q as it is (a decode step's is a view of the q/k projection): the kernel copies each
     # query row once, where a contiguous() copy of all of q cost a torch op per layer.
     split, parts = _split(bs, k_np, slots_np)
+    split = _threaded(split)
     k_np, v_np = np.ascontiguousarray(k_np), np.ascontiguousarray(v_np)  # (theirs are: no copy)
     slots_np, keys_np = np.ascontiguousarray(slots_np), np.ascontiguousarray(keys_np)
     args = (addresses(), split, q.numpy(), k_np, v_np, slots_np, keys_np, np.float32(scale),
             out.numpy(), parts)  # fmt: skip
-    bad_row = _call(_decode_attention, split, *args)
+    bad_row = _call(_decode_attention, *args)
     if bad_row >= 0:  # as index_select would refuse it (nothing was read)
         n = max(int(num_keys[bad_row]), 1)
         raise IndexError(
@@ -655,7 +661,7 @@ def extend_attention(
     split = work >= PARALLEL_MIN_WORK and numba_parallel.parallel_threads() > 1
     args = (_extend_fns(), split, q.numpy(), k_np, v_np, slots, num_keys, starts, ext, first_col,
             np.int64(window), np.float32(scale), out.numpy())  # fmt: skip
-    bad = _call(_extend_attention, split, *args)
+    bad = _call(_extend_attention, *args)
     if bad >= 0:
         raise IndexError(
             f"extend attention: request row {bad} (ext {int(ext[bad])}, first column "
@@ -697,8 +703,9 @@ def decode_layer(
     if not _contiguous(qkv, w, cos, sin, k_np, v_np, loc, slots, num_keys, out, k_out):
         return False  # (the types the kernel is compiled for; the engine's arrays are)
     split, parts = _split(qkv.shape[0], k_np, slots)
+    split = _threaded(split)
     status = _call(
-        _decode_layer, split, qkv, num_heads, w, weight is not None,
+        _decode_layer, qkv, num_heads, w, weight is not None,
         np.float32(norm_eps or 0.0), lanes, cos, sin, k_np, v_np, loc, slots, num_keys,
         np.float32(scale), out, k_out, parts, split, addresses(),
     )  # fmt: skip
