@@ -86,6 +86,8 @@ def summarize(engine: Engine, outs: list, wall_s: float) -> dict[str, Any]:
         "retractions": st.num_retractions,
         "swa_slots_evicted": st.num_swa_slots_evicted,
         "swa_slots_tombstoned": st.num_swa_slots_tombstoned,
+        "suspected_leak_full_slots": st.num_leaked_full_slots,
+        "suspected_leak_swa_slots": st.num_leaked_swa_slots,
         "swa_translation_gathers_per_forward": gathers / st.num_forwards if st.num_forwards else 0.0,
         "graph_replays": st.graph_replays,
         **canary_summary(engine),

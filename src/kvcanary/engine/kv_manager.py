@@ -30,6 +30,7 @@ without sliding layers); the prefix cache and the disagg pre-allocation read it 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -44,6 +45,8 @@ from kvcanary.memory.base import HOST, KVPool, PageAllocator, PrefixCache, Windo
 from kvcanary.memory.radix_cache import RadixCache, RadixNode
 from kvcanary.memory.req_to_token import ReqToTokenPool
 from kvcanary.utils import cdiv, ceil_page, floor_page
+
+log = logging.getLogger("kvcanary.engine")
 
 
 class PoolNeed(NamedTuple):
@@ -447,6 +450,8 @@ class KVManager:
         )
         full_slots, swa = full_slots[full_slots > 0], swa[swa > 0]
         hit = [req for req in running if self._references(req, full_slots, swa)]
+        if hit:  # pages nothing referenced even before the drop: leaked from elsewhere
+            leaked_full, leaked_swa = self._unreferenced_full_pages(running), self._orphan_swa_pages()
         self.allocator.quarantine(full_slots)
         if swa.numel():
             self.swa().quarantine_swa(swa)
@@ -457,6 +462,7 @@ class KVManager:
         if hit:
             survivors = [r for r in running if all(r is not h for h in hit)]
             self._free_unreferenced_pages(survivors)
+            self._report_leak(leaked_full, leaked_swa)
         if self.prefix_cache is not None:
             # No later request may be served the corrupt KV from the prefix cache.
             corrupt = full_slots
@@ -475,18 +481,46 @@ class KVManager:
             return False
         return bool(torch.isin(self.swa().full_to_swa_index_mapping[slots], swa_slots).any())
 
+    def _unreferenced_full_pages(self, running: Sequence[Req]) -> torch.Tensor:
+        """The allocated full pages no request in ``running``, other row or prefix-cache
+        node references."""
+        pages = torch.nonzero(self._full_pages.page_allocated).reshape(-1)
+        return pages[~torch.isin(pages, self._referenced_slots(running) // self.spec.page_size)]
+
+    def _orphan_swa_pages(self) -> torch.Tensor | None:
+        """SWA pools: the allocated SWA pages no full slot maps to (else None)."""
+        swa = self._windowed
+        if swa is None:
+            return None
+        mapping = swa.full_to_swa_index_mapping[:-1]
+        pages = torch.nonzero(swa.swa_attn_allocator.page_allocated).reshape(-1)
+        return pages[~torch.isin(pages, mapping[mapping > 0] // self.spec.page_size)]
+
     def _free_unreferenced_pages(self, running: Sequence[Req]) -> None:
         """Free, each exactly once, the allocated pages nothing references any more: the
         own pages of requests whose rows were just dropped (pages they shared included) and
         the slot a corrupt req->token entry orphaned. Never a page a live row or the prefix
         cache holds. SWA pools: then every allocated SWA page no full slot maps to."""
-        p, alloc, swa = self.spec.page_size, self.allocator, self._windowed
-        pages = torch.nonzero(self._full_pages.page_allocated).reshape(-1)
-        alloc.free(pages[~torch.isin(pages, self._referenced_slots(running) // p)] * p)
-        if swa is not None:
-            mapping = swa.full_to_swa_index_mapping[:-1]
-            pages = torch.nonzero(swa.swa_attn_allocator.page_allocated).reshape(-1)
-            swa.swa_attn_allocator.free(pages[~torch.isin(pages, mapping[mapping > 0] // p)] * p)
+        p = self.spec.page_size
+        self.allocator.free(self._unreferenced_full_pages(running) * p)
+        orphans = self._orphan_swa_pages()  # (after the full pages: freeing them unmaps)
+        if orphans is not None:
+            self.swa().swa_attn_allocator.free(orphans * p)
+
+    def _report_leak(self, full_pages: torch.Tensor, swa_pages: torch.Tensor | None) -> None:
+        """Count and log the pages :meth:`quarantine` reclaimed that nothing referenced
+        before it dropped a request (unreferenced with every running request still in place):
+        a leak from elsewhere, not the aborted requests' own KV."""
+        p = self.spec.page_size
+        full, orphans = int(full_pages.numel()) * p, 0 if swa_pages is None else int(swa_pages.numel()) * p
+        if not (full or orphans):
+            return
+        self.stats.num_leaked_full_slots += full
+        self.stats.num_leaked_swa_slots += orphans
+        log.warning(
+            "kv manager: suspected KV leak: quarantine reclaimed %d full slots (pages no request, "
+            "row or prefix-cache node referenced) and %d SWA slots (pages no full slot mapped to) "
+            "before it dropped the aborted requests", full, orphans)  # fmt: skip
 
     def _referenced_slots(self, running: Sequence[Req]) -> torch.Tensor:
         """Every full slot still referenced: running requests' KV, the sequences of rows

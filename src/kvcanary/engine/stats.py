@@ -13,6 +13,10 @@ class KVStats:
     num_retractions: int = 0
     num_swa_slots_evicted: int = 0  # SWA slots freed by window eviction
     num_swa_slots_tombstoned: int = 0  # SWA slots the prefix cache gave back (tombstones)
+    # Slots abort mode's quarantine reclaimed that nothing referenced before it dropped a
+    # request (KVManager.quarantine: a leak from elsewhere, logged as suspected)
+    num_leaked_full_slots: int = 0
+    num_leaked_swa_slots: int = 0
     peak_full_used: int = 0
     peak_swa_used: int = 0
     peak_full_active: int = 0  # minus the prefix cache's evictable part

@@ -9,6 +9,8 @@ engine loop's thread (``EngineLoop.call``), never concurrently with a step::
     kvcanary_engine_generated_tokens        output tokens of finished requests
     kvcanary_engine_steps                   engine steps (forwards) run by the server
     kvcanary_engine_requests_finished{finish_reason}
+    kvcanary_engine_leaked_kv_slots{pool}  KV slots abort mode reclaimed that nothing referenced
+                                            (a suspected leak: KVManager.quarantine)
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ class EngineCollector(Collector):
         for reason, n in sorted(st.num_finished_by_reason.items()):
             finished.add_metric([reason], n)
         yield finished
+        kv = self.loop.engine.stats
+        leaked = CounterMetricFamily("kvcanary_engine_leaked_kv_slots",
+                                     "KV slots abort mode reclaimed that nothing referenced (suspected leak)",
+                                     labels=["pool"])  # fmt: skip
+        leaked.add_metric(["full"], kv.num_leaked_full_slots)
+        leaked.add_metric(["swa"], kv.num_leaked_swa_slots)
+        yield leaked
 
 
 def make_server_registry(loop: EngineLoop) -> CollectorRegistry:
