@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from typing import Any, cast
 
+import numpy as np
 from numba.core import cgutils, types
 from numba.core.typeconv import Conversion
 from numba.experimental.function_type import _get_jit_address
@@ -53,6 +54,11 @@ class Callee:
 
     def __repr__(self) -> str:
         return f"Callee({self.kernel.py_func.__qualname__}, {self.type.signature})"
+
+
+def addresses(*callees: Callee) -> np.ndarray:
+    """The callees' addresses (:meth:`Callee.address`) as the int64 array a driver takes."""
+    return np.array([c.address() for c in callees], dtype=np.int64)
 
 
 @intrinsic

@@ -47,6 +47,7 @@ batch 16 x 100 random keys, warm: 45 us against 62 for the three calls (batch 64
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numba
@@ -55,6 +56,7 @@ import torch
 from numba import prange
 from numba.core import types as nbtypes
 
+from kvcanary.jit import calls
 from kvcanary.jit import parallel as numba_parallel
 from kvcanary.jit.calls import Callee, call
 from kvcanary.jit.parallel import part_range, split_ranges
@@ -331,18 +333,12 @@ _LAYER_ARGS = (_F3, nbtypes.int64, _F2, nbtypes.boolean, nbtypes.float32, nbtype
                _F3, _F3, _I1, _I2, _I1, nbtypes.float32, _F3, _F3, nbtypes.int64, nbtypes.boolean,
                _I1)  # fmt: skip
 LAYER = Callee(_decode_layer, nbtypes.int64, *_LAYER_ARGS)  # (the compiled decode forward's)
-_addresses: np.ndarray | None = None
-
-
+@functools.cache
 def addresses() -> np.ndarray:
     """The ``fns`` of :func:`_decode_layer` and :func:`_decode_attention`: this process's
     RoPE token kernel and its parallel pass (:func:`kvcanary.ops.cpu.rope.addresses`), then
     :data:`ATTEND` and :data:`ATTEND_PARALLEL`."""
-    global _addresses
-    if _addresses is None:
-        _addresses = np.concatenate(
-            (rope_cpu.addresses(), np.array([ATTEND.address(), ATTEND_PARALLEL.address()])))
-    return _addresses
+    return np.concatenate((rope_cpu.addresses(), calls.addresses(ATTEND, ATTEND_PARALLEL)))
 
 
 def _contiguous(*arrays: np.ndarray) -> bool:
@@ -595,14 +591,9 @@ def _extend_attention(fns, split, q, k_buf, v_buf, slots, num_keys, starts, ext,
     return -1
 
 
-_extend_addresses: np.ndarray | None = None
-
-
+@functools.cache
 def _extend_fns() -> np.ndarray:
-    global _extend_addresses
-    if _extend_addresses is None:
-        _extend_addresses = np.array([EXTEND.address(), EXTEND_PARALLEL.address()], dtype=np.int64)
-    return _extend_addresses
+    return calls.addresses(EXTEND, EXTEND_PARALLEL)
 
 
 # extend_attention against the torch path's padded, masked SDPA (whose rate per score is

@@ -40,6 +40,7 @@ the eager path, which raises the error. ``KVCANARY_CPU_DECODE=eager`` turns it o
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from typing import Any, cast
 
@@ -55,6 +56,7 @@ from torch.nn import functional as F
 from torch.nn.modules import module as torch_module
 
 from kvcanary import envs
+from kvcanary.jit import calls
 from kvcanary.jit import parallel as numba_parallel
 from kvcanary.jit.calls import Callee, call
 from kvcanary.ops.cpu import attention as attention_cpu
@@ -155,19 +157,13 @@ _LAYER_T = attention_cpu.LAYER.type
 _SILU_T, _SILU_PAR_T = _SILU[0].type, _SILU[1].type
 # _forward_nb's fns, in this order
 _RMS_I, _RMS_PAR_I, _ADD_RMS_I, _ADD_RMS_PAR_I, _LAYER_I, _SILU_I, _SILU_PAR_I = range(7)
-_addresses: np.ndarray | None = None
-
-
+@functools.cache
 def _callee_addresses() -> np.ndarray:
     """The addresses of the kernels :func:`_forward_nb` calls (compiled or loaded at the
     first call; the norm's row kernels of this process's width)."""
-    global _addresses
-    if _addresses is None:
-        lanes = norm_cpu.lanes()
-        callees = (norm_cpu.RMS_ROWS[lanes], _RMS_PAR, norm_cpu.ADD_RMS_ROWS[lanes], _ADD_RMS_PAR,
-                   attention_cpu.LAYER, *_SILU)  # fmt: skip
-        _addresses = np.array([c.address() for c in callees], dtype=np.int64)
-    return _addresses
+    lanes = norm_cpu.lanes()
+    return calls.addresses(norm_cpu.RMS_ROWS[lanes], _RMS_PAR, norm_cpu.ADD_RMS_ROWS[lanes],
+                           _ADD_RMS_PAR, attention_cpu.LAYER, *_SILU)  # fmt: skip
 
 
 @numba.njit(cache=True, inline="always")

@@ -20,6 +20,7 @@ Halves layout (transformers' ``rotate_half``), ``sin`` sign-folded as
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numba
@@ -28,6 +29,7 @@ import torch
 from numba import prange
 from numba.core import types
 
+from kvcanary.jit import calls
 from kvcanary.jit import parallel as numba_parallel
 from kvcanary.jit.calls import Callee, call
 from kvcanary.jit.parallel import part_range, split_ranges
@@ -133,16 +135,11 @@ def rope_nb(fns, x, weight, has_weight, norm_eps, lanes, cos, sin, out):
         call(_ROPE_T, fns[0], (x, weight, has_weight, norm_eps, norm, cos, sin, out, 0, n))
 
 
-_addresses: np.ndarray | None = None
-
-
+@functools.cache
 def addresses() -> np.ndarray:
     """:func:`rope_nb`'s ``fns``: the addresses of this process's token kernel
     (:func:`width`) and of :data:`ROPE_PARALLEL`."""
-    global _addresses
-    if _addresses is None:
-        _addresses = np.array([ROPE[width()].address(), ROPE_PARALLEL.address()], dtype=np.int64)
-    return _addresses
+    return calls.addresses(ROPE[width()], ROPE_PARALLEL)
 
 
 def width() -> int:
