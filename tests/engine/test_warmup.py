@@ -35,6 +35,7 @@ from kvcanary.engine.warmup import (
     watch_compiles,
 )
 from kvcanary.jit import parallel as numba_parallel
+from kvcanary.jit.calls import Callee
 from kvcanary.workload import WorkloadSpec
 
 # The demo's configuration (Makefile `demo`): window eviction, SWA tombstones, retraction.
@@ -143,13 +144,24 @@ def test_sharing_compiles_gives_up_waiting_after_the_timeout(tmp_path, monkeypat
         assert done and kernel.signatures == [I64]
 
 
+def _driver_kernel(name: str):  # type: ignore[no-untyped-def]
+    """A fresh kvcanary-named kernel with a parallel variant's arguments: the serial
+    kernel's address, then its arguments."""
+
+    def drive(fn, x):  # type: ignore[no-untyped-def]
+        return x + 1
+
+    drive.__module__ = f"kvcanary.{name}"
+    return numba.njit(drive)
+
+
 def test_compiling_both_compiles_the_variant_not_taken() -> None:
-    serial, parallel = _kernel("warmup_serial"), _kernel("warmup_parallel")
+    serial, parallel = _kernel("warmup_serial"), _driver_kernel("warmup_parallel")
     x = np.int64(3)
-    numba_parallel.run(serial, parallel, False, x)
+    numba_parallel.run(Callee(serial, numba.int64, numba.int64), parallel, False, x)
     assert len(serial.signatures) == 1 and len(parallel.signatures) == 0
     with numba_parallel.compiling_both():
-        numba_parallel.run(serial, parallel, False, x)
+        numba_parallel.run(Callee(serial, numba.int64, numba.int64), parallel, False, x)
     threaded = numba_parallel.parallel_threads() > 1
     assert len(parallel.signatures) == (1 if threaded else 0)  # never used on one thread
 

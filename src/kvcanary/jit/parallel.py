@@ -95,24 +95,18 @@ def _compile_for(kernel: Any, args: tuple[Any, ...]) -> None:
     kernel.compile(tuple(numba.typeof(a) for a in args))
 
 
-def run(serial: Any, parallel: Any, split: bool, *args: Any) -> Any:
-    """``parallel(*args)`` (:func:`run_parallel`) when the caller's work is big enough to
-    ``split`` and there are threads to split it among, else ``serial(*args)``. ``serial``
-    may be a :class:`~kvcanary.jit.calls.Callee` whose ranges ``parallel`` splits
-    (:func:`split_ranges`): then ``parallel`` gets its address first."""
+def run(serial: Callee, parallel: Any, split: bool, *args: Any) -> Any:
+    """``parallel(serial's address, *args)`` (:func:`run_parallel`; a driver that splits the
+    serial kernel's ranges, :func:`split_ranges`) when the caller's work is big enough to
+    ``split`` and there are threads to split it among, else ``serial``'s kernel on ``args``."""
     threaded = parallel_threads() > 1
-    callee = serial if isinstance(serial, Callee) else None
-    if callee is not None:
-        serial = callee.kernel
     if _compile_both:
-        _compile_for(serial, args)
+        _compile_for(serial.kernel, args)
         if threaded:
-            _compile_for(parallel, (callee.address(), *args) if callee else args)
+            _compile_for(parallel, (serial.address(), *args))
     if split and threaded:
-        if callee is not None:
-            return run_parallel(parallel, callee.address(), *args)
-        return run_parallel(parallel, *args)
-    return serial(*args)
+        return run_parallel(parallel, serial.address(), *args)
+    return serial.kernel(*args)
 
 
 @intrinsic
