@@ -1,0 +1,96 @@
+"""The replay driver: one engine run of a workload, with or without a reverted upstream fix
+and with or without the canary, observed by the read oracle (:mod:`vllm_oracle`).
+
+A workload is ``workload(llm, tick) -> outputs``: it adds requests and calls ``tick()`` for
+each engine step (``tick`` steps the engine once and files the canary rows the step
+reported under the oracle's step number), returning ``{request: generated token ids}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import vllm_harness as H
+from vllm_oracle import ReadOracle
+
+from kvcanary.canary.explain import explain
+
+Workload = Callable[[Any, Callable[[], list[Any]]], dict[str, list[int]]]
+
+
+@dataclass
+class Run:
+    outputs: dict[str, list[int]]
+    oracle: ReadOracle
+    rows: dict[int, list[Any]] = field(default_factory=dict)  # oracle step -> canary rows
+    log: str = ""
+
+    @property
+    def first_detection(self) -> int | None:
+        return min(self.rows) if self.rows else None
+
+    def named_slots(self, step: int) -> set[int]:
+        return {int(r.slot_idx) for r in self.rows.get(step, [])}
+
+    def causes(self) -> list[str]:
+        return [c["cause"] for c in explain(self.log)["causes"]]
+
+
+@contextlib.contextmanager
+def _captured_canary_log() -> Iterator[io.StringIO]:
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    log = logging.getLogger("kvcanary.canary")
+    log.addHandler(handler)
+    try:
+        yield buf
+    finally:
+        log.removeHandler(handler)
+
+
+def replay(ckpt: Path, workload: Workload, *, canary: dict[str, Any] | None,
+           patch: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+           namespace: Callable[[str], object] = lambda rid: None,
+           **engine: Any) -> Run:  # fmt: skip
+    """One run (module doc). ``patch()`` is entered after the engine is built (so start-up
+    runs the released code) and left before it shuts down."""
+    with _captured_canary_log() as buf, H.vllm_engine(ckpt, canary=canary, **engine) as llm:
+        oracle = ReadOracle(H.worker(llm).model_runner, namespace)
+        run = Run({}, oracle)
+        conn = H.connector(llm) if canary is not None else None
+        seen = 0
+
+        def tick() -> list[Any]:
+            nonlocal seen
+            out = H.step(llm)
+            if conn is not None:
+                conn.worker.flush()
+                rows = conn.worker.violations
+                if len(rows) > seen:
+                    run.rows.setdefault(oracle.step, []).extend(rows[seen:])
+                    seen = len(rows)
+            return out
+
+        with patch() if patch is not None else contextlib.nullcontext():
+            run.outputs = workload(llm, tick)
+    run.log = buf.getvalue()
+    return run
+
+
+def run_to_end(llm: Any, tick: Callable[[], list[Any]], limit: int = 2000) -> dict[str, list[int]]:
+    """Step until every request finished; ``{user request id: output token ids}``."""
+    outputs: dict[str, list[int]] = {}
+    for _ in range(limit):
+        if not llm.llm_engine.has_unfinished_requests():
+            break
+        for out in tick():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+    return outputs
