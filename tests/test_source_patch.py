@@ -35,7 +35,7 @@ def test_staticmethod_keeps_its_defaults() -> None:
 
 
 def test_drifted_source_fails_loudly() -> None:
-    with pytest.raises(FixNotFound, match="occur 0 times"):
-        with revert_fix(Pool.size, fixed="return n + 2", buggy="return n"):
-            pass
+    with (pytest.raises(FixNotFound, match="occur 0 times"),
+          revert_fix(Pool.size, fixed="return n + 2", buggy="return n")):
+        pass
     assert Pool().size() == 2

@@ -23,6 +23,9 @@ and fail reasons and by slot, and each row is matched to the cause its signature
     position only (chain intact)                           position_shift (a page table shifted
                                                            onto another self-consistent run of
                                                            slots, or KV written at a wrong position)
+    verify_token, a token field >= 2^62 on either side     cross_namespace_hit (tenant
+                                                           isolation: KV of one cache
+                                                           namespace read by another)
     verify_token                                           wrong_token
     verify_not_resident, SWA tags                          premature_window_eviction
     verify_not_resident, FULL tags                         missing_slot
@@ -65,6 +68,7 @@ _WRITE_TOKEN = FailReason.WRITE_TOKEN_MISMATCH
 _WRITE_POSITION = FailReason.WRITE_POSITION_MISMATCH
 _NOT_RESIDENT = FailReason.VERIFY_NOT_RESIDENT
 _KV_STORE = FailReason.WRITE_KV_STORE_MISMATCH
+_SALTED = 1 << 62  # token fields salted by tenant isolation (integrations.vllm.namespace)
 
 CAUSES: dict[str, str] = {
     "premature_window_eviction": "a position inside the sliding window (which attention "
@@ -109,6 +113,11 @@ CAUSES: dict[str, str] = {
     "another position: the page table (req->token row) or mapping is shifted onto another, "
     "self-consistent run of slots (e.g. off by whole pages), or the KV was written with a "
     "wrong position (e.g. a RoPE / draft position off by one)",
+    "cross_namespace_hit": "the slot holds KV written under another cache namespace (tenant "
+    "isolation is on, so token fields carry the namespace's salt): a prefix-cache hit across "
+    "LoRA adapters or cache_salt values, e.g. a block hash that leaves the adapter or the "
+    "salt out (vLLM #27211's lineage, #44701); the KV was computed with another tenant's "
+    "weights or prompt",
     "wrong_token": "the slot holds another token than the request's: a wrong token was written "
     "into the KV (e.g. a draft rotation bug) or the slot was reused",
     "unclassified": "a combination of checks no single cause explains",
@@ -216,6 +225,12 @@ def classify(v: ParsedViolation) -> tuple[str, str]:
     if bits & _CHAIN and r.expected_aux == 0:
         return "never_written_predecessor", (
             f"{v.tag}: expected_aux=0x0000000000000000 (the predecessor's record is all zeros)"
+        )
+    if bits & _TOKEN and max(r.stored_token, r.expected_token) >= _SALTED:
+        return "cross_namespace_hit", (
+            f"{v.tag}: slot {r.slot_idx} (position {r.position}) was written under another "
+            f"cache namespace (salted token {_hex(r.stored_token)}, the reader's "
+            f"{_hex(r.expected_token)})"
         )
     if bits & _POSITION and r.position == 0 and r.stored_token == 0 and r.stored_chain_hash == 0:
         return "unwritten_slot", f"{v.tag}: slot {r.slot_idx} holds an all-zero record"

@@ -4,8 +4,10 @@ Called by :class:`~kvcanary.canary.manager.CanaryManager` (``before_forward`` ru
 first two, ``after_forward`` the last two)::
 
     pre_ops_outside_graph      host only: reset the step's overflow notes
-    pre_ops_maybe_inside_graph  per group: plan -> holes -> verify HEAD -> write HEAD   (K, V)
-                                (holes: positions attention reads that have no slot)
+    pre_ops_maybe_inside_graph  per group: plan -> holes -> write HEAD -> verify HEAD   (K, V)
+                                (holes: positions attention reads that have no slot; the
+                                write first: the alias check, kernels.dispatch; compress-
+                                state rings verify first)
     -- the host's forward: attention reads the verified prefix, writes this forward's KV --
     post_ops_maybe_inside_graph per group: verify TAIL -> write TAIL           (K, then V)
                                 (TAIL fingerprints the live KV: real-data modes; state
@@ -366,12 +368,14 @@ class SingleForwardManager:
         verify_plan = plans.verify
         if stage == LaunchStage.TAIL and plans.tail_verify is not None:
             verify_plan = plans.tail_verify
+        # HEAD of a per-position group writes first: the alias check (kernels.dispatch).
+        write_first = stage == LaunchStage.HEAD and group.per_position
         for tag, records, sources, watch in self._launches[id(group), stage]:
             kernels.launch(
                 records, verify_plan, plans.write, rt.ring, tag, real_kv_sources=sources,
                 check_token=rt.config.verify_tokens, chain_position_assert=rt.chain_position_assert,
                 verify_counters=rt.verify_counters, write_counters=rt.write_counters,
-                backend=backend,  # type: ignore[arg-type]
+                backend=backend, write_first=write_first,  # type: ignore[arg-type]
             )  # fmt: skip
             if watch is not None and rt.store_checker is not None:
                 rt.store_checker.check(watch, plans.write, rt.ring)

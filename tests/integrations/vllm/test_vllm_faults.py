@@ -9,7 +9,8 @@ report it with the expected tag and reason in the very next step.
     KV byte flipped in a cached free block  worker tensor; the block only in the prefix cache
     phantom prefix hit                      scheduler: block_pool.cached_block_hash_to_block
     sliding-window block reused in window   scheduler: SlidingWindowManager frees a block
-                                            still inside a running request's window
+                                            still inside a running request's window (with
+                                            real_data none too: the HEAD alias check)
 """
 
 from __future__ import annotations
@@ -179,35 +180,57 @@ def test_phantom_prefix_hit(checkpoints: dict[str, Path], caplog: pytest.LogCapt
 # --------------------------------------------------------------------------- sliding window
 
 
+def _reuse_window_block(llm: Any) -> tuple[Any, int, int]:
+    """Decode ``a`` into its window, free a block its window still covers (the injected
+    bug: window eviction frees it early) and add ``b``, whose prefill this very step is
+    handed the block. (connector, violations before, victim block id)."""
+    _decoding(llm, {"a": _prompt(9, 60)}, 60, 12)  # a decodes at ~71: window 64..71
+    sched = H.scheduler(llm)
+    a = H.internal_id(llm, "a")
+    conn = H.connector(llm)
+    g = next(s.index for s in conn.specs if s.sliding_window is not None)
+    manager = sched.kv_cache_manager.coordinator.single_type_managers[g]
+    k = sched.requests[a].num_computed_tokens
+    idx = (k - 1) // H.BLOCK_SIZE  # holds position k - 1: inside a's window
+    blocks = manager.req_to_blocks[a]
+    victim = blocks[idx]
+    pool = H.block_pool(llm)
+    before = len(conn.worker.violations)
+    pool.free_blocks([victim])
+    blocks[idx] = pool.null_block
+    H.add_request(llm, "b", _prompt(10, 40), 4)  # the next allocation reuses it
+    return conn, before, victim.block_id
+
+
 def test_sliding_window_block_reused_inside_window(checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="kvcanary.canary")
     with H.vllm_engine(checkpoints["gemma3"], canary=CANARY) as llm:
-        _decoding(llm, {"a": _prompt(9, 60)}, 60, 12)  # a decodes at ~71: window 64..71
-        sched = H.scheduler(llm)
-        a = H.internal_id(llm, "a")
-        conn = H.connector(llm)
-        g = next(s.index for s in conn.specs if s.sliding_window is not None)
-        manager = sched.kv_cache_manager.coordinator.single_type_managers[g]
-        k = sched.requests[a].num_computed_tokens
-        idx = (k - 1) // H.BLOCK_SIZE  # holds position k - 1: inside a's window
-        blocks = manager.req_to_blocks[a]
-        victim = blocks[idx]
-        pool = H.block_pool(llm)
-        before = len(conn.worker.violations)
-        # The injected bug: window eviction frees a block a's window still covers.
-        pool.free_blocks([victim])
-        blocks[idx] = pool.null_block
-        H.add_request(llm, "b", _prompt(10, 40), 4)  # the next allocation reuses it
+        conn, before, victim = _reuse_window_block(llm)
         steps, rows = _steps_to_detection(llm, conn, before)
         bs = H.BLOCK_SIZE
         _record("sliding-window block reused while in a window", steps, rows,
                 {"HEAD_K_SWA", "TAIL_K_SWA"}, "verify_real_kv_hash",
-                set(range(victim.block_id * bs, (victim.block_id + 1) * bs)), caplog.text)  # fmt: skip
+                set(range(victim * bs, (victim + 1) * bs)), caplog.text)  # fmt: skip
+
+
+def test_sliding_window_block_reused_in_one_forward_without_fingerprints(
+        checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """The same fault with ``real_data none``: b's store overwrites the block a reads in the
+    same forward; HEAD writes b's records before it verifies a's reads (the alias check),
+    so a's read of the reused block fails its position check in that step."""
+    caplog.set_level(logging.WARNING, logger="kvcanary.canary")
+    with H.vllm_engine(checkpoints["gemma3"], canary={**CANARY, "real_data": "none"}) as llm:
+        conn, before, victim = _reuse_window_block(llm)
+        steps, rows = _steps_to_detection(llm, conn, before)
+        bs = H.BLOCK_SIZE
+        _record("sliding-window block reused in one forward (real_data none)", steps, rows,
+                {"HEAD_K_SWA"}, "verify_position", set(range(victim * bs, (victim + 1) * bs)),
+                caplog.text)  # fmt: skip
 
 
 def test_fault_table() -> None:
     """Print the campaign's table (the closing note's)."""
-    if len(RESULTS) < 5:
+    if len(RESULTS) < 6:
         pytest.fail(f"fault tests did not all run: {sorted(RESULTS)}")
     print("\n| fault | steps to detection | tags | reasons | first row | explain |")
     print("|---|---|---|---|---|---|")

@@ -57,12 +57,15 @@ def _captured_canary_log() -> Iterator[io.StringIO]:
 
 def replay(ckpt: Path, workload: Workload, *, canary: dict[str, Any] | None,
            patch: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-           namespace: Callable[[str], object] = lambda rid: None,
+           namespace_of: Callable[[Any], Callable[[str], object]] | None = None,
            **engine: Any) -> Run:  # fmt: skip
     """One run (module doc). ``patch()`` is entered after the engine is built (so start-up
-    runs the released code) and left before it shuts down."""
+    runs the released code) and left before it shuts down. ``namespace_of(llm)``: the
+    oracle's namespace of a request id (what its KV is computed with beyond its tokens)."""
     with _captured_canary_log() as buf, H.vllm_engine(ckpt, canary=canary, **engine) as llm:
-        oracle = ReadOracle(H.worker(llm).model_runner, namespace)
+        runner = H.worker(llm).model_runner
+        oracle = (ReadOracle(runner) if namespace_of is None
+                  else ReadOracle(runner, namespace_of(llm)))  # fmt: skip
         run = Run({}, oracle)
         conn = H.connector(llm) if canary is not None else None
         seen = 0

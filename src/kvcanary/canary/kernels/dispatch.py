@@ -38,9 +38,19 @@ raise. ``counters`` (optional) count one launch per call and the entries process
 all entries of an enabled plan; write: tokens stored). A disabled verify plan does nothing
 but count the launch.
 
-**launch(records, verify_plan, write_plan, ring, tag)** — :func:`verify` then :func:`write`
-of one launch; a CPU row plan runs both in one compiled call (the per-forward path: after a
-forward has evicted the caches, each Python-to-native crossing costs microseconds).
+**launch(records, verify_plan, write_plan, ring, tag, write_first)** — :func:`verify` then
+:func:`write` of one launch, or with ``write_first`` :func:`write` then :func:`verify` (a
+HEAD of a per-position group: the alias check, below); a CPU row plan runs both in one
+compiled call (the per-forward path: after a forward has evicted the caches, each
+Python-to-native crossing costs microseconds).
+
+**The alias check.** A HEAD writes this forward's records before it verifies the slots the
+forward reads, so a slot the forward writes that some row also reads at another position
+(a slot freed and handed out again inside one forward, one physical page at two indices of
+a row) fails that row's verify (``verify_position``, and the token and chain bits of the
+other token) at HEAD, without fingerprints. A slot read and written at the *same* position
+(a same-step prefix hit) verifies against the record just written: the same token,
+position and chain when the reader's prefix is the writer's.
 
 Plans come materialised (:mod:`.plan`, or :mod:`.plan_triton` on CUDA; any backend) or as
 CPU row plans (:mod:`.row_plan`, the numba backend only: the per-forward path on the CPU);
@@ -132,20 +142,25 @@ def launch(
     verify_counters: RunCounters | None = None,
     write_counters: RunCounters | None = None,
     backend: Backend = "auto",
+    write_first: bool = False,
 ) -> None:
-    """One launch: :func:`verify` then :func:`write` of the same records (a CPU row plan
-    runs both in one compiled call)."""
+    """One launch: :func:`verify` then :func:`write` of the same records, or the write
+    first (the alias check: module doc); a CPU row plan runs both in one compiled call."""
     if (type(verify_plan) is RowVerifyPlan and type(write_plan) is HostWritePlan
             and backend in _ROW_PLAN_BACKENDS):  # fmt: skip
         kernels_numba.launch_rows(records, verify_plan, write_plan, ring, launch_tag,
                                   real_kv_sources, check_token, chain_position_assert,
-                                  verify_counters, write_counters)  # fmt: skip
+                                  verify_counters, write_counters, write_first)  # fmt: skip
         return
-    verify(records, verify_plan, ring, launch_tag, real_kv_sources=real_kv_sources,
-           check_token=check_token, counters=verify_counters, backend=backend)  # fmt: skip
+    if not write_first:
+        verify(records, verify_plan, ring, launch_tag, real_kv_sources=real_kv_sources,
+               check_token=check_token, counters=verify_counters, backend=backend)  # fmt: skip
     write(records, write_plan, ring, launch_tag, real_kv_sources=real_kv_sources,
           chain_position_assert=chain_position_assert, counters=write_counters,
           backend=backend)  # fmt: skip
+    if write_first:
+        verify(records, verify_plan, ring, launch_tag, real_kv_sources=real_kv_sources,
+               check_token=check_token, counters=verify_counters, backend=backend)  # fmt: skip
 
 
 def write(

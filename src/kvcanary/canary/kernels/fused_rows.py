@@ -11,8 +11,8 @@ cache-cold cost right after (or before) the model's forward; together they measu
              plan that needs more scratch, or fails, leaves no trace: Python grows the
              scratch and calls again, or raises the planner's error)
           2. per launch (group, half), in group order: the group's holes (first half only,
-             under its HEAD K tag, as ``ViolationRing.append_holes``), then verify + write
-             (:func:`.kernels_numba._launch_rows_kernel`)
+             under its HEAD K tag, as ``ViolationRing.append_holes``), then write + verify
+             (:func:`.kernels_numba._launch_rows_kernel`, write first: the alias check)
           3. each group's verify entries (0 when it overflowed) onto the SWA divergence
              reporter's totals, when it is on (``VerifyTotals.observe``)
     TAIL  tail_nb(batch, groups, launches)
@@ -145,8 +145,9 @@ def _a2(blk, k):
 
 @numba.njit(cache=True, inline="always")
 def _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inputs, has_table,
-            check_token, position_assert):  # fmt: skip
-    """Verify + write of the launch at ``blk[k]`` on its group's plans (error status)."""
+            check_token, position_assert, write_first):  # fmt: skip
+    """Verify + write of the launch at ``blk[k]`` on its group's plans, or the write first
+    (HEAD: the alias check, :mod:`.dispatch`); the verify's error status."""
     out = _a2(blk, 16)
     g = blk[k]
     kg = _HEADER + g * _GROUP_W
@@ -161,19 +162,23 @@ def _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inpu
     # (as kernels_numba._launch_rows_kernel, its verify and write called through their
     # addresses)
     v_runs, v_processed, w_runs, w_processed = _a1(blk, 8), _a1(blk, 10), _a1(blk, 12), _a1(blk, 14)
-    status = call(VERIFY_ROWS_T, blk[_VERIFY_FN], (
-        requests, bs, _a2(blk, kg + 10), num_verify, check_table, tag, rec, words0, words1,
-        words2, words3, meta, num_sources, ring, ring_index, v_runs, v_processed, split))  # fmt: skip
-    if status:
-        return status
-    if out[g, _MAX_WRITE] > 0:
-        call(WRITE_T, blk[_WRITE_FN], (
-            requests, bs, input_ids, positions, _a1(blk, kg + 13), check_inputs, exp_ids,
-            exp_positions, position_assert, tag, rec, words0, words1, words2, words3, meta,
-            num_sources, ring, ring_index, w_runs, w_processed, split))  # fmt: skip
-    else:  # a write without tokens counts its launch, as write() does
-        _check_tag(tag, w_runs)
-        _count(w_runs, w_processed, tag, 0)
+    for step in range(2):
+        if step == (0 if write_first else 1):
+            if out[g, _MAX_WRITE] > 0:
+                call(WRITE_T, blk[_WRITE_FN], (
+                    requests, bs, input_ids, positions, _a1(blk, kg + 13), check_inputs, exp_ids,
+                    exp_positions, position_assert, tag, rec, words0, words1, words2, words3,
+                    meta, num_sources, ring, ring_index, w_runs, w_processed, split))  # fmt: skip
+            else:  # a write without tokens counts its launch, as write() does
+                _check_tag(tag, w_runs)
+                _count(w_runs, w_processed, tag, 0)
+        else:
+            status = call(VERIFY_ROWS_T, blk[_VERIFY_FN], (
+                requests, bs, _a2(blk, kg + 10), num_verify, check_table, tag, rec, words0,
+                words1, words2, words3, meta, num_sources, ring, ring_index, v_runs, v_processed,
+                split))  # fmt: skip
+            if status:
+                return status
     return 0
 
 
@@ -201,7 +206,7 @@ def _head_body(
         overflow |= res[1] > blk[k + 3]
     bs = rows.shape[0]
     launches = _HEADER + num_groups * _GROUP_W
-    for i in range(num_launches):  # 2. holes, then verify + write, in group order
+    for i in range(num_launches):  # 2. holes, then write + verify, in group order
         k = launches + i * _LAUNCH_W
         g, hole_tag = blk[k], blk[k + 2]
         if hole_tag >= 0:
@@ -210,7 +215,7 @@ def _head_body(
                 _record(ring, ring_index, hole_tag, holes[0, h], holes[1, h], NO_TOKEN, NO_TOKEN,
                         0, holes[2, h], _NOT_RESIDENT)  # fmt: skip
         if _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inputs,
-                   has_table, check_token, position_assert):  # fmt: skip
+                   has_table, check_token, position_assert, True):  # fmt: skip
             return _SLOT_ERROR + i
     totals = _a1(blk, 19)  # 3. the SWA divergence reporter's totals (VerifyTotals.observe)
     for g in range(num_groups):
@@ -254,7 +259,7 @@ def _tail_body(
     for i in range(num_launches):
         k = launches + i * _LAUNCH_W
         if _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inputs,
-                   has_table, check_token, position_assert):  # fmt: skip
+                   has_table, check_token, position_assert, False):  # fmt: skip
             return _SLOT_ERROR + i
         g = blk[k]
         stamp = _a1(blk, k + 28)
@@ -436,7 +441,7 @@ class FusedRowLaunches:
 
     def head(self, host: HostInputs, check_token: bool, position_assert: bool,
              batch: np.ndarray | None = None) -> bool:  # fmt: skip
-        """Plan every group, record its holes, verify + write HEAD; True when a group's
+        """Plan every group, record its holes, write + verify HEAD; True when a group's
         verify overflowed its capacity (its verify skipped; see :meth:`verify_entries`).
         ``batch``: ``host``'s :meth:`batch_block`, when it has one (fewer arguments to pass)."""
         if batch is not None:

@@ -452,18 +452,42 @@ def _launch_rows_kernel(
     w_requests, w_reqs, token_ids, positions, w_slots, do_write, check_inputs,
     expected_token_ids, expected_positions, position_assert, tag,
     rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
-    v_runs, v_processed, w_runs, w_processed, split,
+    v_runs, v_processed, w_runs, w_processed, split, write_first,
 ):  # fmt: skip
     """One launch of a row plan: :func:`_verify_rows_kernel` then :func:`_write_kernel` on
-    the same records, sources and ring, in one call (returns the verify's error status;
-    nothing is written after an error)."""
+    the same records, sources and ring, in one call, or the write first (``write_first``:
+    the alias check, :mod:`.dispatch`); returns the verify's error status (after a verify
+    error nothing more is written)."""
+    if write_first:
+        _write_or_count(
+            w_requests, w_reqs, token_ids, positions, w_slots, do_write, check_inputs,
+            expected_token_ids, expected_positions, position_assert, tag,
+            rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
+            w_runs, w_processed, split,
+        )  # fmt: skip
     status = _verify_rows_kernel(
         v_requests, v_rows, v_entries, v_num_entries, check_token, tag,
         rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
         v_runs, v_processed, split,
     )  # fmt: skip
-    if status:
+    if status or write_first:
         return status
+    _write_or_count(
+        w_requests, w_reqs, token_ids, positions, w_slots, do_write, check_inputs,
+        expected_token_ids, expected_positions, position_assert, tag,
+        rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
+        w_runs, w_processed, split,
+    )  # fmt: skip
+    return 0
+
+
+@numba.njit(cache=True, inline="always")
+def _write_or_count(
+    w_requests, w_reqs, token_ids, positions, w_slots, do_write, check_inputs,
+    expected_token_ids, expected_positions, position_assert, tag,
+    rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
+    w_runs, w_processed, split,
+):  # fmt: skip
     if do_write:
         _write_kernel(
             w_requests, w_reqs, token_ids, positions, w_slots, check_inputs, expected_token_ids,
@@ -474,7 +498,6 @@ def _launch_rows_kernel(
     else:  # a write without tokens counts its launch, as write() does
         _check_tag(tag, w_runs)
         _count(w_runs, w_processed, tag, 0)
-    return 0
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -577,13 +600,15 @@ def launch_rows(
     chain_position_assert: bool,
     verify_counters: RunCounters | None,
     write_counters: RunCounters | None,
+    write_first: bool = False,
 ) -> None:
-    """:func:`verify_rows` then :func:`write` of one launch in one compiled call (the
-    per-forward path: it saves a dispatch and the Python around it per launch)."""
+    """:func:`verify_rows` then :func:`write` of one launch in one compiled call, or the
+    write first (the per-forward path: it saves a dispatch and the Python around it per
+    launch)."""
     args = _launch_args(records, real_kv_sources, ring, verify_counters)
     write_counts = args[-2:] if write_counters is verify_counters else (
         _launch_args(records, real_kv_sources, ring, write_counters)[-2:])  # fmt: skip
-    tail = (*args, *write_counts, split_args())
+    tail = (*args, *write_counts, split_args(), bool(write_first))
     ids, positions = write_plan.token_ids, write_plan.positions
     expected_ids, expected_positions = write_plan.expected_token_ids, write_plan.expected_positions
     check_inputs = expected_ids is not None and expected_positions is not None

@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.forward_context import get_forward_context
 
 from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
+from kvcanary.integrations.vllm.namespace import namespace, salt_of, salted
 from kvcanary.integrations.vllm.options import parse_options
 
 if TYPE_CHECKING:
@@ -110,6 +111,8 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, Request] = {}
         self._sent: dict[str, int] = {}
         self._finished: list[str] = []
+        # Tenant isolation (.namespace): each live request's salt, made when first seen.
+        self._salts: dict[str, int] | None = {} if self.options.tenant_isolation else None
         self._token_check = self.options.canary.verify_tokens
         if role == KVConnectorRole.SCHEDULER and getattr(
             vllm_config.scheduler_config, "async_scheduling", False
@@ -288,6 +291,11 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 if end > have:  # not known to the scheduler yet (async scheduling)
                     tokens += [-1] * (end - max(start, have))
                 sent[rid] = min(end, have)
+                if self._salts is not None:  # tenant isolation (.namespace)
+                    salt = self._salts.get(rid)
+                    if salt is None:
+                        salt = self._salts[rid] = salt_of(namespace(request))
+                    tokens = salted(tokens, salt)
             b = 0  # the block of position k (0: none, the null block)
             if req_blocks is not None:  # without listing every block of every group
                 blocks = req_blocks.get(rid, ())
@@ -323,4 +331,6 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def _forget(self, rid: str) -> None:
         self._requests.pop(rid, None)
         self._sent.pop(rid, None)
+        if self._salts is not None:
+            self._salts.pop(rid, None)
         self._finished.append(rid)

@@ -11,6 +11,9 @@ Keys (all optional; the values of ``kvcanary run``'s ``--kv-canary*`` flags)::
     verify_tokens        true (default) | false            stored token vs the request's ids
     ring_capacity, verify_capacity, stats_interval, health_check_interval  as in kvcanary
     summary_path         write a JSON summary there at shutdown (and at each stats line)
+    tenant_isolation     false (default) | true            seed each request's records with
+                         its cache namespace (LoRA adapter, cache_salt): KV shared across
+                         namespaces is a violation (:mod:`.namespace`)
 
 Unknown keys are an error (a typo must not silently disable a check). Nothing here
 imports vLLM.
@@ -52,6 +55,7 @@ _DEFAULTS: dict[str, Any] = {
 class VllmCanaryOptions:
     canary: CanaryConfig
     summary_path: str | None = None
+    tenant_isolation: bool = False
 
 
 def _as_bool(key: str, value: Any) -> bool:
@@ -66,11 +70,12 @@ def parse_options(extra: dict[str, Any] | None) -> VllmCanaryOptions:
     """The canary options in ``extra`` (``kv_connector_extra_config``)."""
     extra = dict(extra or {})
     summary = extra.pop("summary_path", None)
+    tenants = _as_bool("tenant_isolation", extra.pop("tenant_isolation", False))
     unknown = sorted(set(extra) - set(_CANARY_KEYS))
     if unknown:
         raise ValueError(
             f"kv_connector_extra_config: unknown key(s) {unknown}; allowed: "
-            f"{sorted([*_CANARY_KEYS, 'summary_path'])}"
+            f"{sorted([*_CANARY_KEYS, 'summary_path', 'tenant_isolation'])}"
         )
     kwargs = dict(_DEFAULTS)
     for key, value in extra.items():
@@ -88,4 +93,10 @@ def parse_options(extra: dict[str, Any] | None) -> VllmCanaryOptions:
             "kv_connector_extra_config['mode']='none': to run without the canary, leave "
             "kv_transfer_config out"
         )
-    return VllmCanaryOptions(CanaryConfig(**kwargs), None if summary is None else str(summary))
+    if tenants and not kwargs["verify_tokens"]:
+        raise ValueError(
+            "kv_connector_extra_config['tenant_isolation']=true needs verify_tokens true "
+            "(the namespace rides in the token ids the canary checks)"
+        )
+    return VllmCanaryOptions(CanaryConfig(**kwargs), None if summary is None else str(summary),
+                             tenants)  # fmt: skip
