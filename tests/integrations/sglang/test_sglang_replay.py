@@ -26,8 +26,9 @@ fix in the installed function (the lines must be found, or the test fails). Thre
   against the oracle's first bad read, and ``kvcanary.canary.explain.explain`` on the log.
 
 :data:`REPLAYS` holds the per-bug table (tag, reason, steps from the first corrupted read,
-slots named by the canary against the oracle's bad slots); ``test_replay_table`` asserts and
-prints it.
+slots named by the canary against the oracle's bad slots, and the bad reads it did not name);
+``test_replay_table`` asserts and prints it. What the canary does not see here: a freed SWA
+slot at the window's first position ``K - W`` (``_assert_window_start_missed``).
 """
 
 from __future__ import annotations
@@ -620,8 +621,9 @@ def test_replay_22470_swa_frontier_reaches_radix_insert_boundary() -> None:
     (``free_swa_out_of_window_slots``' prefix-sharing threshold, now
     ``pre_len - ceil_align(max(W, page), page)``, back to ``pre_len - W``) and runs through
     SGLang's own scheduler eviction; the radix tree is :class:`LegacySWARadixCache`, a
-    mirror of the pre-unified ``SWARadixCache`` insert/match (0.5.23's unified tree keeps the
-    all-evicted leaf a tombstone: there this frontier only leaks, it misleads no reader).
+    mirror of the pre-unified ``SWARadixCache`` insert/match, where the bug misled a reader
+    (0.5.23's unified tree tombstones an all-evicted leaf and refuses it at match; #29860
+    describes the assert / SWA leak that follows there, which no KV read shows).
     The insert-side half of the fix is the mirror's ``defensive`` switch; the release runs
     0.5.23's frontier with it on, the bug runs both halves reverted. Page 4, window 2: A's
     5-token prompt plus two decodes evicts positions 0..3 (release: nothing), A's first page
