@@ -62,14 +62,18 @@ def verify(
     real_kv_sources: Sequence[RealKvSource] = (),
     check_token: bool = False,
     counters: RunCounters | None = None,
+    reader_chain: bool = False,
 ) -> None:
     table = as_int64_records(records).tolist()
     num_entries = plan.num_entries if plan.enabled else 0
     slots, prevs = plan.slots.tolist(), plan.prev_slots.tolist()
     positions, tokens = plan.positions.tolist(), plan.expected_tokens.tolist()
+    # The reader chain after the entry before, that entry's slot, whether the next may link.
+    reader, last, known = 0, 0, False
     for i in range(num_entries):
         slot, prev = slots[i], prevs[i]
         if slot == 0:
+            last = 0
             continue
         _check_slot(slot, len(table))
         token, position, stored_chain, stored_real = table[slot][:4]
@@ -90,8 +94,21 @@ def verify(
             bits |= FailReason.VERIFY_POSITION_MISMATCH
         if stored_real != real_kv_hash(real_kv_sources, slot):
             bits |= FailReason.VERIFY_REAL_KV_HASH_MISMATCH
+        reported = expected_chain
+        if reader_chain:  # the reading request's own chain (kernels.dispatch)
+            linked = known and prev > 0 and prev == last
+            if linked and not bits & FailReason.VERIFY_CHAIN_HASH_MISMATCH and (
+                    stored_chain != reader):  # fmt: skip
+                bits |= FailReason.VERIFY_CHAIN_HASH_MISMATCH
+                reported = reader
+            reader_token = expected_token if expected_token != -1 else token
+            reader = slot_hash([reader_token, positions[i], reader if linked else expected_chain])
+            history = (FailReason.VERIFY_CHAIN_HASH_MISMATCH | FailReason.VERIFY_TOKEN_MISMATCH
+                       | FailReason.VERIFY_POSITION_MISMATCH)  # fmt: skip
+            known = expected_token != -1 or not bits & history
+        last = slot
         if bits:
-            row = [launch_tag, slot, position, token, expected_token, stored_chain, expected_chain]
+            row = [launch_tag, slot, position, token, expected_token, stored_chain, reported]
             _record(ring, [*row, int(bits)])
     if counters is not None:
         counters.add(launch_tag, num_entries)

@@ -212,7 +212,14 @@ def test_verify_tokens_catches_a_wrong_token(graphs: tuple[int, ...]) -> None:
     row = engine.running_requests()[0].req_pool_idx
     engine.runner.req_to_token_pool.token_ids[row, 4] += 1  # the expectation, not the cache
     engine.step()
-    assert {r.fail_reasons for r in engine.canary.violations} == {("verify_token",)}
+    rows = engine.canary.violations
+    # Position 4 holds another token than the reader's; every slot after it holds KV made
+    # after that token, not the reader's (the reader chain: verify_chain_hash).
+    assert {(r.position, r.fail_reasons) for r in rows if r.position <= 4} == {
+        (4, ("verify_token",))}
+    after = {r.position for r in rows if r.position > 4}
+    assert after and {r.fail_reasons for r in rows if r.position > 4} == {("verify_chain_hash",)}
+    assert after == set(range(5, max(after) + 1))
     _check_graphs(engine, graphs)
 
 

@@ -21,7 +21,7 @@ from reference_kernels import real_kv_hash, slot_hash
 
 from kvcanary.canary.plan.types import VerifyPlan, WritePlan
 from kvcanary.canary.report.ring import RunCounters, ViolationRing
-from kvcanary.canary.wire.constants import CanaryLaunchTag
+from kvcanary.canary.wire.constants import CanaryLaunchTag, FailReason
 from kvcanary.canary.wire.hashing import ANCHOR_HASH_I64
 from kvcanary.canary.wire.real_kv import RealKvSource
 from kvcanary.canary.wire.records import as_int64_records
@@ -125,19 +125,21 @@ def make_write_plan(rng: random.Random, w: World) -> WritePlan:
 
 
 def run(impl_name: str, w: World, vplan: VerifyPlan, wplan: WritePlan, ring_capacity: int,
-        ring_start: int, check_token: bool, position_assert: bool) -> list[list[int]]:  # fmt: skip
+        ring_start: int, check_token: bool, position_assert: bool,
+        reader_chain: bool = False) -> list[list[int]]:  # fmt: skip
     """verify → write → verify again (all TAIL-like, with the world's sources); all state."""
     impl = IMPLS[impl_name]
     records = w.records.clone()
     ring = ViolationRing(ring_capacity)
     ring.write_index += ring_start  # earlier violations already filled part of the ring
     counters = RunCounters()
+    extra = {"reader_chain": True} if reader_chain else {}
     impl.verify(records, vplan, ring, CanaryLaunchTag.TAIL_K_SWA, real_kv_sources=w.sources,
-                check_token=check_token, counters=counters)  # fmt: skip
+                check_token=check_token, counters=counters, **extra)  # fmt: skip
     impl.write(records, wplan, ring, CanaryLaunchTag.TAIL_V_FULL, real_kv_sources=w.sources,
                chain_position_assert=position_assert, counters=counters)  # fmt: skip
     impl.verify(records, vplan, ring, CanaryLaunchTag.SWEEP_K_FULL, real_kv_sources=w.sources,
-                check_token=check_token, counters=counters)  # fmt: skip
+                check_token=check_token, counters=counters, **extra)  # fmt: skip
     return [
         *as_int64_records(records).tolist(),
         *ring.rows.tolist(),
@@ -197,3 +199,42 @@ def test_disabled_verify_only_counts_the_launch(impl_name: str) -> None:
     IMPLS[impl_name].verify(records, plan, ring, 3, counters=counters)
     assert ring.num_recorded() == 0
     assert counters.kernel_runs[3] == 1 and counters.slots_processed[3] == 0
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_slots=st.integers(2, 40),
+    num_sources=st.integers(0, 2),
+    check_token=st.booleans(),
+)
+@settings(max_examples=60, deadline=None)
+def test_reader_chain_numba_equals_reference(seed: int, num_slots: int, num_sources: int,
+                                             check_token: bool) -> None:  # fmt: skip
+    rng = random.Random(seed)
+    w = make_world(rng, num_slots, num_sources)
+    vplan, wplan = make_verify_plan(rng, w), make_write_plan(rng, w)
+    args = (w, vplan, wplan, 256, 0, check_token, False, True)
+    assert run("numba", *args) == run("reference", *args)
+
+
+def test_reader_chain_names_every_slot_after_a_false_hit() -> None:
+    """Request B reads request A's three slots as its prefix, but A's middle token is not
+    B's: the stored chains agree with each other, so only the middle slot fails without the
+    reader chain; with it, the slot after it too (its KV was computed after A's token)."""
+    records = torch.zeros(8, 32, dtype=torch.uint8)
+    rec = as_int64_records(records)
+    prev = ANCHOR_HASH_I64
+    for pos, (slot, token) in enumerate([(1, 10), (2, 11), (3, 12)]):  # A's chain
+        rec[slot, :4] = torch.tensor([token, pos, prev, 0])
+        prev = slot_hash([token, pos, prev])
+    plan = VerifyPlan.from_entries(t([1, 2, 3]), t([-1, 1, 2]), t([0, 1, 2]), t([10, 99, 12]))
+    for reader_chain, want in ((False, [2]), (True, [2, 3])):
+        for impl in ("numba", "reference"):
+            ring = ViolationRing(8)
+            IMPLS[impl].verify(records, plan, ring, 0, check_token=True,
+                               reader_chain=reader_chain)  # fmt: skip
+            rows = ring.rows[: int(ring.write_index[0])]
+            assert rows[:, 1].tolist() == want, (impl, reader_chain, rows.tolist())
+            if reader_chain:  # slot 3: chain only; expected = B's chain, not the stored one
+                assert int(rows[1, 7]) == int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
+                assert int(rows[1, 6]) == slot_hash([99, 1, slot_hash([10, 0, ANCHOR_HASH_I64])])

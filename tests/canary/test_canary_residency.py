@@ -105,3 +105,37 @@ def test_a_zeroed_req_to_token_entry_is_a_missing_slot(model: str) -> None:
     engine.step()
     rows = [r for r in engine.canary.violations if "verify_not_resident" in r.fail_reasons]
     assert [(r.launch_tag, r.slot_idx, r.position) for r in rows] == [("HEAD_K_FULL", 0, 7)]
+
+
+@pytest.mark.parametrize("check", [1, 2])
+def test_hosts_that_read_the_window_start_count_a_hole_there(check: int) -> None:
+    """Row 1 reads positions 1..4 (prefix 5, window 4): position 1 = prefix - window is read
+    by SGLang's sliding layers (``check_residency=2``, ``reads_window_start``) and not by
+    ours or vLLM's (1). Its mapping is 0, as is position 3's: every planner lists position 3
+    as a hole, and position 1 only where the host reads it."""
+    from kvcanary.canary.plan.reference import build_plans
+    from kvcanary.canary.plan.rows import HostInputs, RowPlanner
+    from kvcanary.canary.plan.static import build_static_decode_plans
+    from kvcanary.canary.plan.types import PlanInputs
+
+    r2t = torch.zeros(4, 16, dtype=torch.int32)
+    r2t[1, :6] = torch.tensor([11, 12, 13, 14, 15, 16])
+    r2t[2, :3] = torch.tensor([21, 22, 23])
+    lut = torch.arange(40)
+    lut[12] = lut[14] = 0  # positions 1 and 3 of row 1: not resident
+    inputs = PlanInputs(
+        req_to_token=r2t, req_pool_indices=torch.tensor([1, 2, 0]),
+        prefix_lens=torch.tensor([5, 2, 0]), extend_lens=torch.ones(3, dtype=torch.int64),
+        input_ids=torch.tensor([7, 8, 0]), positions=torch.tensor([5, 2, 0]),
+        out_cache_loc=torch.tensor([16, 23, 0]),
+    )  # fmt: skip
+    want = [3] if check == 1 else [1, 3]
+    for backend in ("torch", "numba"):
+        plans = build_plans(inputs, verify_capacity=100, window=4, lut=lut, backend=backend,
+                            check_residency=check)  # fmt: skip
+        assert plans.holes is not None and plans.holes[1].tolist() == want, backend
+    rows = RowPlanner(verify_capacity=100, window=4, lut=lut, check_residency=check)
+    holes = rows.plan(HostInputs.of(inputs)).holes
+    assert holes is not None and holes[1].tolist() == want
+    static = build_static_decode_plans(inputs, 8, window=4, lut=lut, check_residency=check)
+    assert static.hole_rows[static.hole_mask, 2].tolist() == want

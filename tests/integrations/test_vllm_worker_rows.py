@@ -185,8 +185,12 @@ def test_a_token_id_the_scheduler_sent_differently_is_reported_through_the_batch
     assert seen == [(True, True)]
     assert len(blocks) == 1 and blocks[0] is not None and blocks[0][17] == 1  # a token table
     rows = v.violations()
-    assert rows and {r.fail_reasons for r in rows} == {("verify_token",)}
-    assert {(r.slot_idx, r.position) for r in rows} == {(v.blocks["a"][1] * BS, 4)}  # block 1, offset 0
+    token_rows = [r for r in rows if r.fail_reasons == ("verify_token",)]
+    assert {(r.slot_idx, r.position) for r in token_rows} == {(v.blocks["a"][1] * BS, 4)}
+    # The slots after it: KV made after another token than the reader's (the reader chain).
+    after = {r.position for r in rows if r not in token_rows}
+    assert after and after == set(range(5, max(after) + 1))
+    assert {r.fail_reasons for r in rows if r not in token_rows} == {("verify_chain_hash",)}
 
 
 def warm_worker_scenario(extra: dict[str, Any]) -> None:

@@ -122,7 +122,7 @@ class SingleForwardManager:
             self._planners = [
                 RowPlanner(verify_capacity=capacity, window=g.window, lut=g.swa_index_lut,
                            kv_token_id_vs_position_offset=g.kv_token_id_vs_position_offset,
-                           check_residency=g.per_position)
+                           check_residency=g.residency_check)
                 for g, capacity in zip(runtime.groups, runtime.verify_capacities, strict=True)
             ]  # fmt: skip
         self._req_to_token: tuple[torch.Tensor, np.ndarray] | None = None
@@ -308,7 +308,7 @@ class SingleForwardManager:
             lut=group.swa_index_lut,
             kv_token_id_vs_position_offset=group.kv_token_id_vs_position_offset,
             backend=self.rt.config.backend,  # type: ignore[arg-type]
-            check_residency=group.per_position,
+            check_residency=group.residency_check,
         )  # fmt: skip
 
     def _host_inputs(
@@ -368,14 +368,17 @@ class SingleForwardManager:
         verify_plan = plans.verify
         if stage == LaunchStage.TAIL and plans.tail_verify is not None:
             verify_plan = plans.tail_verify
-        # HEAD of a per-position group writes first: the alias check (kernels.dispatch).
+        # HEAD of a per-position group writes first: the alias check; the CPU per-forward
+        # path (numba) also checks each row against its reader's chain (kernels.dispatch).
         write_first = stage == LaunchStage.HEAD and group.per_position
+        reader_chain = self._planners is not None
         for tag, records, sources, watch in self._launches[id(group), stage]:
             kernels.launch(
                 records, verify_plan, plans.write, rt.ring, tag, real_kv_sources=sources,
                 check_token=rt.config.verify_tokens, chain_position_assert=rt.chain_position_assert,
                 verify_counters=rt.verify_counters, write_counters=rt.write_counters,
                 backend=backend, write_first=write_first,  # type: ignore[arg-type]
+                reader_chain=reader_chain,
             )  # fmt: skip
             if watch is not None and rt.store_checker is not None:
                 rt.store_checker.check(watch, plans.write, rt.ring)

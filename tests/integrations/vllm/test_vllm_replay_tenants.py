@@ -179,3 +179,61 @@ def test_cross_tenant_prefix_hit(case: str, checkpoints: dict[str, Path], adapte
                    "reasons": sorted({x for r in rows for x in r.fail_reasons}),
                    "cause": caught.causes()[0]}  # fmt: skip
     print(f"\n{case}: {TABLE[case]}")
+
+
+@contextlib.contextmanager
+def _last_token_collides() -> Iterator[None]:
+    """An injected block-hash collision: blocks that differ only in their last token hash
+    alike (vLLM's ``hash_block_tokens`` sees the block without it), the false prefix hit of
+    a weak block hash."""
+    import vllm.v1.core.kv_cache_utils as U
+
+    original = U.hash_block_tokens
+
+    def colliding(hash_function: Any, parent: Any, tokens: Any, extra_keys: Any = None) -> Any:
+        return original(hash_function, parent, tuple(tokens)[:-1], extra_keys)
+
+    U.hash_block_tokens = colliding
+    try:
+        yield
+    finally:
+        U.hash_block_tokens = original
+
+
+def test_false_prefix_hit_names_every_slot_it_poisons(checkpoints: dict[str, Path]) -> None:
+    """B's prompt is A's with block 0's last token changed: the colliding hash gives B a hit
+    on A's three blocks, whose records agree with each other. The canary names position 31
+    (``verify_token``) and every slot after it that B reads in that step (``verify_chain_hash``
+    against B's own chain): all the slots the oracle saw read wrongly, none other."""
+    other = list(PROMPT)
+    other[31] = PROMPT[31] % 290 + 1
+    from vllm import SamplingParams
+
+    def workload(llm: Any, tick: Callable[[], list[Any]]) -> dict[str, list[int]]:
+        outs: dict[str, list[int]] = {}
+        for rid, prompt in (("first", PROMPT), ("second", other)):
+            sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+            llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+            outs |= R.run_to_end(llm, tick)
+        return outs
+
+    ckpt = checkpoints["llama"]
+    canary = {"mode": "log", "real_data": "none"}
+    clean = R.replay(ckpt, workload, canary=canary)
+    assert not clean.rows and not clean.oracle.bad
+    caught = R.replay(ckpt, workload, canary=canary, patch=_last_token_collides)
+    assert caught.outputs["second"] != clean.outputs["second"]  # the false hit fired
+    first_bad = caught.oracle.first_bad_step
+    assert first_bad is not None and caught.first_detection == first_bad
+    bad, named = caught.oracle.bad_slots(first_bad), caught.named_slots(first_bad)
+    assert len(bad) == len(PROMPT) // H.BLOCK_SIZE * H.BLOCK_SIZE - 31  # positions 31..95
+    assert named == bad, (sorted(bad - named), sorted(named - bad))
+    rows = caught.rows[first_bad]
+    token_rows = {r.position for r in rows if "verify_token" in r.fail_reasons}
+    assert token_rows == {31}
+    assert {r.fail_reasons for r in rows if r.position > 31} == {("verify_chain_hash",)}
+    TABLE["block_hash_collision"] = {"first_bad_step": first_bad,
+                                     "detected_step": caught.first_detection,
+                                     "bad_slots": len(bad), "named": len(named & bad),
+                                     "extra_named": len(named - bad)}  # fmt: skip
+    print(f"\nblock_hash_collision: {TABLE['block_hash_collision']}")

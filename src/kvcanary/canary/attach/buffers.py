@@ -52,6 +52,9 @@ class CanaryBufferGroup:
     # Full slot -> group slot (0 = not resident). None: the group indexes full slots.
     swa_index_lut: torch.Tensor | None = None
     window: int | None = None  # SWA kinds: only the last `window` positions are verified
+    # SWA kinds: attention also reads position prefix_len - window (SGLang: a query at q
+    # sees keys q - window .. q), so a hole there is a violation too (the residency check).
+    reads_window_start: bool = False
     # > 1: one record per `compression_ratio` consecutive positions (DSV4 C4/C128/indexer);
     # record position = block index, token = the block's last token.
     compression_ratio: int = 1
@@ -77,6 +80,15 @@ class CanaryBufferGroup:
         """Compressed groups summarise blocks of positions and state rings hold only a live
         tail; a radix sweep covers the others."""
         return self.per_position
+
+    @property
+    def residency_check(self) -> int:
+        """The planners' ``check_residency``: 0 off (compressed groups, state rings), 1 holes
+        from ``prefix_len - window + 1``, 2 from ``prefix_len - window``
+        (:attr:`reads_window_start`)."""
+        if not self.per_position:
+            return 0
+        return 2 if self.reads_window_start else 1
 
     @property
     def per_position(self) -> bool:

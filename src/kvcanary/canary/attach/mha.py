@@ -56,15 +56,17 @@ def attach_mha(pool: Any, name: str, options: AttachOptions) -> CanaryBufferGrou
     return group
 
 
-def attach_swa(pool: Any, lut: torch.Tensor, window: int,
-               options: AttachOptions) -> tuple[CanaryBufferGroup, CanaryBufferGroup]:  # fmt: skip
+def attach_swa(pool: Any, lut: torch.Tensor, window: int, options: AttachOptions,
+               reads_window_start: bool = False) -> tuple[CanaryBufferGroup, CanaryBufferGroup]:  # fmt: skip
     """The FULL group (``full_kv_pool``) and the SWA group (``swa_kv_pool``, slots through
-    ``lut``, window ``window``) of a hybrid pool, spliced into its contiguous and state
+    ``lut``, window ``window``; ``reads_window_start``: the host's attention reads
+    ``prefix_len - window`` too) of a hybrid pool, spliced into its contiguous and state
     buf-infos respectively."""
     full, swa = pool.full_kv_pool, pool.swa_kv_pool
     full_group = mha_group(full, PoolKind.FULL, "full_kv_pool", options)
     swa_group = mha_group(swa, PoolKind.SWA, "swa_kv_pool", options,
-                          swa_index_lut=lut, window=window)  # fmt: skip
+                          swa_index_lut=lut, window=window,
+                          reads_window_start=reads_window_start)  # fmt: skip
     patch_buf_infos(pool, "get_contiguous_buf_infos", mha_segments(full, full_group))
     patch_buf_infos(pool, "get_state_buf_infos", mha_segments(swa, swa_group))
     return full_group, swa_group

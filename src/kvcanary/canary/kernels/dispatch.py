@@ -33,6 +33,29 @@ remapped entry — is seen, as in SGLang's ``write_ref``)::
         record[slot] = (token, position, running, fingerprint of the live KV or 0)
         running = chain_hash(running, token, position)   # always the ACTUAL values
 
+**reader_chain** (verify and launch; numba backend only, the CPU per-forward path): an entry
+*linked* to the entry before it (a row plan's every entry but its row's first; a
+materialised plan's entry whose ``prev_slot > 0`` is the slot of the entry before it)
+is also checked against the *reading request's own chain*::
+
+    reader[i] = chain_hash(reader[i-1] if i-1 is linked else expected_chain[i-1],
+                           expected_token[i-1] (the stored token when -1 or not checked),
+                           expected position[i-1])
+    VERIFY_CHAIN_HASH_MISMATCH    linked and stored prev_hash != reader[i]
+                                  (the row's expected_chain is then reader[i], unless the
+                                  stored-predecessor check failed too)
+
+    an entry whose token is not checked and that fails a chain, token or position check
+    ends the run (the next entry is not linked): its stored token cannot stand in for the
+    reader's, whose history is then unknown
+
+Where every entry passes the other checks the reader chain *is* the stored chain (by
+induction), so clean rows cost nothing more (a row plan's fast check is unchanged). What it
+adds: every slot after the first one whose token, position or chain is not the reader's
+is named, since its KV was computed under another prefix (a false prefix hit on a block
+whose last token differs names the whole hit, not its one differing slot). SGLang does not
+define it: its cross-checks run with it off.
+
 Duplicate slots within one write keep the last token's record. Slots outside the buffer
 raise. ``counters`` (optional) count one launch per call and the entries processed (verify:
 all entries of an enabled plan; write: tokens stored). A disabled verify plan does nothing
@@ -117,13 +140,22 @@ def verify(
     check_token: bool = False,
     counters: RunCounters | None = None,
     backend: Backend = "auto",
+    reader_chain: bool = False,
 ) -> None:
     """Verify ``plan``'s entries against the canary buffer ``records`` (see module doc)."""
     if type(plan) is RowVerifyPlan and backend in _ROW_PLAN_BACKENDS:  # the per-forward path
         kernels_numba.verify_rows(records, plan, ring, launch_tag, real_kv_sources, check_token,
-                                  counters)  # fmt: skip
+                                  counters, reader_chain)  # fmt: skip
         return
-    _module(records, backend, plan).verify(
+    module = _module(records, backend, plan)
+    if module is kernels_numba:
+        module.verify(records, plan, ring, launch_tag, real_kv_sources=real_kv_sources,
+                      check_token=check_token, counters=counters, reader_chain=reader_chain)  # fmt: skip
+        return
+    if reader_chain:
+        raise ValueError(f"canary kernel backend {module.__name__.rsplit('.', 1)[-1]} has no "
+                         "reader_chain (numba only)")  # fmt: skip
+    module.verify(
         records, plan, ring, launch_tag,
         real_kv_sources=real_kv_sources, check_token=check_token, counters=counters,
     )  # fmt: skip
@@ -143,6 +175,7 @@ def launch(
     write_counters: RunCounters | None = None,
     backend: Backend = "auto",
     write_first: bool = False,
+    reader_chain: bool = False,
 ) -> None:
     """One launch: :func:`verify` then :func:`write` of the same records, or the write
     first (the alias check: module doc); a CPU row plan runs both in one compiled call."""
@@ -150,17 +183,20 @@ def launch(
             and backend in _ROW_PLAN_BACKENDS):  # fmt: skip
         kernels_numba.launch_rows(records, verify_plan, write_plan, ring, launch_tag,
                                   real_kv_sources, check_token, chain_position_assert,
-                                  verify_counters, write_counters, write_first)  # fmt: skip
+                                  verify_counters, write_counters, write_first,
+                                  reader_chain)  # fmt: skip
         return
     if not write_first:
         verify(records, verify_plan, ring, launch_tag, real_kv_sources=real_kv_sources,
-               check_token=check_token, counters=verify_counters, backend=backend)  # fmt: skip
+               check_token=check_token, counters=verify_counters, backend=backend,
+               reader_chain=reader_chain)  # fmt: skip
     write(records, write_plan, ring, launch_tag, real_kv_sources=real_kv_sources,
           chain_position_assert=chain_position_assert, counters=write_counters,
           backend=backend)  # fmt: skip
     if write_first:
         verify(records, verify_plan, ring, launch_tag, real_kv_sources=real_kv_sources,
-               check_token=check_token, counters=verify_counters, backend=backend)  # fmt: skip
+               check_token=check_token, counters=verify_counters, backend=backend,
+               reader_chain=reader_chain)  # fmt: skip
 
 
 def write(

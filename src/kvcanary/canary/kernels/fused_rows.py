@@ -12,7 +12,8 @@ cache-cold cost right after (or before) the model's forward; together they measu
              scratch and calls again, or raises the planner's error)
           2. per launch (group, half), in group order: the group's holes (first half only,
              under its HEAD K tag, as ``ViolationRing.append_holes``), then write + verify
-             (:func:`.kernels_numba._launch_rows_kernel`, write first: the alias check)
+             (:func:`.kernels_numba._launch_rows_kernel`, write first: the alias check;
+             every verify, HEAD's and TAIL's, with the reader chain, :mod:`.dispatch`)
           3. each group's verify entries (0 when it overflowed) onto the SWA divergence
              reporter's totals, when it is on (``VerifyTotals.observe``)
     TAIL  tail_nb(batch, groups, launches)
@@ -176,7 +177,7 @@ def _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inpu
             status = call(VERIFY_ROWS_T, blk[_VERIFY_FN], (
                 requests, bs, _a2(blk, kg + 10), num_verify, check_table, tag, rec, words0,
                 words1, words2, words3, meta, num_sources, ring, ring_index, v_runs, v_processed,
-                split))  # fmt: skip
+                split, True))  # fmt: skip
             if status:
                 return status
     return 0
@@ -196,7 +197,7 @@ def _head_body(
         res = _plan_rows(
             r2t, rows, prefix, extend, out_cache_loc, num_tokens, positions.shape[0],
             exp_ids.shape[0], exp_positions.shape[0], blk[k], _a1(blk, k + 5), blk[k + 1] != 0,
-            table, table_lens, has_table, blk[k + 2], blk[k + 3], blk[k + 4] != 0,
+            table, table_lens, has_table, blk[k + 2], blk[k + 3], blk[k + 4],
             _a2(blk, k + 7), _a2(blk, k + 10), _a1(blk, k + 13), _a2(blk, k + 15),
         )  # fmt: skip
         for j in range(6):
@@ -311,7 +312,7 @@ class FusedRowLaunches:
         self.has_luts = np.array([p._lut is not None for p in self.planners], dtype=np.bool_)
         self.offsets = np.array([p._offset for p in self.planners], dtype=np.int64)
         self.capacities = np.array([p.verify_capacity for p in self.planners], dtype=np.int64)
-        self.check_holes = np.array([p._check_residency for p in self.planners], dtype=np.bool_)
+        self.check_holes = np.array([p._check_residency for p in self.planners], dtype=np.int64)
         self.luts = luts
         self.launches, self.tails, self.tail_watches = launches, tails, list(tail_watches)
         self.ring_args = (_np(ring.rows), _np(ring.write_index))

@@ -49,6 +49,7 @@ _TOKEN = int(FailReason.VERIFY_TOKEN_MISMATCH)
 _WRITE_TOKEN = int(FailReason.WRITE_TOKEN_MISMATCH)
 _WRITE_POSITION = int(FailReason.WRITE_POSITION_MISMATCH)
 _ANCHOR = np.int64(ANCHOR_HASH_I64)
+_HISTORY = _CHAIN | _TOKEN | _POSITION  # bits that say a slot holds another history
 
 
 @intrinsic
@@ -137,17 +138,45 @@ def _record_entry(ring, ring_index, tag, rec, slot, expected_token, expected_cha
             rec[slot, 2], expected_chain, bits)  # fmt: skip
 
 
+@numba.njit(cache=True, inline="always")
+def _reader_bits(rec, slot, linked, reader, bits, expected_chain):
+    """The reader chain's check (:mod:`.dispatch`): an entry linked to the entry before it
+    whose stored chain differs from the reader's chain fails ``verify_chain_hash``, the
+    reader's chain its expected chain (unless the stored predecessor's check failed too)."""
+    if linked and not bits & _CHAIN and rec[slot, 2] != reader:
+        return bits | _CHAIN, reader
+    return bits, expected_chain
+
+
+@numba.njit(cache=True, inline="always")
+def _reader_next(rec, slot, linked, reader, expected_chain, expected_token, position, bits):
+    """``(reader chain after an entry, whether the next entry may link to it)``: from the
+    entry's reader chain (linked) or its expected chain (a run's first entry), with the
+    reader's token (the stored one when not checked) at the reader's position. A stored token
+    stands in for the reader's only while its entry passes: after a failing entry whose
+    token is not checked, the reader's history is unknown and the next entry starts a run."""
+    base = reader if linked else expected_chain
+    token = expected_token if expected_token != -1 else rec[slot, 0]
+    known = expected_token != -1 or not bits & _HISTORY
+    return np.int64(chain_hash_nb(base, token, position)), known
+
+
 @numba.njit(cache=True)
 def _verify_kernel(
     slots, prev_slots, positions, expected_tokens, check_token, tag,
     rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index, runs, processed,
+    reader_chain,
 ):  # fmt: skip
     _check_tag(tag, runs)
     num_slots = rec.shape[0]
     real = real_kv_hashes_nb(slots, words0, words1, words2, words3, meta, num_sources)
+    # The reader chain after the entry before, that entry's slot (0: none), and whether the
+    # next entry may link to it.
+    reader, last, known = _ANCHOR, np.int64(0), False
     for i in range(slots.shape[0]):
         slot = slots[i]
         if slot == 0:
+            last = 0
             continue
         _check_slot(slot, num_slots)
         prev = prev_slots[i]
@@ -155,8 +184,15 @@ def _verify_kernel(
             _check_slot(prev, num_slots)
         expected_token = expected_tokens[i] if check_token else np.int64(-1)
         bits, expected_chain = _entry_bits(rec, slot, prev, positions[i], expected_token, real[i])
+        reported = expected_chain
+        if reader_chain:
+            linked = known and prev > 0 and prev == last
+            bits, reported = _reader_bits(rec, slot, linked, reader, bits, expected_chain)
+            reader, known = _reader_next(rec, slot, linked, reader, expected_chain,
+                                         expected_token, positions[i], bits)  # fmt: skip
+        last = slot
         if bits:
-            _record_entry(ring, ring_index, tag, rec, slot, expected_token, expected_chain, bits)
+            _record_entry(ring, ring_index, tag, rec, slot, expected_token, reported, bits)
     _count(runs, processed, tag, slots.shape[0])
 
 
@@ -305,7 +341,7 @@ def _split_rows(requests, num_rows, slots, tokens, check_token, rec,
 def _verify_rows_kernel(
     requests, num_rows, entries, num_entries, check_token, tag,
     rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index, runs, processed,
-    split,
+    split, reader_chain,
 ):  # fmt: skip
     """:func:`_verify_kernel` over rows ``[0, num_rows)`` of a row plan (:mod:`.row_plan`)
     holding ``num_entries``; returns an error status (0: ok), checked before any row is
@@ -342,17 +378,24 @@ def _verify_rows_kernel(
         if clean[r] if parts else _part_clean(rec, slots, tokens, real, requests, r, first,
                                               first + count, check_token, num_sources, block):  # fmt: skip
             continue
+        reader, known = _ANCHOR, False  # the reader chain after the entry before; linkable
         for e in range(first, first + count):  # the slow path, in entry order
             slot = slots[e]
             if slot != 0:
                 expected_token = tokens[e] if check_token else no_token
+                position = first_position + e - first
                 bits, expected_chain = _entry_bits(
-                    rec, slot, prev, first_position + e - first, expected_token,
-                    real[e] if num_sources else 0,
+                    rec, slot, prev, position, expected_token, real[e] if num_sources else 0,
                 )  # fmt: skip
+                reported = expected_chain
+                if reader_chain:
+                    linked = known and e > first and prev != 0
+                    bits, reported = _reader_bits(rec, slot, linked, reader, bits, expected_chain)
+                    reader, known = _reader_next(rec, slot, linked, reader, expected_chain,
+                                                 expected_token, position, bits)  # fmt: skip
                 if bits:
                     _record_entry(ring, ring_index, tag, rec, slot, expected_token,
-                                  expected_chain, bits)  # fmt: skip
+                                  reported, bits)  # fmt: skip
             prev = slot
     _count(runs, processed, tag, num_entries)
     return 0
@@ -440,7 +483,7 @@ def _write_kernel(
 _I1, _I2 = types.Array(types.int64, 1, "C"), types.Array(types.int64, 2, "C")
 _SHARED_ARGS = (_I2, _I2, _I2, _I2, _I2, _I2, types.int64, _I2, _I1, _I1, _I1, _I1)
 VERIFY_ROWS = Callee(_verify_rows_kernel, types.int64, _I2, types.int64, _I2, types.int64,
-                     types.boolean, types.int64, *_SHARED_ARGS)  # fmt: skip
+                     types.boolean, types.int64, *_SHARED_ARGS, types.boolean)  # fmt: skip
 WRITE = Callee(_write_kernel, types.int64, _I2, types.int64, _I1, _I1, _I1, types.boolean, _I1,
                _I1, types.boolean, types.int64, *_SHARED_ARGS)  # fmt: skip
 VERIFY_ROWS_T, WRITE_T = VERIFY_ROWS.type, WRITE.type
@@ -452,11 +495,11 @@ def _launch_rows_kernel(
     w_requests, w_reqs, token_ids, positions, w_slots, do_write, check_inputs,
     expected_token_ids, expected_positions, position_assert, tag,
     rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
-    v_runs, v_processed, w_runs, w_processed, split, write_first,
+    v_runs, v_processed, w_runs, w_processed, split, write_first, reader_chain,
 ):  # fmt: skip
     """One launch of a row plan: :func:`_verify_rows_kernel` then :func:`_write_kernel` on
     the same records, sources and ring, in one call, or the write first (``write_first``:
-    the alias check, :mod:`.dispatch`); returns the verify's error status (after a verify
+    the alias check, :mod:`.dispatch`; ``reader_chain``: the verify's); returns the verify's error status (after a verify
     error nothing more is written)."""
     if write_first:
         _write_or_count(
@@ -468,7 +511,7 @@ def _launch_rows_kernel(
     status = _verify_rows_kernel(
         v_requests, v_rows, v_entries, v_num_entries, check_token, tag,
         rec, words0, words1, words2, words3, meta, num_sources, ring, ring_index,
-        v_runs, v_processed, split,
+        v_runs, v_processed, split, reader_chain,
     )  # fmt: skip
     if status or write_first:
         return status
@@ -552,18 +595,20 @@ def verify(
     real_kv_sources: Sequence[RealKvSource] = (),
     check_token: bool = False,
     counters: RunCounters | None = None,
+    reader_chain: bool = False,
 ) -> None:
     if isinstance(plan, RowVerifyPlan):
-        verify_rows(records, plan, ring, launch_tag, real_kv_sources, check_token, counters)
+        verify_rows(records, plan, ring, launch_tag, real_kv_sources, check_token, counters,
+                    reader_chain)  # fmt: skip
         return
     if not (plan.enabled and plan.num_entries):
         if counters is not None:
             counters.add(launch_tag, 0)
         return
+    args = (*_launch_args(records, real_kv_sources, ring, counters), bool(reader_chain))
     _verify_kernel(
         plan.slots.numpy(), plan.prev_slots.numpy(), plan.positions.numpy(),
-        plan.expected_tokens.numpy(), bool(check_token), int(launch_tag),
-        *_launch_args(records, real_kv_sources, ring, counters),
+        plan.expected_tokens.numpy(), bool(check_token), int(launch_tag), *args,
     )  # fmt: skip
 
 
@@ -575,10 +620,12 @@ def verify_rows(
     real_kv_sources: Sequence[RealKvSource],
     check_token: bool,
     counters: RunCounters | None,
+    reader_chain: bool = False,
 ) -> None:
     """:func:`verify` of a row plan (positional: the per-forward path, where every Python
     operation costs microseconds once the forward has evicted the interpreter's caches)."""
-    args = (*_launch_args(records, real_kv_sources, ring, counters), split_args())
+    args = (*_launch_args(records, real_kv_sources, ring, counters), split_args(),
+            bool(reader_chain))  # fmt: skip
     with parallel_lock:
         status = _verify_rows_kernel(
             plan.requests, plan.bs, plan.entries,
@@ -601,6 +648,7 @@ def launch_rows(
     verify_counters: RunCounters | None,
     write_counters: RunCounters | None,
     write_first: bool = False,
+    reader_chain: bool = False,
 ) -> None:
     """:func:`verify_rows` then :func:`write` of one launch in one compiled call, or the
     write first (the per-forward path: it saves a dispatch and the Python around it per
@@ -608,7 +656,7 @@ def launch_rows(
     args = _launch_args(records, real_kv_sources, ring, verify_counters)
     write_counts = args[-2:] if write_counters is verify_counters else (
         _launch_args(records, real_kv_sources, ring, write_counters)[-2:])  # fmt: skip
-    tail = (*args, *write_counts, split_args(), bool(write_first))
+    tail = (*args, *write_counts, split_args(), bool(write_first), bool(reader_chain))
     ids, positions = write_plan.token_ids, write_plan.positions
     expected_ids, expected_positions = write_plan.expected_token_ids, write_plan.expected_positions
     check_inputs = expected_ids is not None and expected_positions is not None

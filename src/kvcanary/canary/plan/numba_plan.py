@@ -63,7 +63,7 @@ def _fill(
             bad |= oob
         if not fill_verify:
             continue
-        needed_from = max(prefix[r] - window + 1, 0) if window > 0 else 0
+        needed_from = max(prefix[r] - window + (check_holes == 1), 0) if window > 0 else 0
         for pos in range(starts[r], prefix[r]):
             v_slots[i], oob = translate_slot(r2t[row, pos], lut, has_lut)
             bad |= oob
@@ -112,7 +112,7 @@ def plan_arrays(
     table: torch.Tensor | None,
     table_lens: torch.Tensor | None,
     offset: int,
-    check_residency: bool = True,
+    check_residency: int = 1,
 ) -> tuple[tuple[int, int, int, int], Arrays4 | None, Arrays4, torch.Tensor | None]:
     """``(totals, verify (slots, prev, positions, tokens) or None when over capacity,
     write (seeds, token_starts, num_tokens, slots), holes or None)``; all CPU int64
@@ -137,7 +137,7 @@ def plan_arrays(
         _np(lut.long()) if lut is not None else _EMPTY_LUT, lut is not None,
         table_np, _np(table_lens.long()) if has_table else _EMPTY_LENS,  # type: ignore[union-attr]
         has_table, offset, fill_verify, total_verify if fill_verify else 0,
-        _np(out_cache_loc.long()), window or 0, check_residency,
+        _np(out_cache_loc.long()), window or 0, int(check_residency),
     )  # fmt: skip
     if bad:
         raise IndexError("kv-canary plan: slot out of range of the LUT")
@@ -153,7 +153,7 @@ def build_plans_numba(
     window: int | None,
     lut: torch.Tensor | None,
     offset: int,
-    check_residency: bool = True,
+    check_residency: int = 1,
 ) -> CanaryPlans:
     """:func:`kvcanary.canary.plan.reference.build_plans` for CPU tensors (arguments checked there)."""
     totals, verify_arrays, (seeds, starts, counts, slots), holes = plan_arrays(

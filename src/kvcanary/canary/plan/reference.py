@@ -65,7 +65,7 @@ def build_plans(
     lut: torch.Tensor | None = None,
     kv_token_id_vs_position_offset: int = 0,
     backend: PlanBackend = "auto",
-    check_residency: bool = True,
+    check_residency: int = 1,
 ) -> CanaryPlans:
     """Verify and write plans of one buffer group for one forward.
 
@@ -73,7 +73,8 @@ def build_plans(
     groups; ``verify_capacity``: most verify entries per forward (more ⇒ verify disabled);
     ``kv_token_id_vs_position_offset``: 1 for draft pools whose slot ``p`` holds token ``p + 1``;
     ``backend``: auto = numba on CPU tensors, Triton on CUDA when triton is installed, torch
-    elsewhere; ``check_residency``: list the plan's holes (:class:`CanaryPlans`).
+    elsewhere; ``check_residency``: list the plan's holes (:class:`CanaryPlans`): 0 no, 1 from
+    ``prefix - window + 1``, 2 from ``prefix - window`` (a host whose attention reads it).
     """
     check_plan_args(verify_capacity, window)
     if backend not in PLAN_BACKENDS:
@@ -111,7 +112,7 @@ def _build_plans_torch(
     window: int | None,
     lut: torch.Tensor | None,
     kv_token_id_vs_position_offset: int,
-    check_residency: bool,
+    check_residency: int,
 ) -> CanaryPlans:
     r2t = inputs.req_to_token
     device = r2t.device
@@ -164,7 +165,8 @@ def _build_plans_torch(
         )
         if check_residency and total_verify:
             needed_from = (
-                (prefix - window + 1).clamp(min=0) if window is not None else torch.zeros_like(prefix)
+                (prefix - window + int(check_residency == 1)).clamp(min=0)
+                if window is not None else torch.zeros_like(prefix)
             )
             is_hole = (translated == 0) & (pos >= needed_from[entry_req])
             if bool(is_hole.any()):  # a host read, like the totals above

@@ -154,7 +154,7 @@ def _plan_rows(
             requests[FIRST_PREV, r], oob = translate_slot(r2t[row, start - 1], lut, has_lut)
             bad |= oob
         first = i
-        needed_from = max(p - window + 1, 0) if window > 0 else 0
+        needed_from = max(p - window + (check_holes == 1), 0) if window > 0 else 0
         for pos in range(start, p):
             raw = r2t[row, pos]
             entries[0, i], oob = translate_slot(raw, lut, has_lut)
@@ -184,10 +184,12 @@ class RowPlanner:
 
     def __init__(self, *, verify_capacity: int, window: int | None, lut: torch.Tensor | None,
                  kv_token_id_vs_position_offset: int = 0,
-                 check_residency: bool = True):  # fmt: skip
+                 check_residency: int = 1):  # fmt: skip
         check_plan_args(verify_capacity, window)
         self.verify_capacity = verify_capacity
-        self._check_residency = check_residency
+        # 0: no holes; 1: holes from prefix - window + 1; 2: from prefix - window
+        # (CanaryBufferGroup.residency_check)
+        self._check_residency = int(check_residency)
         self._window = window or 0
         self._lut = lut
         self._lut_np = _EMPTY_LUT if lut is None else lut.numpy()  # a view: the LUT mutates

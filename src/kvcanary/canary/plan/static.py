@@ -84,7 +84,7 @@ def build_static_decode_plans(
     window: int | None = None,
     lut: torch.Tensor | None = None,
     kv_token_id_vs_position_offset: int = 0,
-    check_residency: bool = True,
+    check_residency: int = 1,
     hole_tag: int = 0,
     compiled: bool = False,
 ) -> StaticPlans:
@@ -128,7 +128,7 @@ def static_tensors(
     r2t: torch.Tensor, rows_in: torch.Tensor, prefix_in: torch.Tensor,
     out_cache_loc: torch.Tensor, lut: torch.Tensor | None, table: torch.Tensor | None,
     table_lens: torch.Tensor | None, *, width: int, window: int | None, offset: int,
-    check_residency: bool, hole_tag: int,
+    check_residency: int, hole_tag: int,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """The tensor work of :func:`build_static_decode_plans`: verify slots, prev slots,
     positions, expected tokens (flat ``[B * G]``), hole rows and mask, the write's seed and
@@ -158,7 +158,7 @@ def static_tensors(
     hole_mask = torch.zeros(bs * grid, dtype=torch.bool, device=device)
     if check_residency:
         needed_from = (torch.zeros_like(prefix) if window is None
-                       else (prefix - window + 1).clamp(min=0))  # fmt: skip
+                       else (prefix - window + int(check_residency == 1)).clamp(min=0))  # fmt: skip
         hole_mask = (live & (slots == 0) & (pos >= needed_from[:, None])).reshape(-1)
         hole_rows[:, RING_COL_LAUNCH_TAG] = hole_tag
         hole_rows[:, RING_COL_SLOT_IDX] = full.reshape(-1)  # the full slot (0 in FULL groups)

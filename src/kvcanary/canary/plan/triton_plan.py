@@ -167,7 +167,7 @@ def _plan_verify(
     table_s0, table_s1, table_cols, table_lens, offset, verify_first, out_slots, out_prev,
     out_positions, out_tokens, holes_per_row, info,
     HAS_LUT: tl.constexpr, HAS_TABLE: tl.constexpr, CHECK_HOLES: tl.constexpr,
-    BLOCK: tl.constexpr,
+    HOLE_MARGIN: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """P2: row ``r``'s verify entries; its hole count."""
     r = tl.program_id(0).to(tl.int64)
@@ -175,7 +175,7 @@ def _plan_verify(
     row, prefix, _, _, start, count = _row_state(rows, prefix_lens, extend_lens, r, r >= 0,
                                                  window)  # fmt: skip
     first = tl.load(verify_first + r)
-    needed_from = tl.where(window > 0, tl.maximum(prefix - window + 1, 0), 0)
+    needed_from = tl.where(window > 0, tl.maximum(prefix - window + HOLE_MARGIN, 0), 0)
     if HAS_TABLE:
         num_valid_tokens = tl.load(table_lens + r).to(tl.int64)
     num_holes = tl.zeros([], tl.int64)
@@ -208,7 +208,8 @@ def _plan_verify(
 @triton.jit(do_not_specialize=["r2t_s0", "r2t_s1", "bs", "window", "lut_len", "num_holes"])
 def _plan_holes(
     r2t, r2t_s0, r2t_s1, rows, prefix_lens, extend_lens, bs, window, lut, lut_len,
-    holes_per_row, holes, num_holes, HAS_LUT: tl.constexpr, BLOCK: tl.constexpr,
+    holes_per_row, holes, num_holes, HAS_LUT: tl.constexpr, HOLE_MARGIN: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     """P3: ``holes[:, k]`` = (full slot, position, prefix_len) of the k-th hole."""
     bs = tl.cast(bs, tl.int64)
@@ -220,7 +221,7 @@ def _plan_holes(
             row, prefix, _extend, _real, start, count = _row_state(
                 rows, prefix_lens, extend_lens, r, r >= 0, window
             )
-            needed_from = tl.where(window > 0, tl.maximum(prefix - window + 1, 0), 0)
+            needed_from = tl.where(window > 0, tl.maximum(prefix - window + HOLE_MARGIN, 0), 0)
             for j0 in range(0, count, BLOCK):
                 j = j0 + tl.arange(0, BLOCK)
                 m = j < count
@@ -253,7 +254,7 @@ def build_plans_triton(
     window: int | None,
     lut: torch.Tensor | None,
     offset: int,
-    check_residency: bool = True,
+    check_residency: int = 1,
 ) -> CanaryPlans:
     """:func:`kvcanary.canary.plan.reference.build_plans` with Triton kernels (arguments checked there)."""
     r2t = inputs.req_to_token
@@ -302,14 +303,16 @@ def build_plans_triton(
         verify = VerifyPlan(empty, empty, empty, empty, False, total_verify)
     else:
         out = [torch.empty(total_verify, dtype=torch.int64, device=device) for _ in range(4)]
-        check_holes = check_residency and total_verify > 0
+        check_holes = bool(check_residency) and total_verify > 0
+        margin = 1 if check_residency == 1 else 0  # 2: the window's start is read too
         if total_verify:
             holes_per_row = torch.empty(bs, dtype=torch.int64, device=device)
             _plan_verify[(bs,)](
                 r2t, r2t.stride(0), r2t.stride(1), rows, prefix, extend, win, lut_t, lut_len,
                 table_t, table_t.stride(0), table_t.stride(1), table_t.shape[1], table_lens_t,
                 offset, verify_first, *out, holes_per_row, info, HAS_LUT=has_lut,
-                HAS_TABLE=has_table, CHECK_HOLES=check_holes, BLOCK=_BLOCK,
+                HAS_TABLE=has_table, CHECK_HOLES=check_holes, HOLE_MARGIN=margin,
+                BLOCK=_BLOCK,
             )  # fmt: skip
             if has_lut or check_holes:
                 num_holes, errors = info[_NUM_HOLES:].tolist()
@@ -319,7 +322,7 @@ def build_plans_triton(
                     _plan_holes[(1,)](
                         r2t, r2t.stride(0), r2t.stride(1), rows, prefix, extend, bs, win,
                         lut_t, lut_len, holes_per_row, holes, num_holes, HAS_LUT=has_lut,
-                        BLOCK=_BLOCK,
+                        HOLE_MARGIN=margin, BLOCK=_BLOCK,
                     )  # fmt: skip
         verify = VerifyPlan(out[0], out[1], out[2], out[3], True, total_verify)
 

@@ -11,7 +11,8 @@ Slot record (one per KV-pool slot, 32 bytes, four little-endian int64 fields)::
 Two fail reasons are kvcanary's own (bits 6 and 7; SGLang defines bits 0..5):
 
 * ``verify_not_resident``: a verify entry inside the range attention reads (FULL groups:
-  ``[0, prefix_len)``; SWA groups: ``[prefix_len - window + 1, prefix_len)``) has no slot:
+  ``[0, prefix_len)``; SWA groups: ``[prefix_len - window + 1, prefix_len)``, from
+  ``prefix_len - window`` where the host's attention reads it: SGLang's) has no slot:
   its req->token entry is 0, or (SWA) the full->SWA mapping of its full slot is 0 (the
   window was evicted early). The row names the *full* slot (``slot_idx``), the position,
   ``stored_token = expected_token = -1``, ``stored_chain_hash = 0`` and ``expected_aux =

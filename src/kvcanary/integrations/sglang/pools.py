@@ -198,7 +198,9 @@ def _attach_swa(pool: Any, options: AttachOptions) -> list[CanaryBufferGroup]:
     if not pool.swa_kv_pool.k_buffer:
         raise ValueError("kv-canary on SGLang: SWAKVPool.swa_kv_pool has no layers")
     lut, window = _mapping(pool), _window(pool, options)
-    return list(attach_swa(pool, lut, window, options))
+    # SGLang's sliding layers see keys q - W .. q (W + 1 of them): position prefix_len - W
+    # is read, and must be resident.
+    return list(attach_swa(pool, lut, window, options, reads_window_start=True))
 
 
 # ------------------------------------------------------------------ DeepSeek-V4
