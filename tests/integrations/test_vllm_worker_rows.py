@@ -164,9 +164,9 @@ def test_a_token_id_the_scheduler_sent_differently_is_reported_through_the_batch
     seen = []
     before_forward = w.managers[0].before_forward
 
-    def spy(batch: Any, *args: Any) -> None:
+    def spy(batch: Any, *args: Any, **kwargs: Any) -> None:
         seen.append((batch.host_arrays is not None, batch._tensors is None))
-        before_forward(batch, *args)
+        before_forward(batch, *args, **kwargs)
 
     w.managers[0].before_forward = spy  # type: ignore[method-assign]
     blocks = []

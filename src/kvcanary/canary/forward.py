@@ -4,10 +4,11 @@ Called by :class:`~kvcanary.canary.manager.CanaryManager` (``before_forward`` ru
 first two, ``after_forward`` the last two)::
 
     pre_ops_outside_graph      host only: reset the step's overflow notes
-    pre_ops_maybe_inside_graph  per group: plan -> holes -> write HEAD -> verify HEAD   (K, V)
-                                (holes: positions attention reads that have no slot; the
-                                write first: the alias check, kernels.dispatch; compress-
-                                state rings verify first)
+    pre_ops_maybe_inside_graph  per group: plan -> holes -> write HEAD (K, V); then per
+                                group: verify HEAD (K, V) (holes: positions attention reads
+                                that have no slot; every write before any verify: the alias
+                                check, kernels.dispatch; compress-state rings and compressed
+                                groups launch whole, verify then write)
     -- the host's forward: attention reads the verified prefix, writes this forward's KV --
     post_ops_maybe_inside_graph per group: verify TAIL -> write TAIL           (K, then V)
                                 (TAIL fingerprints the live KV: real-data modes; state
@@ -30,6 +31,7 @@ tensor work cost several times the checks themselves.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -139,6 +141,8 @@ class SingleForwardManager:
         # (:mod:`.fused_rows`); built on first use, None when they cannot be fused.
         self._fused: FusedRowLaunches | None | bool = self._planners is not None
         self._fused_open = False  # this forward's HEAD ran fused: so does its TAIL
+        # A HEAD run with verify False: its verifies (head_verify).
+        self._pending_verify: Callable[[], None] | None = None
 
     @property
     def graph_safe(self) -> bool:
@@ -161,7 +165,7 @@ class SingleForwardManager:
     ) -> None:
         self.overflows = []
 
-    def fast_head(self, fb: ForwardBatchView) -> FusedRowLaunches | None:
+    def fast_head(self, fb: ForwardBatchView, verify: bool = True) -> FusedRowLaunches | None:
         """:meth:`pre_ops_outside_graph` + :meth:`pre_ops_maybe_inside_graph` of a forward
         of the persistent batch arrays whose HostInputs and batch block are cached (a
         decode step of the host's graph runner), once the fused launches are built and with
@@ -183,17 +187,21 @@ class SingleForwardManager:
             rt.store_checker.begin_forward(host.out_cache_loc.shape[0])
         self._fused_open = False  # the caller runs fused.tail()
         # (_fused_head's body: one frame fewer, ~0.5 us right after the previous forward)
-        if fused.head(host, rt.config.verify_tokens, rt.chain_position_assert, cached[2]):
+        if fused.head(host, rt.config.verify_tokens, rt.chain_position_assert, cached[2], verify):
             self._note_overflows(fused)
+        self._pending_verify = None if verify else fused.head_verify
         return fused
 
-    def pre_ops_maybe_inside_graph(self, fb: ForwardBatchView) -> list[CanaryPlans]:
+    def pre_ops_maybe_inside_graph(self, fb: ForwardBatchView,
+                                   verify: bool = True) -> list[CanaryPlans]:  # fmt: skip
+        """HEAD; ``verify`` False: its writes only, the verifies left to :meth:`head_verify`
+        (a host whose canaries share a record buffer runs every canary's writes first)."""
         rt = self.rt
         if rt.store_checker is not None:
             rt.store_checker.begin_forward(int(fb.out_cache_loc.shape[0]))
         expected_inputs = None if rt.expected_inputs is None else rt.expected_inputs(fb)
         if self._static and is_decode(fb):
-            return self._static_decode(fb, expected_inputs)
+            return self._static_decode(fb, expected_inputs, verify)
         fused = self._fused_launches()
         if fused is not None:
             batch_host = self._host_inputs(fb, expected_inputs)
@@ -202,7 +210,7 @@ class SingleForwardManager:
                 batch = cached[2]
             else:  # made per forward (a prefill): one compiled body for every forward
                 batch = FusedRowLaunches.batch_block(batch_host)
-            self._fused_head(fused, batch_host, batch)
+            self._fused_head(fused, batch_host, batch, verify)
             return []
         host: HostInputs | None = None  # row planners' view of the batch, made once
         inputs: PlanInputs | None = None  # the others', made once
@@ -228,9 +236,24 @@ class SingleForwardManager:
             if plans.holes is not None:  # once per forward, under the group's HEAD K tag
                 rt.ring.append_holes(int(launch_tag(group.kind, LaunchStage.HEAD, KvHalf.K)),
                                      plans.holes)  # fmt: skip
-            self._launch(group, LaunchStage.HEAD, plans)
+            self._head_write(group, plans)
             all_plans.append(plans)
+        self._verify_or_defer(all_plans, verify)
         return all_plans
+
+    def _verify_or_defer(self, all_plans: list[CanaryPlans], verify: bool) -> None:
+        if verify:
+            self._pending_verify = None
+            self._head_verify(all_plans)
+        else:
+            self._pending_verify = lambda: self._head_verify(all_plans)
+
+    def head_verify(self) -> None:
+        """The verifies of a HEAD run with ``verify`` False."""
+        pending, self._pending_verify = self._pending_verify, None
+        if pending is None:
+            raise RuntimeError("kv-canary: head_verify() without a HEAD that deferred it")
+        pending()
 
     def _fused_launches(self) -> FusedRowLaunches | None:
         if self._fused is True:
@@ -247,13 +270,15 @@ class SingleForwardManager:
         return self._fused if isinstance(self._fused, FusedRowLaunches) else None
 
     def _fused_head(self, fused: FusedRowLaunches, host: HostInputs,
-                    batch: np.ndarray | None) -> None:  # fmt: skip
+                    batch: np.ndarray | None, verify: bool = True) -> None:  # fmt: skip
         """HEAD of every group in one compiled call (:mod:`.fused_rows`; ``batch``: the
         batch block of ``host``, if any; it adds the divergence reporter's totals too), then
         the host's note of overflowed verifies."""
         rt = self.rt
         self._fused_open = False
-        overflow = fused.head(host, rt.config.verify_tokens, rt.chain_position_assert, batch)
+        overflow = fused.head(host, rt.config.verify_tokens, rt.chain_position_assert, batch,
+                              verify)  # fmt: skip
+        self._pending_verify = None if verify else fused.head_verify
         self._fused_open = True
         if overflow:
             self._note_overflows(fused)
@@ -268,7 +293,8 @@ class SingleForwardManager:
                 self.overflows.append((group.kind.name, total, rt.verify_capacities[i]))
 
     def _static_decode(
-        self, fb: ForwardBatchView, expected_inputs: tuple[torch.Tensor, torch.Tensor] | None
+        self, fb: ForwardBatchView, expected_inputs: tuple[torch.Tensor, torch.Tensor] | None,
+        verify: bool = True,
     ) -> list[CanaryPlans]:
         """HEAD of a decode forward with static-capacity plans (:mod:`.static_plan`): device
         ops only, holes appended on the device."""
@@ -287,8 +313,9 @@ class SingleForwardManager:
             if rt.verify_totals is not None:
                 rt.verify_totals.observe(group.kind, static.num_live)
             rt.ring.append_t(static.hole_rows, static.hole_mask)
-            self._launch(group, LaunchStage.HEAD, static.plans)
+            self._head_write(group, static.plans)
             all_plans.append(static.plans)
+        self._verify_or_defer(all_plans, verify)
         return all_plans
 
     def _plan_inputs(self, i: int, group: CanaryBufferGroup, inputs: PlanInputs) -> CanaryPlans:
@@ -362,23 +389,47 @@ class SingleForwardManager:
             )  # fmt: skip
         self.overflows = []
 
+    def _head_write(self, group: CanaryBufferGroup, plans: CanaryPlans) -> None:
+        """HEAD, first half: a per-position group's writes (the alias check: every group's
+        writes before any group's verify, since groups may share a record buffer, as vLLM's
+        do); other groups launch whole (verify, then write)."""
+        if not group.per_position:
+            self._launch(group, LaunchStage.HEAD, plans)
+            return
+        rt = self.rt
+        for tag, records, sources, _ in self._launches[id(group), LaunchStage.HEAD]:
+            kernels.write(records, plans.write, rt.ring, tag, real_kv_sources=sources,
+                          chain_position_assert=rt.chain_position_assert,
+                          counters=rt.write_counters,
+                          backend=rt.config.backend)  # type: ignore[arg-type]  # fmt: skip
+
+    def _head_verify(self, all_plans: list[CanaryPlans]) -> None:
+        """HEAD, second half: the per-position groups' verifies, in group order."""
+        rt = self.rt
+        for group, plans in zip(rt.groups, all_plans, strict=True):
+            if not group.per_position:
+                continue
+            for tag, records, sources, _ in self._launches[id(group), LaunchStage.HEAD]:
+                kernels.verify(records, plans.verify, rt.ring, tag, real_kv_sources=sources,
+                               check_token=rt.config.verify_tokens, counters=rt.verify_counters,
+                               backend=rt.config.backend,  # type: ignore[arg-type]
+                               reader_chain=self._planners is not None)  # fmt: skip
+
     def _launch(self, group: CanaryBufferGroup, stage: LaunchStage, plans: CanaryPlans) -> None:
         rt = self.rt
         backend = rt.config.backend
         verify_plan = plans.verify
         if stage == LaunchStage.TAIL and plans.tail_verify is not None:
             verify_plan = plans.tail_verify
-        # HEAD of a per-position group writes first: the alias check; the CPU per-forward
-        # path (numba) also checks each row against its reader's chain (kernels.dispatch).
-        write_first = stage == LaunchStage.HEAD and group.per_position
+        # (HEAD of a per-position group: _head_write / _head_verify.) The CPU per-forward
+        # path (numba) checks each row against its reader's chain too (kernels.dispatch).
         reader_chain = self._planners is not None
         for tag, records, sources, watch in self._launches[id(group), stage]:
             kernels.launch(
                 records, verify_plan, plans.write, rt.ring, tag, real_kv_sources=sources,
                 check_token=rt.config.verify_tokens, chain_position_assert=rt.chain_position_assert,
                 verify_counters=rt.verify_counters, write_counters=rt.write_counters,
-                backend=backend, write_first=write_first,  # type: ignore[arg-type]
-                reader_chain=reader_chain,
+                backend=backend, reader_chain=reader_chain,  # type: ignore[arg-type]
             )  # fmt: skip
             if watch is not None and rt.store_checker is not None:
                 rt.store_checker.check(watch, plans.write, rt.ring)

@@ -184,21 +184,24 @@ class CanaryManager:
             )  # fmt: skip
 
     # ------------------------------------------------------------------ the host's calls
-    def before_forward(self, batch: ForwardBatchView, forward_index: int = 0) -> None:
+    def before_forward(self, batch: ForwardBatchView, forward_index: int = 0,
+                       verify: bool = True) -> None:  # fmt: skip
         """Before the host's forward of ``batch`` (and before it gathers slot tables for
         attention): single-forward manager ``forward_index``'s host pre-ops, the
         perturbation pre-forward hook (faults must be what attention reads), then per group
         plan -> holes -> HEAD verify / write (:meth:`begin_forward` + :meth:`head`; a decode
         step of the host's persistent batch arrays seen before, with no perturber:
-        ``SingleForwardManager.fast_head``, the same work with less Python)."""
+        ``SingleForwardManager.fast_head``, the same work with less Python). ``verify``
+        False: HEAD's writes only, :meth:`head_verify` its verifies (a host whose canaries
+        share a record buffer, vLLM's, runs every canary's writes first: the alias check)."""
         if self._open is None and forward_index == 0 and self.perturber is None:
-            self._fast_tail = self.single_forward_managers[0].fast_head(batch)
+            self._fast_tail = self.single_forward_managers[0].fast_head(batch, verify)
             if self._fast_tail is not None:
                 self._open = (0, [])
                 return
         self.begin_forward(batch, forward_index)
         try:
-            self.head(batch)
+            self.head(batch, verify)
         except BaseException:  # a forward whose HEAD failed never opened
             self._open = None
             raise
@@ -257,15 +260,23 @@ class CanaryManager:
             self.perturber.pre_forward(batch)
         self._open = (forward_index, [])
 
-    def head(self, batch: ForwardBatchView) -> list[CanaryPlans]:
-        """Per group plan -> holes -> HEAD verify / write (inside a captured graph: device
-        work only when graph-safe); the plans TAIL will use."""
+    def head(self, batch: ForwardBatchView, verify: bool = True) -> list[CanaryPlans]:
+        """Per group plan -> holes -> HEAD write, then every group's HEAD verify (``verify``
+        False: :meth:`head_verify` does; inside a captured graph: device work only when
+        graph-safe); the plans TAIL will use."""
         if self._open is None:
             raise RuntimeError("kv-canary: head(batch) needs begin_forward(batch) first")
         index = self._open[0]
-        plans = self.single_forward_managers[index].pre_ops_maybe_inside_graph(batch)
+        plans = self.single_forward_managers[index].pre_ops_maybe_inside_graph(batch, verify)
         self._open = (index, plans)
         return plans
+
+    def head_verify(self) -> None:
+        """The HEAD verifies of a :meth:`before_forward` / :meth:`head` run with ``verify``
+        False."""
+        if self._open is None:
+            raise _not_open()
+        self.single_forward_managers[self._open[0]].head_verify()
 
     def tail(self, batch: ForwardBatchView) -> None:
         """Per group TAIL verify / write (+ store check) on the plans :meth:`head` made."""

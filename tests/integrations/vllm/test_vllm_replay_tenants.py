@@ -171,13 +171,15 @@ def test_cross_tenant_prefix_hit(case: str, checkpoints: dict[str, Path], adapte
     rows = caught.rows[first_bad]
     assert {r.launch_tag for r in rows} >= {"HEAD_K_FULL"}
     assert all("verify_token" in r.fail_reasons for r in rows if r.slot_idx in bad)
-    assert caught.causes()[0] == "cross_namespace_hit"
+    # (later steps also name the reader's own slots written after the hit: KV made by
+    # attending to the other tenant's; explain counts those as remaps)
+    assert "cross_namespace_hit" in caught.causes()
     TABLE[case] = {"fix": [f[0] for f in fixes], "first_bad_step": first_bad,
                    "detected_step": caught.first_detection, "bad_reads": len(buggy.oracle.bad),
                    "bad_slots": len(bad), "named": len(named & bad), "extra_named": len(named - bad),
                    "tags": sorted({r.launch_tag for r in rows}),
                    "reasons": sorted({x for r in rows for x in r.fail_reasons}),
-                   "cause": caught.causes()[0]}  # fmt: skip
+                   "causes": caught.causes()}  # fmt: skip
     print(f"\n{case}: {TABLE[case]}")
 
 

@@ -67,8 +67,9 @@ HEAD of a per-position group: the alias check, below); a CPU row plan runs both 
 compiled call (the per-forward path: after a forward has evicted the caches, each
 Python-to-native crossing costs microseconds).
 
-**The alias check.** A HEAD writes this forward's records before it verifies the slots the
-forward reads, so a slot the forward writes that some row also reads at another position
+**The alias check.** A HEAD writes this forward's records (every FULL and SWA group's: groups
+may share a record buffer, as vLLM's do) before it verifies the slots the forward reads
+(``forward.SingleForwardManager``, the fused HEAD), so a slot the forward writes that some row also reads at another position
 (a slot freed and handed out again inside one forward, one physical page at two indices of
 a row) fails that row's verify (``verify_position``, and the token and chain bits of the
 other token) at HEAD, without fingerprints. A slot read and written at the *same* position

@@ -11,10 +11,11 @@ cache-cold cost right after (or before) the model's forward; together they measu
              plan that needs more scratch, or fails, leaves no trace: Python grows the
              scratch and calls again, or raises the planner's error)
           2. per launch (group, half), in group order: the group's holes (first half only,
-             under its HEAD K tag, as ``ViolationRing.append_holes``), then write + verify
-             (:func:`.kernels_numba._launch_rows_kernel`, write first: the alias check;
-             every verify, HEAD's and TAIL's, with the reader chain, :mod:`.dispatch`)
-          3. each group's verify entries (0 when it overflowed) onto the SWA divergence
+             under its HEAD K tag, as ``ViolationRing.append_holes``), then its write
+          3. per launch, in group order, its verify: every write before any verify (the
+             alias check, :mod:`.dispatch`: groups may share a record buffer, as vLLM's do);
+             every verify, HEAD's and TAIL's, with the reader chain
+          4. each group's verify entries (0 when it overflowed) onto the SWA divergence
              reporter's totals, when it is on (``VerifyTotals.observe``)
     TAIL  tail_nb(batch, groups, launches)
           per launch: verify + write on the plans HEAD made, then the store check of its
@@ -145,48 +146,70 @@ def _a2(blk, k):
 
 
 @numba.njit(cache=True, inline="always")
-def _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inputs, has_table,
-            check_token, position_assert, write_first):  # fmt: skip
-    """Verify + write of the launch at ``blk[k]`` on its group's plans, or the write first
-    (HEAD: the alias check, :mod:`.dispatch`); the verify's error status."""
+def _launch_write(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inputs,
+                  position_assert):  # fmt: skip
+    """The write of the launch at ``blk[k]`` on its group's plan."""
+    out = _a2(blk, 16)
+    g = blk[k]
+    kg = _HEADER + g * _GROUP_W
+    tag = blk[k + 1]
+    w_runs, w_processed = _a1(blk, 12), _a1(blk, 14)
+    if out[g, _MAX_WRITE] > 0:
+        # (as kernels_numba._launch_rows_kernel, the kernel called through its address)
+        call(WRITE_T, blk[_WRITE_FN], (
+            _a2(blk, kg + 7), bs, input_ids, positions, _a1(blk, kg + 13), check_inputs,
+            exp_ids, exp_positions, position_assert, tag, _a2(blk, k + 4), _a2(blk, k + 7),
+            _a2(blk, k + 10), _a2(blk, k + 13), _a2(blk, k + 16), _a2(blk, k + 19), blk[k + 3],
+            _a2(blk, 3), _a1(blk, 6), w_runs, w_processed, blk[_SPLIT : _SPLIT + 2]))  # fmt: skip
+    else:  # a write without tokens counts its launch, as write() does
+        _check_tag(tag, w_runs)
+        _count(w_runs, w_processed, tag, 0)
+
+
+@numba.njit(cache=True, inline="always")
+def _launch_verify(blk, k, bs, has_table, check_token):
+    """The verify of the launch at ``blk[k]`` on its group's plan, with the reader chain
+    (the verify kernel called through its address); its error status."""
     out = _a2(blk, 16)
     g = blk[k]
     kg = _HEADER + g * _GROUP_W
     total_verify = out[g, _TOTAL_VERIFY]
     num_verify = total_verify if total_verify <= blk[kg + 3] else 0
-    check_table = check_token and has_table
-    requests = _a2(blk, kg + 7)
-    rec, words0, words1, words2 = _a2(blk, k + 4), _a2(blk, k + 7), _a2(blk, k + 10), _a2(blk, k + 13)
-    words3, meta, num_sources = _a2(blk, k + 16), _a2(blk, k + 19), blk[k + 3]
-    ring, ring_index, split = _a2(blk, 3), _a1(blk, 6), blk[_SPLIT : _SPLIT + 2]
-    tag = blk[k + 1]
-    # (as kernels_numba._launch_rows_kernel, its verify and write called through their
-    # addresses)
-    v_runs, v_processed, w_runs, w_processed = _a1(blk, 8), _a1(blk, 10), _a1(blk, 12), _a1(blk, 14)
-    for step in range(2):
-        if step == (0 if write_first else 1):
-            if out[g, _MAX_WRITE] > 0:
-                call(WRITE_T, blk[_WRITE_FN], (
-                    requests, bs, input_ids, positions, _a1(blk, kg + 13), check_inputs, exp_ids,
-                    exp_positions, position_assert, tag, rec, words0, words1, words2, words3,
-                    meta, num_sources, ring, ring_index, w_runs, w_processed, split))  # fmt: skip
-            else:  # a write without tokens counts its launch, as write() does
-                _check_tag(tag, w_runs)
-                _count(w_runs, w_processed, tag, 0)
-        else:
-            status = call(VERIFY_ROWS_T, blk[_VERIFY_FN], (
-                requests, bs, _a2(blk, kg + 10), num_verify, check_table, tag, rec, words0,
-                words1, words2, words3, meta, num_sources, ring, ring_index, v_runs, v_processed,
-                split, True))  # fmt: skip
-            if status:
-                return status
-    return 0
+    return call(VERIFY_ROWS_T, blk[_VERIFY_FN], (
+        _a2(blk, kg + 7), bs, _a2(blk, kg + 10), num_verify, check_token and has_table,
+        blk[k + 1], _a2(blk, k + 4), _a2(blk, k + 7), _a2(blk, k + 10), _a2(blk, k + 13),
+        _a2(blk, k + 16), _a2(blk, k + 19), blk[k + 3], _a2(blk, 3), _a1(blk, 6), _a1(blk, 8),
+        _a1(blk, 10), blk[_SPLIT : _SPLIT + 2], True))  # fmt: skip
+
+
+@numba.njit(cache=True, inline="always")
+def _verify_body(bs, has_table, check_token, blk):
+    """HEAD's verifies (3.) and the divergence reporter's totals (4.)."""
+    num_groups, num_launches = blk[0], blk[1]
+    out = _a2(blk, 16)
+    launches = _HEADER + num_groups * _GROUP_W
+    for i in range(num_launches):  # 3. every verify after every write: the alias check
+        if _launch_verify(blk, launches + i * _LAUNCH_W, bs, has_table, check_token):
+            return _SLOT_ERROR + i
+    totals = _a1(blk, 19)  # 4. the SWA divergence reporter's totals (VerifyTotals.observe)
+    for g in range(num_groups):
+        k = _HEADER + g * _GROUP_W
+        if blk[k + 18] >= 0 and out[g, _TOTAL_VERIFY] <= blk[k + 3]:
+            totals[blk[k + 18]] += out[g, _TOTAL_VERIFY]
+    return _DONE
+
+
+@numba.njit(cache=True)
+def _head_verify_nb(bs, has_table, check_token, blk):
+    """HEAD's verifies alone, after a HEAD called with ``verify`` False (the host runs every
+    canary's writes before any canary's verifies: its groups share a record buffer)."""
+    return _verify_body(bs, has_table, check_token, blk)
 
 
 @numba.njit(cache=True, inline="always")
 def _head_body(
     r2t, rows, prefix, extend, out_cache_loc, input_ids, positions, exp_ids, exp_positions,
-    check_inputs, table, table_lens, has_table, check_token, position_assert, blk,
+    check_inputs, table, table_lens, has_table, check_token, position_assert, verify, blk,
 ):  # fmt: skip
     num_groups, num_launches = blk[0], blk[1]
     out, ring, ring_index = _a2(blk, 16), _a2(blk, 3), _a1(blk, 6)
@@ -207,7 +230,7 @@ def _head_body(
         overflow |= res[1] > blk[k + 3]
     bs = rows.shape[0]
     launches = _HEADER + num_groups * _GROUP_W
-    for i in range(num_launches):  # 2. holes, then write + verify, in group order
+    for i in range(num_launches):  # 2. holes, then the write, in group order
         k = launches + i * _LAUNCH_W
         g, hole_tag = blk[k], blk[k + 2]
         if hole_tag >= 0:
@@ -215,37 +238,35 @@ def _head_body(
             for h in range(out[g, _NUM_HOLES]):
                 _record(ring, ring_index, hole_tag, holes[0, h], holes[1, h], NO_TOKEN, NO_TOKEN,
                         0, holes[2, h], _NOT_RESIDENT)  # fmt: skip
-        if _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inputs,
-                   has_table, check_token, position_assert, True):  # fmt: skip
-            return _SLOT_ERROR + i
-    totals = _a1(blk, 19)  # 3. the SWA divergence reporter's totals (VerifyTotals.observe)
-    for g in range(num_groups):
-        k = _HEADER + g * _GROUP_W
-        if blk[k + 18] >= 0 and out[g, _TOTAL_VERIFY] <= blk[k + 3]:
-            totals[blk[k + 18]] += out[g, _TOTAL_VERIFY]
+        _launch_write(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inputs,
+                      position_assert)  # fmt: skip
+    if verify:
+        status = _verify_body(bs, has_table, check_token, blk)
+        if status != _DONE:
+            return status
     return _OVERFLOW if overflow else _DONE
 
 
 @numba.njit(cache=True)
 def _head_nb(
     r2t, rows, prefix, extend, out_cache_loc, input_ids, positions, exp_ids, exp_positions,
-    check_inputs, table, table_lens, has_table, check_token, position_assert, blk,
+    check_inputs, table, table_lens, has_table, check_token, position_assert, verify, blk,
 ):  # fmt: skip
     return _head_body(
         r2t, rows, prefix, extend, out_cache_loc, input_ids, positions, exp_ids, exp_positions,
-        check_inputs, table, table_lens, has_table, check_token, position_assert, blk,
+        check_inputs, table, table_lens, has_table, check_token, position_assert, verify, blk,
     )  # fmt: skip
 
 
 @numba.njit(cache=True)
-def _head_batch_nb(r2t, batch, check_token, position_assert, blk):
+def _head_batch_nb(r2t, batch, check_token, position_assert, verify, blk):
     """:func:`_head_nb` of a batch described by a batch block (see above ``_HEADER``; no
     write-input assertion; its token table, if any)."""
     ids, positions = _a1(batch, 8), _a1(batch, 10)
     return _head_body(
         r2t, _a1(batch, 0), _a1(batch, 2), _a1(batch, 4), _a1(batch, 6), ids, positions, ids,
         positions, False, _a2(batch, 12), _a1(batch, 15), batch[17] != 0, check_token,
-        position_assert, blk,
+        position_assert, verify, blk,
     )  # fmt: skip
 
 
@@ -259,9 +280,10 @@ def _tail_body(
     launches = _HEADER + num_groups * _GROUP_W + num_heads * _LAUNCH_W
     for i in range(num_launches):
         k = launches + i * _LAUNCH_W
-        if _launch(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inputs,
-                   has_table, check_token, position_assert, False):  # fmt: skip
+        if _launch_verify(blk, k, bs, has_table, check_token):
             return _SLOT_ERROR + i
+        _launch_write(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inputs,
+                      position_assert)  # fmt: skip
         g = blk[k]
         stamp = _a1(blk, k + 28)
         if out[g, _MAX_WRITE] > 0 and stamp.shape[0]:  # the store check, once armed
@@ -332,6 +354,8 @@ class FusedRowLaunches:
         # block, check token, position assert); and the HostInputs whose arrays a batch block
         # points into (kept alive until TAIL: a prefill's are made per forward).
         self._tail_call: tuple[Any, ...] | None = None
+        # (batch rows, has a token table, check tokens) of the last HEAD: head_verify's
+        self._verify_call: tuple[int, bool, bool] = (0, False, False)
         self._tail_host: HostInputs | None = None
         # The batch-block calls' compiled functions (:func:`.kernels_numba.entry_point`: their
         # argument types are fixed, int64 blocks made here and Python scalars, but for
@@ -441,21 +465,25 @@ class FusedRowLaunches:
         return cast(np.ndarray, _batch_block_entry(*arrays, table, lens, has_table))
 
     def head(self, host: HostInputs, check_token: bool, position_assert: bool,
-             batch: np.ndarray | None = None) -> bool:  # fmt: skip
-        """Plan every group, record its holes, write + verify HEAD; True when a group's
-        verify overflowed its capacity (its verify skipped; see :meth:`verify_entries`).
-        ``batch``: ``host``'s :meth:`batch_block`, when it has one (fewer arguments to pass)."""
+             batch: np.ndarray | None = None, verify: bool = True) -> bool:  # fmt: skip
+        """Plan every group, record its holes, write HEAD, then verify it (``verify`` False:
+        :meth:`head_verify` does, later); True when a group's verify overflowed its
+        capacity (its verify skipped; see :meth:`verify_entries`). ``batch``: ``host``'s
+        :meth:`batch_block`, when it has one (fewer arguments to pass)."""
+        self._verify_call = (host.req_pool_indices.shape[0], host.expected_token_table is not None
+                             and host.expected_token_lens is not None, check_token)  # fmt: skip
         if batch is not None:
             r2t = host.req_to_token
             head = self._head_entry
             if head is None or head[0] is not r2t:
                 head = self._head_entry = (r2t, entry_point(
-                    _head_batch_nb, r2t, batch, check_token, position_assert, self._block))  # fmt: skip
+                    _head_batch_nb, r2t, batch, check_token, position_assert, True,
+                    self._block))  # fmt: skip
                 self._tail_entry = entry_point(_tail_batch_nb, batch, check_token,
                                                position_assert, 0, self._block)  # fmt: skip
             while True:
                 with parallel_lock:
-                    code = head[1](r2t, batch, check_token, position_assert, self._block)
+                    code = head[1](r2t, batch, check_token, position_assert, verify, self._block)
                 if code <= _OVERFLOW or not self._retry(code, host):
                     self._tail_call, self._tail_host = (batch, check_token, position_assert), host
                     return code == _OVERFLOW
@@ -472,12 +500,19 @@ class FusedRowLaunches:
                     host.req_to_token, host.req_pool_indices, host.prefix_lens,
                     host.extend_lens, host.out_cache_loc, *tokens,
                     table if has_table else _EMPTY_TABLE, lens if has_table else _EMPTY_LENS,
-                    has_table, check_token, position_assert, self._block,
+                    has_table, check_token, position_assert, verify, self._block,
                 )  # fmt: skip
             if not self._retry(code, host):
                 self._tail_call = (host.req_pool_indices.shape[0], *tokens, has_table,
                                    check_token, position_assert)  # fmt: skip
                 return code == _OVERFLOW
+
+    def head_verify(self) -> None:
+        """The verifies of a :meth:`head` called with ``verify`` False."""
+        with parallel_lock:
+            code = _head_verify_nb(*self._verify_call, self._block)
+        if code >= _SLOT_ERROR:
+            raise IndexError("kv-canary: plan slot out of range of the canary buffer")
 
     def _retry(self, code: int, host: HostInputs) -> bool:
         """After a HEAD call: True when a group's plan needed more scratch (grown: call

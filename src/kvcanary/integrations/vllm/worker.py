@@ -170,8 +170,7 @@ class VllmCanaryWorker:
         if dev.type == "cpu" and not may_depend:  # the usual step: numpy, no tensors made
             batches = [StepBatch(None, (rows, prefix, ql, input_ids, positions, out.numpy()))
                        for out in outs]  # fmt: skip
-            for manager, batch in zip(self.managers, batches, strict=True):
-                manager.before_forward(batch)
+            self._head(batches)
             self._open = [batches]
             return
         tables.publish(rows)
@@ -196,9 +195,19 @@ class VllmCanaryWorker:
                 torch.tensor(levels, device=dev) == level, row_idx, 0)  # fmt: skip
             passes.append([StepBatch((idx, prefix_t, ql_t, ids_t, positions_t, out))
                            for out in outs])  # fmt: skip
-        for manager, batch in zip(self.managers, passes[0], strict=True):
-            manager.before_forward(batch)
+        self._head(passes[0])
         self._open = passes
+
+    def _head(self, batches: Sequence[StepBatch]) -> None:
+        """HEAD of every group: every group's writes, then every group's verifies. The
+        groups share one record buffer per block size, so a block this step writes in one
+        group that another group's row reads at another position fails that read's verify
+        here (the alias check), whichever group comes first."""
+        for manager, batch in zip(self.managers, batches, strict=True):
+            manager.before_forward(batch, verify=len(self.managers) == 1)
+        if len(self.managers) > 1:
+            for manager in self.managers:
+                manager.head_verify()
 
     def after_forward(self) -> None:
         """TAIL of every group, then the dependent passes (HEAD + TAIL), then the reports
