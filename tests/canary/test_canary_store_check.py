@@ -105,7 +105,7 @@ def test_graph_runner_decode_takes_the_fast_head_and_still_checks_stores(
     full: list[Any] = []
     original = SingleForwardManager.pre_ops_maybe_inside_graph
     monkeypatch.setattr(SingleForwardManager, "pre_ops_maybe_inside_graph",
-                        lambda self, fb: full.append(fb) or original(self, fb))  # fmt: skip
+                        lambda self, fb, *a: full.append(fb) or original(self, fb, *a))  # fmt: skip
     a = engine.running_requests()[1]
     while a.kv_len % 4 == 0:  # the next token must continue a's current page (page size 4)
         engine.step()
