@@ -44,10 +44,20 @@ class FakeVllm:
         self.tokens[rid], self.computed[rid], self.sent[rid], self.blocks[rid] = list(prompt), 0, 0, []
 
     def step(self, order: list[str], finished: tuple[str, ...] = (),
-             block_table_fault: tuple[int, int, int] | None = None) -> None:  # fmt: skip
+             block_table_fault: tuple[int, int, int] | None = None,
+             loaded: dict[str, int] | None = None) -> None:  # fmt: skip
         """One step of the requests ``order`` (batch rows in that order): each runs its
-        unsent tokens (a prompt, or the token sampled last step)."""
+        unsent tokens (a prompt, or the token sampled last step); ``loaded[rid]``: the
+        first tokens of a new request another connector loaded (cleared, then sealed)."""
         meta, qsl, seq, slots = StepMeta(finished=list(finished)), [0], [], []
+        for rid, n in (loaded or {}).items():
+            self.computed[rid] = n
+            while len(self.blocks[rid]) * BS < n:
+                self.blocks[rid].append(self.next_block)
+                self.next_block += 1
+            held = [self.blocks[rid][p // BS] * BS + p % BS for p in range(n)]
+            meta.seal(rid, 0, n, [held])
+            meta.invalid_slots = [list(held)]
         for rid in order:
             k, toks = self.computed[rid], self.tokens[rid]
             new = len(toks) - k
@@ -214,7 +224,9 @@ def warm_worker_scenario(extra: dict[str, Any]) -> None:
     for _ in range(BS + 1):
         fake.step(["r2", "r0", "r1"])
     fake.step(["r2", "r1"], finished=("r0",))
-    assert fake.violations() == []
+    fake.add("r3", list(range(70, 70 + BS + 3)))  # its first BS + 1 tokens loaded elsewhere
+    fake.step(["r3"], loaded={"r3": BS + 1})
+    assert fake.violations() == [] and fake.worker.stats()["sealed"] == BS + 1
     assert sorted(map(str, loaded_kernels() - warm)) == []
     assert not torch.any(kv)  # the warm-up wrote nothing into the cache
 

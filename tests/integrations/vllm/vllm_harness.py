@@ -42,14 +42,30 @@ def canary_transfer_config(*, policy: str | None = None, **options: Any) -> dict
     return config
 
 
+def multi_transfer_config(connectors: list[dict[str, Any]], canary: dict[str, Any] | None, *,
+                          policy: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """vLLM's ``MultiConnector`` over ``connectors`` (child configs) and, last, the canary
+    (its options) when given."""
+    children = list(connectors)
+    if canary is not None:
+        children.append(canary_transfer_config(**canary))
+    config: dict[str, Any] = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                              "kv_connector_extra_config": {"connectors": children}}  # fmt: skip
+    if policy is not None:
+        config["kv_load_failure_policy"] = policy
+    return config
+
+
 @contextlib.contextmanager
 def vllm_engine(ckpt: Path, *, canary: dict[str, Any] | None = None,
                 num_blocks: int | None = None, max_model_len: int = 512,
                 max_num_seqs: int = 32, policy: str | None = None,
+                connectors: list[dict[str, Any]] | None = None,
                 **kwargs: Any) -> Iterator[Any]:  # fmt: skip
     """An offline ``vllm.LLM`` on the tiny checkpoint (fp32, eager, prefix caching on), with
-    the canary connector when ``canary`` is given (its extra config). Shut down on exit, so
-    the next engine starts without the previous one's connector."""
+    the canary connector when ``canary`` is given (its extra config), beside ``connectors``
+    (child configs) through vLLM's MultiConnector when given. Shut down on exit, so the next
+    engine starts without the previous one's connector."""
     from vllm import LLM
     from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
 
@@ -60,7 +76,9 @@ def vllm_engine(ckpt: Path, *, canary: dict[str, Any] | None = None,
     )  # fmt: skip
     if num_blocks is not None:
         kw["num_gpu_blocks_override"] = num_blocks
-    if canary is not None:
+    if connectors:
+        kw["kv_transfer_config"] = multi_transfer_config(connectors, canary, policy=policy)
+    elif canary is not None:
         kw["kv_transfer_config"] = canary_transfer_config(policy=policy, **canary)
     llm = LLM(**kw)
     try:
@@ -92,11 +110,16 @@ def worker(llm: Any) -> Any:
     return engine_core(llm).model_executor.driver_worker.worker
 
 
-def connector(llm: Any) -> Any:
-    """The worker-side canary connector (the scheduler has its own instance)."""
+def connector(llm: Any, name: str = "KVCanaryConnector") -> Any:
+    """The worker-side canary connector (the scheduler has its own instance); under a
+    MultiConnector, its child of class ``name``."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group()
+    group = get_kv_transfer_group()
+    children = getattr(group, "sub_connectors", None)
+    if children is None:
+        return group
+    return next(c for c in children if type(c).__name__ == name)
 
 
 @dataclass

@@ -16,6 +16,13 @@ The prefix identity is a running hash of the tokens (and of the request's cache 
 ``namespace(req_id)``, for the tenant replays). Writes of a step are applied before its
 reads (every layer stores before its attention reads), so a slot written twice in one step
 holds the later write, the approximation of a per-layer order the oracle does not model.
+
+KV another connector loads (:mod:`vllm_stub_connector`) is told by :meth:`ReadOracle.load`
+when it lands (a sync load: when its step is planned, before the forward reads it); a slot
+no one wrote holds nothing, so any read of it is bad. A sync load's failed blocks
+(:meth:`ReadOracle.load_failed`) are read by their request in that very step, and the
+loader reports them: vLLM drops that step's output of the request, so those reads are
+``reported``, not ``bad``.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ class ReadOracle:
     step: int = 0
     reads: int = 0
     bad: list[BadRead] = field(default_factory=list)
+    reported: list[BadRead] = field(default_factory=list)
+    _failing: set[tuple[str, int]] = field(default_factory=set)  # (request, block) this step
     holds: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     groups: list[tuple[int, int | None, list[tuple[int, int]]]] = field(default_factory=list)
 
@@ -76,6 +85,31 @@ class ReadOracle:
     def bad_steps(self) -> list[int]:
         return sorted({b.step for b in self.bad})
 
+    # ------------------------------------------------------------------ loads
+    def load(self, rid: str, tokens: list[int], positions: list[int],
+             block_ids: tuple[list[int], ...]) -> None:  # fmt: skip
+        """Request ``rid``'s KV of ``positions`` (its token ids ``tokens``) was written into
+        its blocks ``block_ids`` (per group; 0: none) by a loader."""
+        ident = self._identity(rid, tokens[: max(positions, default=-1) + 1])
+        for (bs, _w, tensors), ids in zip(self.groups, block_ids, strict=True):
+            for p in positions:
+                block = ids[p // bs] if p // bs < len(ids) else 0
+                if block:
+                    for base, stride in tensors:
+                        self.holds[(base + block * stride, p % bs)] = (ident[p], p)
+
+    def load_failed(self, rid: str, block_ids: list[int]) -> None:
+        """The loader reports request ``rid``'s blocks ``block_ids`` failed, in the step
+        observed next (the step whose forward reads them)."""
+        self._failing.update((rid, b) for b in block_ids)
+
+    def _identity(self, rid: str, tokens: list[int]) -> list[int]:
+        ident, running = [], hash(("ns", self.namespace(rid)))
+        for t in tokens:
+            running = hash((running, int(t)))
+            ident.append(running)
+        return ident
+
     # ------------------------------------------------------------------ one step
     def _observe(self, scheduler_output: Any) -> None:
         self.step += 1
@@ -84,11 +118,7 @@ class ReadOracle:
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             row = batch.req_id_to_index[rid]
             k = int(batch.num_computed_tokens_cpu[row])
-            tokens = batch.token_ids_cpu[row, : k + n].tolist()
-            ident, running = [], hash(("ns", self.namespace(rid)))
-            for t in tokens:
-                running = hash((running, t))
-                ident.append(running)
+            ident = self._identity(rid, batch.token_ids_cpu[row, : k + n].tolist())
             tables = [t.block_table.np[row] for t in batch.block_table.block_tables]
             todo.append((rid, k, n, ident, tables))
         for _rid, k, n, ident, tables in todo:
@@ -108,5 +138,6 @@ class ReadOracle:
                              if (got := self.holds.get((base + block * stride, p % bs)))
                              != (ident[p], p)]  # fmt: skip
                     if wrong:
-                        self.bad.append(BadRead(self.step, rid, gi, p, block * bs + p % bs,
-                                                wrong[0]))  # fmt: skip
+                        bad = BadRead(self.step, rid, gi, p, block * bs + p % bs, wrong[0])
+                        (self.reported if (rid, block) in self._failing else self.bad).append(bad)
+        self._failing.clear()

@@ -30,6 +30,7 @@ class Run:
     oracle: ReadOracle
     rows: dict[int, list[Any]] = field(default_factory=dict)  # oracle step -> canary rows
     log: str = ""
+    log_ends: dict[int, int] = field(default_factory=dict)  # oracle step -> end of its lines
 
     @property
     def first_detection(self) -> int | None:
@@ -38,8 +39,15 @@ class Run:
     def named_slots(self, step: int) -> set[int]:
         return {int(r.slot_idx) for r in self.rows.get(step, [])}
 
-    def causes(self) -> list[str]:
-        return [c["cause"] for c in explain(self.log)["causes"]]
+    def step_log(self, step: int) -> str:
+        """The canary's log lines of oracle step ``step``."""
+        start = max((end for s, end in self.log_ends.items() if s < step), default=0)
+        return self.log[start : self.log_ends.get(step, start)]
+
+    def causes(self, step: int | None = None) -> list[str]:
+        """``kvcanary explain``'s causes of the whole log, or of one oracle step's lines."""
+        text = self.log if step is None else self.step_log(step)
+        return [c["cause"] for c in explain(text)["causes"]]
 
 
 @contextlib.contextmanager
@@ -58,14 +66,19 @@ def _captured_canary_log() -> Iterator[io.StringIO]:
 def replay(ckpt: Path, workload: Workload, *, canary: dict[str, Any] | None,
            patch: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
            namespace_of: Callable[[Any], Callable[[str], object]] | None = None,
+           observe_loads: list[Any] | None = None,
            **engine: Any) -> Run:  # fmt: skip
     """One run (module doc). ``patch()`` is entered after the engine is built (so start-up
     runs the released code) and left before it shuts down. ``namespace_of(llm)``: the
-    oracle's namespace of a request id (what its KV is computed with beyond its tokens)."""
+    oracle's namespace of a request id (what its KV is computed with beyond its tokens).
+    ``observe_loads``: a loading connector's observer list (``vllm_stub_connector.
+    OBSERVERS``) the oracle joins for the run."""
     with _captured_canary_log() as buf, H.vllm_engine(ckpt, canary=canary, **engine) as llm:
         runner = H.worker(llm).model_runner
         oracle = (ReadOracle(runner) if namespace_of is None
                   else ReadOracle(runner, namespace_of(llm)))  # fmt: skip
+        if observe_loads is not None:
+            observe_loads.append(oracle)
         run = Run({}, oracle)
         conn = H.connector(llm) if canary is not None else None
         seen = 0
@@ -79,10 +92,15 @@ def replay(ckpt: Path, workload: Workload, *, canary: dict[str, Any] | None,
                 if len(rows) > seen:
                     run.rows.setdefault(oracle.step, []).extend(rows[seen:])
                     seen = len(rows)
+                run.log_ends[oracle.step] = len(buf.getvalue())
             return out
 
-        with patch() if patch is not None else contextlib.nullcontext():
-            run.outputs = workload(llm, tick)
+        try:
+            with patch() if patch is not None else contextlib.nullcontext():
+                run.outputs = workload(llm, tick)
+        finally:
+            if observe_loads is not None:
+                observe_loads.remove(oracle)
     run.log = buf.getvalue()
     return run
 

@@ -21,6 +21,22 @@ Where each canary call runs (vLLM 0.32, one step)::
 HEAD verifies records only, so it may run after layer 0 stored this step's K/V (vLLM's
 order: the store precedes ``wait_for_layer_load``); a violation is reported in the step
 it is found, before the sampled tokens leave the engine (``raise``: the step fails).
+
+External loads. Beside a connector that loads KV (vLLM's ``MultiConnector``: an offload
+tier, P/D disaggregation), a request may start on tokens no forward of this engine
+computed. vLLM tells only the loading connector how many (``update_state_after_alloc``
+gets 0 here), so the scheduler side infers them: ``get_num_new_matched_tokens`` receives
+the local hit L (block-aligned), and a request scheduled with K > L computed tokens loaded
+``[L, K)`` (a sync load, in this very step), or, allocated but left waiting
+(``WAITING_FOR_REMOTE_KVS``), loads ``[L, num_computed_tokens)`` asynchronously. vLLM's
+connectors carry no records, so the loaded slots are *sealed*: the worker writes their
+records (HEAD before this step's HEAD, TAIL with the fingerprint of the loaded bytes
+before this step's TAIL) when the load has completed, trusting the loader: a sync load in
+its step, an async one in the step the request is first scheduled after it, up to the
+first position of a block the loader reported failed (``invalid_block_ids``,
+``failed_recving``, seen in ``update_connector_output``). An async load's slots are cleared
+when it starts; a sync load's slots in blocks reported failed are cleared before the next
+step: a failed block is never trusted, any later read of it is reported.
 """
 
 from __future__ import annotations
@@ -30,6 +46,7 @@ import logging
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +66,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from kvcanary.integrations.vllm.warmup import WorkerWarmup
@@ -60,6 +78,18 @@ logger = logging.getLogger("kvcanary.canary")
 class KVCanaryConnectorMetadata(KVConnectorMetadata):
     def __init__(self, step: StepMeta):
         self.step = step
+
+
+@dataclass
+class ExternalLoad:
+    """An asynchronous load another connector runs: positions ``[start, end)`` into the
+    request's blocks ``block_ids`` (per group, as allocated); ``failed_from``: the first
+    position of a block the loader reported failed (``end`` while none)."""
+
+    start: int
+    end: int
+    block_ids: tuple[list[int], ...]
+    failed_from: int
 
 
 def group_specs(kv_cache_config: KVCacheConfig) -> list[GroupSpec]:
@@ -113,6 +143,17 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._finished: list[str] = []
         # Tenant isolation (.namespace): each live request's salt, made when first seen.
         self._salts: dict[str, int] | None = {} if self.options.tenant_isolation else None
+        # External loads (module doc): the local hit each request's last lookup reported,
+        # the requests allocated since the last step, the async loads in flight, the sync
+        # loads sealed in the last two steps (meta number, [(start, end, block ids)]), the
+        # slots (per group) the next step clears.
+        self._lookups: dict[str, int] = {}
+        self._allocated: list[Request] = []
+        self._loads: dict[str, ExternalLoad] = {}
+        self._sealed: list[tuple[int, list[tuple[int, int, tuple[list[int], ...]]]]] = []
+        self._invalid: list[list[int]] = [[] for _ in self.specs]
+        self._num_metas = 0
+        self._partial_hits_warned = False
         self._token_check = self.options.canary.verify_tokens
         if role == KVConnectorRole.SCHEDULER and getattr(
             vllm_config.scheduler_config, "async_scheduling", False
@@ -250,11 +291,39 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:  # fmt: skip
         self._requests.setdefault(request.request_id, request)
+        self._lookups[request.request_id] = num_computed_tokens  # the local hit (block-aligned)
         return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: Any,
                                  num_external_tokens: int) -> None:  # fmt: skip
+        # (num_external_tokens: 0 here under MultiConnector, which tells only the connector
+        # that loads; the loads are inferred in build_connector_meta, module doc)
         self._requests.setdefault(request.request_id, request)
+        self._allocated.append(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Loads that failed (module doc): a sync load sealed in the last two steps has its
+        slots in reported blocks cleared in the next step; an async load in flight is
+        sealed only up to its first position in a reported block (a request whose whole
+        load failed: nothing)."""
+        invalid = set(connector_output.invalid_block_ids or ())
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        if not invalid and not failed:
+            return
+        if invalid:
+            for _, seals in self._sealed:
+                for start, end, block_ids in seals:
+                    self._clear(self._slots(block_ids, start, end, only=invalid))
+        for rid, load in self._loads.items():
+            if rid in failed:
+                load.failed_from = load.start
+                continue
+            for g, spec in enumerate(self.specs):
+                bs, ids = spec.block_size, load.block_ids[g]
+                for i in range(load.start // bs, min(len(ids), -(-load.failed_from // bs))):
+                    if ids[i] in invalid:
+                        load.failed_from = max(load.start, min(load.failed_from, i * bs))
+                        break
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         t0 = time.perf_counter()
@@ -304,7 +373,82 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 block_ids = manager.get_block_ids(rid)[g]
                 b = block_ids[k // bs] if k // bs < len(block_ids) else 0
             step.add(rid, k, num_scheduled, start, tokens, b * bs + k % bs if b else -1)
+        self._external_loads(so, step, computed)
         return KVCanaryConnectorMetadata(step)
+
+    def _external_loads(self, so: SchedulerOutput, step: StepMeta,
+                        computed: dict[str, int]) -> None:  # fmt: skip
+        """The loads of this step (module doc): sync loads sealed, async loads that start
+        (their slots cleared) or completed (sealed), the slots cleared before this step."""
+        allocated, self._allocated = self._allocated, []
+        self._num_metas += 1
+        if self._sealed:
+            self._sealed = [s for s in self._sealed if s[0] >= self._num_metas - 1]
+        manager = self._kv_cache_manager
+        if manager is None or not self.specs:
+            return
+        scheduled = so.num_scheduled_tokens
+        if allocated and not self._partial_hits_off(manager):
+            allocated = []
+        sealed = []
+        for request in allocated:
+            rid = request.request_id
+            local = self._lookups.pop(rid, None)
+            if local is None or rid not in self._requests:
+                continue
+            if rid in scheduled:  # a sync load: in this very step
+                k = computed.get(rid, request.num_computed_tokens)
+                if k > local:
+                    block_ids = manager.get_block_ids(rid)
+                    step.seal(rid, local, k, self._slots(block_ids, local, k))
+                    sealed.append((local, k, block_ids))
+            elif (request.num_computed_tokens > local
+                  and getattr(request.status, "name", "") == "WAITING_FOR_REMOTE_KVS"):  # fmt: skip
+                end = request.num_computed_tokens
+                block_ids = manager.get_block_ids(rid)
+                self._loads[rid] = ExternalLoad(local, end, block_ids, end)
+                self._clear(self._slots(block_ids, local, end))
+        if sealed:
+            self._sealed.append((self._num_metas, sealed))
+        for rid in [r for r in self._loads if r in scheduled]:  # async loads that completed
+            load = self._loads.pop(rid)
+            end = min(load.failed_from, computed.get(rid, 0))
+            if end > load.start:
+                step.seal(rid, load.start, end, self._slots(load.block_ids, load.start, end))
+        if any(self._invalid):
+            step.invalid_slots, self._invalid = self._invalid, [[] for _ in self.specs]
+
+    def _partial_hits_off(self, manager: Any) -> bool:
+        """With vLLM's partial-block prefix hits a local hit may end inside a block, beyond
+        the block-aligned hit the lookup reports: a load cannot be told from it, so no load
+        is inferred (a warning, once)."""
+        if not getattr(getattr(manager, "coordinator", None), "enable_partial_hash_hits", False):
+            return True
+        if not self._partial_hits_warned:
+            self._partial_hits_warned = True
+            logger.warning(
+                "kv-canary (vLLM): partial-block prefix hits are on; KV loaded by another "
+                "connector is not sealed, and reads of it are reported"
+            )
+        return False
+
+    def _slots(self, block_ids: tuple[list[int], ...], start: int, end: int,
+               only: set[int] | None = None) -> list[list[int]]:  # fmt: skip
+        """Per group the slots of positions ``[start, end)`` in ``block_ids`` (-1: no block;
+        ``only``: -1 too outside these block ids)."""
+        out = []
+        for spec, ids in zip(self.specs, block_ids, strict=True):
+            bs, row = spec.block_size, []
+            for p in range(start, end):
+                b = ids[p // bs] if p // bs < len(ids) else 0
+                row.append(b * bs + p % bs if b and (only is None or b in only) else -1)
+            out.append(row)
+        return out
+
+    def _clear(self, slots: list[list[int]]) -> None:
+        """Clear these slots' records (per group; -1 skipped) before the next step."""
+        for mine, theirs in zip(self._invalid, slots, strict=True):
+            mine.extend(s for s in theirs if s >= 0)
 
     def _key_group_blocks(self, manager: Any) -> Any:
         """The key group's ``req_to_blocks`` (request id -> its blocks) of vLLM's KV cache
@@ -331,6 +475,8 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def _forget(self, rid: str) -> None:
         self._requests.pop(rid, None)
         self._sent.pop(rid, None)
+        self._lookups.pop(rid, None)
+        self._loads.pop(rid, None)
         if self._salts is not None:
             self._salts.pop(rid, None)
         self._finished.append(rid)

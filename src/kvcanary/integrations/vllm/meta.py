@@ -46,6 +46,18 @@ class StepMeta:
                        scheduler yet, async scheduling)
         first_slots    the key group's slot of position num_computed (-1: unallocated)
         finished       requests finished since the previous step
+
+    KV another connector loaded (external tokens: a KV offload tier, P/D disaggregation;
+    :mod:`.connector`, "external loads"), empty unless one did::
+
+        seal_req_ids   requests whose loaded positions are sealed (records written) this
+        seal_starts      step: positions [seal_starts[i], seal_ends[i])
+        seal_ends
+        seal_slots     per KV cache group: every seal's slots, one per position, in seal
+                       order (-1: the group holds no block there)
+        invalid_slots  per KV cache group: slots whose records are cleared before this step
+                       (a load in flight, or a load that failed): any read of them is
+                       reported until something writes them
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -56,6 +68,11 @@ class StepMeta:
     tokens: list[int] = field(default_factory=list)
     first_slots: list[int] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    seal_req_ids: list[str] = field(default_factory=list)
+    seal_starts: list[int] = field(default_factory=list)
+    seal_ends: list[int] = field(default_factory=list)
+    seal_slots: list[list[int]] = field(default_factory=list)
+    invalid_slots: list[list[int]] = field(default_factory=list)
 
     def add(self, req_id: str, num_computed: int, num_scheduled: int, token_start: int,
             tokens: list[int], first_slot: int) -> None:  # fmt: skip
@@ -67,3 +84,14 @@ class StepMeta:
         self.token_counts.append(len(tokens))
         self.tokens.extend(tokens)
         self.first_slots.append(first_slot)
+
+    def seal(self, req_id: str, start: int, end: int, slots: list[list[int]]) -> None:
+        """Seal request ``req_id``'s positions ``[start, end)``: ``slots[g]``, their slots in
+        group g (-1 where the group holds no block)."""
+        if not self.seal_slots:
+            self.seal_slots = [[] for _ in slots]
+        self.seal_req_ids.append(req_id)
+        self.seal_starts.append(start)
+        self.seal_ends.append(end)
+        for mine, theirs in zip(self.seal_slots, slots, strict=True):
+            mine.extend(theirs)

@@ -17,6 +17,7 @@ import numba
 import numpy as np
 import torch
 
+from kvcanary.canary.wire.hashing import ANCHOR_HASH_I64, chain_hash_nb
 from kvcanary.integrations.vllm.pool import VllmGroupPool
 
 
@@ -213,3 +214,20 @@ def group_rows_nb(bt, slot_mapping, seq, prefix, bs, window, table, rows, num_to
         s = slot_mapping[t]
         out[t] = s if s >= bs else -1
     return out
+
+
+_ANCHOR = np.int64(ANCHOR_HASH_I64)
+
+
+@numba.njit(cache=True)
+def chain_seed_nb(tokens):
+    """The chain hash (record field ``prev_hash``) of every position of a request with
+    token ids ``tokens`` (position p at index p): the anchor at 0, then
+    ``chain_hash(prev[p - 1], tokens[p - 1], p - 1)``, as the write kernel chains them."""
+    prev = np.empty(tokens.shape[0], dtype=np.int64)
+    running = _ANCHOR
+    for p in range(tokens.shape[0]):
+        prev[p] = running
+        running = np.int64(chain_hash_nb(running, np.int64(tokens[p]), np.int64(p)))
+    return prev
+

@@ -6,7 +6,8 @@ tensors (so every kernel sees the same array types: dtypes, layouts) and the sam
 options takes a few synthetic steps as vLLM's scheduler and attention metadata would hand
 them in (the dtypes of vLLM's CPU and GPU attention metadata): a prompt prefilled in two
 chunks, a second request on the first one's prefix blocks, the two decoding together across
-a block boundary, then one finishing and a third taking its row. Numba compiles (or loads
+a block boundary, then one finishing and a third taking its row, and a fourth starting on
+tokens another connector loaded (its slots cleared, then sealed). Numba compiles (or loads
 from its on-disk cache) every kernel those steps call, the serial and threaded variants
 both; the real worker then starts with nothing left to compile.
 
@@ -53,6 +54,7 @@ class _Synthetic:
         self.sent: dict[str, int] = {}
         self.blocks: dict[str, list[int]] = {}  # block ids, the same in every group
         self.next_block = 1  # block 0: vLLM's null block
+        self.loaded: dict[str, int] = {}  # requests whose first tokens were loaded
 
     def add(self, rid: str, prompt: list[int], share: str | None = None, shared: int = 0) -> None:
         """A request; ``share``: it starts on the first ``shared`` tokens (whole blocks)
@@ -62,6 +64,12 @@ class _Synthetic:
             [] if share is None else self.blocks[share][: shared // self.key.block_size]
         )
         self.computed[rid] = shared
+
+    def load(self, rid: str, prompt: list[int], loaded: int) -> None:
+        """A request whose first ``loaded`` tokens another connector loaded (a sync load:
+        sealed in the next step, their slots cleared before it)."""
+        self.add(rid, prompt)
+        self.loaded[rid] = self.computed[rid] = loaded
 
     def step(self, work: dict[str, int], finished: Sequence[str] = ()
              ) -> tuple[StepMeta, list[SimpleNamespace]]:  # fmt: skip
@@ -77,6 +85,12 @@ class _Synthetic:
                 self.next_block += 1
             first = self.blocks[rid][k // bs_key] * bs_key + k % bs_key
             meta.add(rid, k, n, self.sent[rid], toks[self.sent[rid] :], first)
+            if rid in self.loaded:
+                loaded = self.loaded.pop(rid)
+                held = [[self.blocks[rid][p // s.block_size] * s.block_size + p % s.block_size
+                         for p in range(loaded)] for s in self.specs]  # fmt: skip
+                meta.seal(rid, 0, loaded, held)
+                meta.invalid_slots = [list(h) for h in held]
             self.sent[rid] = len(toks)
             qsl.append(qsl[-1] + n)
             seq.append(k + n)
@@ -136,6 +150,8 @@ def warm_worker(config: CanaryConfig, specs: Sequence[GroupSpec],
             _run(worker, fake.step({"a": 1, "b": 1}))
         fake.add("c", [5] * (bs + 2))
         _run(worker, fake.step({"c": bs + 2, "b": 1}, finished=("a",)))  # a's row reused
+        fake.load("d", [3] * (bs + 2), bs + 1)
+        _run(worker, fake.step({"d": 1, "c": 1}))  # tokens another connector loaded
         worker.flush()
         num_violations = worker.stats()["violations"]
     if num_violations:  # a warm-up that finds a fault is a canary bug: say so, run anyway

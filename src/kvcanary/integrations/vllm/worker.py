@@ -15,6 +15,8 @@ What crosses (host contract: :mod:`kvcanary.canary.host`)::
       slot_mapping                                      from the block table attention reads
     connector metadata (scheduler side)              token ids (input ids, token mirror) and
                                                      the request of each batch row
+      seals, invalid slots                           KV another connector loaded: records
+                                                     written for it (sealed), or cleared
 
 The pools: :mod:`.pool`; the step tables and their compiled passes: :mod:`.steps`.
 """
@@ -34,7 +36,10 @@ import torch
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.errors import KVCanaryViolation
 from kvcanary.canary.install import install_canary
+from kvcanary.canary.kernels import dispatch as kernels
 from kvcanary.canary.manager import CanaryManager
+from kvcanary.canary.plan.types import WritePlan
+from kvcanary.canary.wire.constants import LaunchStage, launch_tag
 from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 from kvcanary.integrations.vllm.pool import SharedRecords, VllmGroupPool
 from kvcanary.integrations.vllm.steps import (
@@ -43,6 +48,7 @@ from kvcanary.integrations.vllm.steps import (
     StepBatch,
     StepTables,
     batch_nb,
+    chain_seed_nb,
     group_rows_nb,
     input_ids_nb,
     meta_nb,
@@ -54,10 +60,19 @@ logger = logging.getLogger("kvcanary.canary")
 class VllmCanaryWorker:
     """Every group's canary on one vLLM worker; the connector's worker side drives it::
 
-        on_meta(meta)                 bind_connector_metadata: tokens, finished requests
-        before_forward(metadata)      first layer's wait_for_layer_load: HEAD (all groups)
-        after_forward()               wait_for_save: TAIL, reports, abort-mode blocks
+        on_meta(meta)                 bind_connector_metadata: tokens, finished requests,
+                                      the records of invalid slots cleared
+        before_forward(metadata)      first layer's wait_for_layer_load: the seals' HEAD
+                                      records, then HEAD (all groups)
+        after_forward()               wait_for_save: the seals' TAIL records, TAIL, reports,
+                                      abort-mode blocks
         take_invalid_blocks()         get_block_ids_with_load_errors (abort mode)
+
+    Seals (KV another connector loaded, :mod:`.connector`): the loaded positions' records
+    are written as a forward would write them (the same write kernel: token, position,
+    chain, and in TAIL the fingerprint of the loaded bytes), each group from its first slot
+    on (a sliding group holds no block below its window), chained from the request's own
+    token ids (no predecessor record is trusted: the chain hash is a function of them).
     """
 
     def __init__(self, config: CanaryConfig, specs: Sequence[GroupSpec],
@@ -106,6 +121,12 @@ class VllmCanaryWorker:
         self._invalid_blocks: set[int] = set()
         self._unmatched_warned = False
         self.num_steps = 0
+        # This step's seals, per group: (write plan, seed record or None); made at HEAD,
+        # written again (TAIL records) at TAIL.
+        self._seals: list[list[tuple[WritePlan, tuple[int, int, int] | None]]] | None = None
+        self._seal_pending = False  # this step's metadata has seals not written yet
+        self.num_sealed = 0  # positions sealed (per group written, summed)
+        self.num_cleared = 0  # slots whose records were cleared
 
     # -------------------------------------------------------------- scheduler input
     def on_meta(self, meta: StepMeta) -> None:
@@ -114,6 +135,9 @@ class VllmCanaryWorker:
             if row is not None:
                 self._free_rows.append(row)
         self._step = meta
+        if meta.invalid_slots:
+            self._clear(meta.invalid_slots)
+        self._seal_pending = bool(meta.seal_req_ids)
         rows_of, tables = self._rows, self.tables
         rows = [rows_of.get(rid) or self._row(rid) for rid in meta.req_ids]  # (row 0: padding)
         end = max(map(operator.add, meta.token_starts, meta.token_counts), default=0)
@@ -155,6 +179,11 @@ class VllmCanaryWorker:
         self._open = None  # a forward that raised before wait_for_save: drop it
         if self._lent:
             self._give_back_lent()
+        self._seals = None
+        if self._seal_pending:  # KV loaded by another connector: its records first
+            self._seal_pending = False
+            self._seals = self._seal_plans()
+            self._write_seals(LaunchStage.HEAD)
         md0, g = metadata[0], self._key_group
         tables = self.tables
         ql, prefix, seq, positions, max_seq, may_depend, rows, input_ids, unmatched = batch_nb(
@@ -212,6 +241,9 @@ class VllmCanaryWorker:
     def after_forward(self) -> None:
         """TAIL of every group, then the dependent passes (HEAD + TAIL), then the reports
         (``raise``: after every group closed)."""
+        if self._seals is not None:  # the loaded slots' TAIL records, before TAIL verifies
+            self._write_seals(LaunchStage.TAIL)
+            self._seals = None
         if self._open is None:
             return
         passes, self._open = self._open, None
@@ -255,6 +287,84 @@ class VllmCanaryWorker:
     def take_invalid_blocks(self) -> set[int]:
         out, self._invalid_blocks = self._invalid_blocks, set()
         return out
+
+    # -------------------------------------------------------------- external loads
+    def _clear(self, slots: Sequence[Sequence[int]]) -> None:
+        """Clear the records of ``slots[g]`` (group g's slots): all-zero records, which no
+        verify accepts (the chain hash of a zero record is 0)."""
+        for spec, group_slots in zip(self.specs, slots, strict=True):
+            if not group_slots:
+                continue
+            records = self.records[spec.block_size]
+            idx = torch.tensor(group_slots, dtype=torch.int64, device=self.device)
+            for buf in (records.k_head, records.k_tail, records.v_head, records.v_tail):
+                if buf is not None:
+                    buf[idx] = 0
+            self.num_cleared += len(group_slots)
+
+    def _seal_plans(self) -> list[list[tuple[WritePlan, tuple[int, int, int] | None]]]:
+        """This step's seals as write plans, per group (class doc). A seal of a position p0
+        > 0 chains from a seed record ``(token, position, prev_hash)`` of position p0 - 1
+        made from the request's token ids; a request with no row (not in the step) or
+        with a token id not known yet is not sealed (its reads are reported)."""
+        step, tables = self._step, self.tables
+        plans: list[list[tuple[WritePlan, tuple[int, int, int] | None]]] = [[] for _ in self.specs]
+        at = 0
+        for rid, start, end in zip(step.seal_req_ids, step.seal_starts, step.seal_ends,
+                                   strict=True):  # fmt: skip
+            n, first = end - start, at
+            at += n
+            row = self._rows.get(rid)
+            if row is None or end > tables.lens[row]:
+                continue
+            tokens = tables.tokens[row, :end]
+            if bool((tokens < 0).any()):
+                continue
+            prev = chain_seed_nb(tokens)  # prev[p]: the chain hash position p stores
+            for g, group_slots in enumerate(step.seal_slots):
+                slots = np.asarray(group_slots[first : first + n], dtype=np.int64)
+                held = np.flatnonzero(slots >= 0)
+                if not held.size:
+                    continue
+                i0 = int(held[0])
+                p0 = start + i0
+                seed = None if p0 == 0 else (int(tokens[p0 - 1]), p0 - 1, int(prev[p0 - 1]))
+                count, dev = n - i0, self.device
+                plans[g].append((WritePlan(
+                    torch.tensor([-1 if seed is None else 0], device=dev),
+                    torch.zeros(1, dtype=torch.int64, device=dev),
+                    torch.tensor([count], device=dev),
+                    torch.from_numpy(tokens[p0:end].copy()).to(dev),
+                    torch.arange(p0, end, dtype=torch.int64, device=dev),
+                    torch.from_numpy(slots[i0:]).to(dev), count, count), seed))  # fmt: skip
+        return plans
+
+    def _write_seals(self, stage: LaunchStage) -> None:
+        """The seals' records of ``stage`` (HEAD: no KV read; TAIL: fingerprints of the
+        loaded bytes), through the canary's write kernel. A seed record goes into slot 0
+        (reserved padding: never verified, never a write target) for the write and is
+        cleared after it."""
+        assert self._seals is not None
+        for manager, plans in zip(self.managers, self._seals, strict=True):
+            if not plans:
+                continue
+            group, rt = manager.groups[0], manager.runtime
+            for half in group.halves(self.config.v_half):
+                records = group.records(stage, half)
+                view = records.view(torch.int64)
+                for plan, seed in plans:
+                    if seed is not None:
+                        view[0, :3] = torch.tensor(seed, dtype=torch.int64, device=self.device)
+                    kernels.write(
+                        records, plan, rt.ring, int(launch_tag(group.kind, stage, half)),
+                        real_kv_sources=group.real_kv_sources(stage, half),
+                        chain_position_assert=rt.chain_position_assert,
+                        counters=rt.write_counters, backend=self.config.backend,  # type: ignore[arg-type]
+                    )  # fmt: skip
+                    if seed is not None:
+                        view[0] = 0
+            if stage == LaunchStage.HEAD:
+                self.num_sealed += sum(plan.total_num_tokens for plan, _ in plans)
 
     # -------------------------------------------------------------- helpers
     def _abort_handler(self, spec: GroupSpec) -> Callable[[torch.Tensor, torch.Tensor], list[int]]:
@@ -332,7 +442,8 @@ class VllmCanaryWorker:
                  for k in ("protected_tokens", "verify_entries", "write_entries", "violations",
                            "violations_reported", "verify_overflow_steps")}  # fmt: skip
         return {**total, "steps": self.num_steps,
-                "dependent_passes": self.num_dependent_passes, "groups": per_group}  # fmt: skip
+                "dependent_passes": self.num_dependent_passes, "sealed": self.num_sealed,
+                "cleared": self.num_cleared, "groups": per_group}  # fmt: skip
 
     @property
     def violations(self) -> list[Any]:
