@@ -28,7 +28,8 @@ of its memory (and at least :data:`MIN_FREE_BYTES`) available after the copy
 differ from ``F.linear`` by float rounding only (~1e-4 relative in float32: the same products,
 summed in another order). ``KVCANARY_CPU_GEMM``: ``auto`` (the policy above), ``onednn``
 (pack every CPU weight for every row count: tests use it on tiny models) or ``torch`` (always
-``F.linear``).
+``F.linear``). Where oneDNN cannot pack a dtype on this CPU (bfloat16 without AVX-512 BW/VL/DQ
+or AVX-NE-CONVERT: :func:`packable`), its weights go to ``F.linear``.
 """
 
 from __future__ import annotations
@@ -70,6 +71,18 @@ def can_afford(nbytes: int) -> bool:
         return True
     available, total = info
     return available - nbytes >= max(MIN_FREE_BYTES, int(MIN_FREE_FRACTION * total))
+
+
+@cache
+def packable(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` weights on this CPU (bfloat16 needs avx512bw/vl/dq or
+    avx_ne_convert; elsewhere ``_reorder_linear_weight`` refuses it and such weights go to
+    ``F.linear``)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 @cache
@@ -121,6 +134,8 @@ class PackedLinear:
             return
         if weight.dtype not in PACKED_ROWS or weight.requires_grad or weight.is_inference():
             return  # (inference tensors keep no version counter to notice in-place writes)
+        if not packable(weight.dtype):
+            return
         if mode == "onednn":
             self._rows = (1, _ANY_ROWS)
         elif weight.numel() * weight.element_size() >= MIN_PACKED_BYTES:
