@@ -19,7 +19,9 @@ Every error uses OpenAI's shape, ``{"error": {"message", "type", "param", "code"
                                 flight (Retry-After header)
     503 server_error            code engine_unavailable: the engine loop is down
 
-A streaming client that disconnects aborts its request(s): the engine frees their KV.
+A client that disconnects aborts its request(s) at any moment (waiting, in a prefill chunk,
+retracted, before its first token, mid-stream; streamed or not): the engine frees their KV
+before its next step.
 """
 
 from __future__ import annotations
@@ -171,12 +173,31 @@ def create_app(
                                    after=subs[0] if subs else None))  # fmt: skip
         return subs
 
-    async def run(req: GenerateRequest) -> list[RequestOutput]:
+    async def until_gone(request: Request, subs: list[Submission], work: Awaitable[Any]) -> Any:
+        """``await work``, unless the client disconnects first: then abort ``subs`` (the
+        engine frees their KV before its next step) and answer 499, which nobody reads."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_disconnect(request))
+        try:
+            await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:  # a pending receive must not outlive us: a streamed response listens too
+            gone.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        for s in subs:
+            loop.abort(s)
+        raise HTTPError(499, "the client closed the request", "invalid_request_error",
+                        "client_closed_request")  # fmt: skip
+
+    async def run(req: GenerateRequest, request: Request) -> list[RequestOutput]:
         admit(req)
         subs = submissions(req, None)
         futures = [asyncio.wrap_future(loop.submit(s)) for s in subs]
         try:
-            return list(await asyncio.gather(*futures))
+            return list(await until_gone(request, subs, asyncio.gather(*futures)))
+        except HTTPError:
+            raise
         except InvalidRequestError as e:
             raise P.engine_error(e.cause) from None
         except EngineLoopStopped as e:
@@ -188,7 +209,8 @@ def create_app(
         except Exception as e:  # noqa: BLE001 -- the engine's failure, reported to the client
             raise EngineFailure(f"{type(e).__name__}: {e}") from e
 
-    async def stream(req: GenerateRequest, render: Callable[[int, Progress], list[dict[str, Any]]],
+    async def stream(req: GenerateRequest, request: Request,
+                     render: Callable[[int, Progress], list[dict[str, Any]]],
                      finish: Callable[[list[RequestOutput]], list[dict[str, Any]]],
                      opening: list[dict[str, Any]]) -> StreamingResponse:  # fmt: skip
         """Server-sent events: ``opening``, ``render(i, progress)`` per step of choice i,
@@ -215,7 +237,7 @@ def create_app(
         for i, s in enumerate(subs):
             loop.submit(s).add_done_callback(on_failure(i))
         try:
-            first = await events.get()
+            first = await until_gone(request, subs, events.get())
         except asyncio.CancelledError:
             for s in subs:
                 loop.abort(s)
@@ -257,7 +279,7 @@ def create_app(
     async def completions(request: Request) -> dict[str, Any] | StreamingResponse:
         req = P.parse_completion(await _json_body(request, max_body_bytes), model)
         if not req.stream:
-            return R.completion_response(await run(req), model, decode)
+            return R.completion_response(await run(req, request), model, decode)
         chunk = R.stream_chunker("cmpl", "text_completion", model, req.include_usage)
         sent = [0] * req.n
 
@@ -270,13 +292,13 @@ def create_app(
         def finish(outs: list[RequestOutput]) -> list[dict[str, Any]]:
             return [chunk([], usage=R.usage(outs))] if req.include_usage else []
 
-        return await stream(req, render, finish, [])
+        return await stream(req, request, render, finish, [])
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> dict[str, Any] | StreamingResponse:
         req = P.parse_chat(await _json_body(request, max_body_bytes), model, engine.tokenizer)
         if not req.stream:
-            return R.chat_response(await run(req), model, decode)
+            return R.chat_response(await run(req, request), model, decode)
         chunk = R.stream_chunker("chatcmpl", "chat.completion.chunk", model, req.include_usage)
 
         def render(i: int, p: Progress) -> list[dict[str, Any]]:
@@ -290,14 +312,14 @@ def create_app(
 
         opening = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                            "finish_reason": None}]) for i in range(req.n)]  # fmt: skip
-        return await stream(req, render, finish, opening)
+        return await stream(req, request, render, finish, opening)
 
     @app.post("/generate", response_model=None)
     async def generate(request: Request) -> Any:
         req = P.parse_generate(await _json_body(request, max_body_bytes))
         rid = R.new_id("gen")
         if not req.stream:
-            outs = await run(req)
+            outs = await run(req, request)
             answers = [R.generate_response(rid, o.text, o.output_ids, o.finish_reason, o) for o in outs]
             return answers[0] if req.n == 1 else answers
         texts: list[str] = [""] * req.n
@@ -308,7 +330,7 @@ def create_app(
             ids[i] += p.token_ids
             return [{"index": i, **R.generate_response(rid, texts[i], ids[i], p.finish_reason)}]
 
-        return await stream(req, render, lambda _: [], [])
+        return await stream(req, request, render, lambda _: [], [])
 
     # ------------------------------------------------------------------ info
     @app.get("/v1/models")
@@ -334,6 +356,13 @@ def create_app(
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client disconnects (the body has been read: the next message the
+    server receives for this request is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _sse(data: dict[str, Any]) -> str:
