@@ -11,7 +11,7 @@ A first, untimed request warms the server up. After the load the engine must be 
 checks pass, and once the prefix cache lets go of what it keeps, every full / SWA slot and
 req->token row is free again (``leaked_*`` count what is not). With ``--kv-canary`` the
 canary's violation count is reported too. The exit status is 1 when a request failed, a slot
-leaked or the canary saw a violation.
+leaked, the canary saw a violation or the engine loop died (``engine_loop_error``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from kvcanary.engine.pool_check import check_engine_pools, check_workload
 from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.server.app import create_app
 from kvcanary.server.background import background_server
+from kvcanary.server.engine_loop import EngineLoopStopped
 from kvcanary.workload import WorkloadSpec, make_prompts
 
 WARMUP_TIMEOUT_S = 600.0  # the first request pays one-off costs (kernel compilation)
@@ -125,7 +126,10 @@ def _memory_report(engine: Engine) -> dict[str, Any]:
     running, waiting = engine.queue_lengths()
     ok = engine.check_integrity()
     if engine.prefix_cache is not None:
-        engine.prefix_cache.free_all()
+        if running + waiting:  # (a dead loop's requests keep their prefixes locked)
+            engine.prefix_cache.evict(1 << 40, 1 << 40)
+        else:
+            engine.prefix_cache.free_all()
     alloc = engine.runner.allocator
     rows = engine.runner.req_to_token_pool
     if isinstance(alloc, SWAAllocator):
@@ -207,14 +211,23 @@ def _wait_idle_then(loop: Any, engine: Engine, timeout_s: float = 30.0) -> dict[
     """The memory report once the engine has nothing left (aborts of cut requests land a
     step after their disconnect)."""
     deadline = time.monotonic() + timeout_s
-    while loop.call(engine.queue_lengths).result(timeout_s) != (0, 0) and time.monotonic() < deadline:
+    while loop.alive and time.monotonic() < deadline:
+        try:
+            if loop.call(engine.queue_lengths).result(timeout_s) == (0, 0):
+                break
+        except EngineLoopStopped:
+            break
         time.sleep(0.05)
-    report: dict[str, Any] = loop.call(lambda: _memory_report(engine)).result(timeout_s)
-    return report
+    error = f"{type(loop.error).__name__}: {loop.error}" if loop.error is not None else ""
+    try:
+        report: dict[str, Any] = loop.call(lambda: _memory_report(engine)).result(timeout_s)
+    except EngineLoopStopped:  # a dead loop's engine is idle for good: read it from here
+        report = _memory_report(engine)
+    return {**report, "engine_loop_error": error}
 
 
 def bench_ok(summary: dict[str, Any]) -> bool:
-    return (summary["errors"] == 0 and summary["integrity_check"] == "pass"
+    return (summary["errors"] == 0 and not summary["engine_loop_error"] and summary["integrity_check"] == "pass"
             and summary["leaked_full_slots"] == summary["leaked_swa_slots"] == 0
             and summary["leaked_req_rows"] == 0 and summary["canary_violations"] == 0
             and summary["unfinished_after_load"] == 0)  # fmt: skip

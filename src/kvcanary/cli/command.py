@@ -295,6 +295,32 @@ def _cmd_bench_serve(a: argparse.Namespace) -> int:
     return 0 if bench_ok(summary) else 1
 
 
+def _cmd_bench_soak(a: argparse.Namespace) -> int:
+    from kvcanary.bench.serve import BenchServeError
+    from kvcanary.bench.soak import SoakConfig, bench_soak, soak_ok
+    from kvcanary.cli.report import render_table, write_json
+
+    _set_threads(a.threads)
+    cfg = SoakConfig(duration_s=a.duration, concurrency=a.concurrency, max_tokens=a.max_tokens,
+                     prompt_len=a.prompt_len, seed=a.seed or 0, request_timeout_s=a.request_timeout,
+                     max_rss_growth_mib=a.max_rss_growth_mib)  # fmt: skip
+    try:
+        cfg.check()
+        with _log_to_stderr(a.log_level):
+            summary = bench_soak(engine_config_from_args(a), cfg, progress=not a.no_progress)
+    except ValueError as e:
+        print(f"kvcanary bench soak: {e}", file=sys.stderr)
+        return 2
+    except BenchServeError as e:  # the server failed, not the input: one line, exit 1
+        print(f"kvcanary bench soak: failed: {e}", file=sys.stderr)
+        return 1
+    table = {k: v for k, v in summary.items() if k != "rss_curve_mib"}  # (the curve: --json)
+    print(render_table("kvcanary bench soak (misbehaving clients on loopback)", table))
+    if a.json:
+        write_json(a.json, summary)
+    return 0 if soak_ok(summary) else 1
+
+
 def _cmd_bench_prealloc(a: argparse.Namespace) -> int:
     from kvcanary.cli.report import emit
     from kvcanary.disagg.cli_hooks import cmd_bench_prealloc
@@ -499,6 +525,37 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench.add_argument("--log-level", choices=("debug", "info", "warning"), default=None,
                              help="print kvcanary's log lines at this level to stderr")
     serve_bench.set_defaults(func=_cmd_bench_serve)
+
+    soak = benches.add_parser(
+        "soak", help="the HTTP server for a bounded time under N clients that misbehave "
+                     "(disconnects at any moment, bad and oversized requests, n > 1, stop "
+                     "strings, seeds, shared prefixes): latency p50/p99, resident memory "
+                     "over time, then leaked slots and canary violations; exit 1 on an "
+                     "unexpected answer, a leak, a violation or memory that keeps growing",
+    )  # fmt: skip
+    add_engine_flags(soak)
+    soak.add_argument("--duration", type=float, default=600.0,
+                      help="seconds of load (default: %(default)s)")
+    soak.add_argument("--concurrency", type=int, default=8,
+                      help="clients, each sending one request after another (default: %(default)s)")
+    soak.add_argument("--max-tokens", type=int, default=24,
+                      help="requests ask for 1 .. this many tokens (default: %(default)s)")
+    soak.add_argument("--prompt-len", type=int, default=64,
+                      help="prompts of 4 .. this many tokens (default: %(default)s)")
+    soak.add_argument("--request-timeout", type=float, default=120.0,
+                      help="a request unanswered after this many seconds is an error "
+                           "(default: %(default)s)")  # fmt: skip
+    soak.add_argument("--max-rss-growth-mib", type=float, default=64.0,
+                      help="resident memory may grow this much from the end of warm-up (a "
+                           "fifth of the run) to the end (default: %(default)s)")  # fmt: skip
+    soak.add_argument("--threads", type=int, default=None,
+                      help="torch CPU threads (default: torch's choice)")
+    soak.add_argument("--json", metavar="OUT", help="also write the summary (with the memory "
+                                                    "curve) as JSON to OUT")  # fmt: skip
+    soak.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    soak.add_argument("--log-level", choices=("debug", "info", "warning"), default=None,
+                      help="print kvcanary's log lines at this level to stderr")
+    soak.set_defaults(func=_cmd_bench_soak)
 
     vllm_bench = benches.add_parser(
         "vllm", help="vLLM with and without the canary connector on one workload, side by "

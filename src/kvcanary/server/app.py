@@ -185,6 +185,7 @@ def create_app(
         if task.done():
             return task.result()
         task.cancel()
+        task.add_done_callback(_consume)  # (a cancelled gather's error is nobody's)
         for s in subs:
             loop.abort(s)
         raise HTTPError(499, "the client closed the request", "invalid_request_error",
@@ -356,6 +357,11 @@ def create_app(
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _consume(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def _disconnect(request: Request) -> None:
