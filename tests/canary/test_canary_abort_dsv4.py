@@ -15,10 +15,16 @@ Each fault is written straight into engine state (a KV byte of a compressed row 
 ring row, a record, a full->SWA mapping entry); the expected aborted set is computed from
 the req->token rows and the pool's own addressing (``compressed_loc`` / ``state_loc``),
 never from the reporter's mapping of a violation row back to slots.
+
+A request-addressed ring (SGLang's C128; kvcanary's own rings are all SWA-page addressed)
+names no pool slot: its row names the req->token row of the request owning the ring, and
+that request alone is aborted. The last tests check that path on this engine and the
+reporter's row -> slots table for every kind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -28,17 +34,31 @@ from test_canary_abort_shared import (
     Fault,
     Target,
     Workload,
+    _assert_nothing_leaked,
     _check,
+    _clean,
     _holders,
     _req,
     _rows_of,
+    _start,
 )
 
 from kvcanary import Engine
 from kvcanary.canary.attach.buffers import CanaryBufferGroup
-from kvcanary.canary.wire.constants import CANARY_FIELD_POSITION, PoolKind
+from kvcanary.canary.plan.state import StateAddressing, StateRing
+from kvcanary.canary.report.reporter import ViolationReporter
+from kvcanary.canary.wire.constants import (
+    CANARY_FIELD_POSITION,
+    FailReason,
+    KvHalf,
+    LaunchStage,
+    PoolKind,
+    launch_tag,
+)
 from kvcanary.canary.wire.records import as_int64_records
+from kvcanary.canary.wire.violation import ViolationRecord
 from kvcanary.memory.dsv4_pool import DSV4KVPool
+from kvcanary.memory.swa_allocator import SWAAllocator
 
 P = 128
 _rng = random.Random(12)
@@ -186,3 +206,68 @@ FAULTS: dict[str, Fault] = {f.__name__: f for f in (
 @pytest.mark.parametrize("fault", FAULTS)
 def test_abort_on_a_dsv4_pool_aborts_exactly_the_requests_referencing_the_row(fault: str) -> None:
     _check(WORKLOAD, FAULTS[fault])
+
+
+def test_a_request_addressed_ring_row_aborts_exactly_the_request_owning_it() -> None:
+    """SGLang's C128 ring is addressed by request (row = req_pool_idx * ring_size + position
+    % ring_size), so its row names no pool slot, only the request owning the ring. With the
+    reporter reading the C128 ring that way, a violation in a row of B's ring aborts B alone
+    and quarantines nothing (the ring is B's own state); A and C finish as in the clean run
+    and nothing leaks."""
+    engine, (a, b, c) = _start(WORKLOAD)
+    reporter = engine.canary.reporter
+    ring = reporter.state_rings[PoolKind.C128_STATE]
+    reporter.state_rings[PoolKind.C128_STATE] = dataclasses.replace(ring, addressing="request")
+    req_b = _req(engine, b)
+    pos = req_b.kv_len - 1
+    tag = launch_tag(PoolKind.C128_STATE, LaunchStage.TAIL, KvHalf.K)
+    row = req_b.req_pool_idx * ring.ring_size + pos % ring.ring_size
+    reporter.report([ViolationRecord(int(tag), row, pos, -1, -1, 0, 0, int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH))],
+                    total=1, capacity=1, step=0)  # fmt: skip
+    outs = {o.rid: o for o in engine.step()}
+    assert engine.canary.aborted_request_ids == [b]
+    while engine.has_unfinished():
+        outs.update((o.rid, o) for o in engine.step())
+    clean = _clean(WORKLOAD).outs
+    assert outs[b].finish_reason == "abort"
+    assert [outs[r].output_ids for r in (a, c)] == [clean[r].output_ids for r in (a, c)]
+    alloc = engine.runner.allocator
+    assert isinstance(alloc, SWAAllocator)
+    assert alloc.full_attn_allocator.num_quarantined_pages() == 0
+    assert alloc.swa_attn_allocator.num_quarantined_pages() == 0
+    _assert_nothing_leaked(engine)
+
+
+def _reporter(ring: StateRing) -> ViolationReporter:
+    return ViolationReporter("abort", {PoolKind.C4: 4, PoolKind.C128: 128, PoolKind.INDEXER: 4},
+                             {PoolKind.C4_STATE: ring})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "addressing", "reason", "full", "swa", "req_rows"),
+    [
+        (PoolKind.FULL, "swa_page", FailReason.VERIFY_POSITION_MISMATCH, [21], [], []),
+        (PoolKind.SWA, "swa_page", FailReason.VERIFY_POSITION_MISMATCH, [], [21], []),
+        (PoolKind.SWA, "swa_page", FailReason.VERIFY_NOT_RESIDENT, [21], [], []),  # a full slot
+        (PoolKind.C4, "swa_page", FailReason.VERIFY_REAL_KV_HASH_MISMATCH, [84, 85, 86, 87], [], []),
+        (PoolKind.INDEXER, "swa_page", FailReason.WRITE_POSITION_MISMATCH, [84, 85, 86, 87], [], []),
+        (PoolKind.C128, "swa_page", FailReason.VERIFY_REAL_KV_HASH_MISMATCH, list(range(21 * 128, 22 * 128)),
+         [], []),
+        # ring row 21 of 8-row rings: ring 2, i.e. SWA page 2 (slots 32..47 with pages of 16)
+        (PoolKind.C4_STATE, "swa_page", FailReason.VERIFY_REAL_KV_HASH_MISMATCH, [], list(range(32, 48)), []),
+        (PoolKind.C4_STATE, "request", FailReason.VERIFY_REAL_KV_HASH_MISMATCH, [], [], [2]),  # req row 2
+    ],
+)  # fmt: skip
+def test_what_a_violation_row_implicates(
+    kind: PoolKind, addressing: StateAddressing, reason: FailReason, full: list[int],
+    swa: list[int], req_rows: list[int],
+) -> None:  # fmt: skip
+    """Reporter module doc: each kind's row 21 -> the slots (or request row) it names."""
+    reporter = _reporter(StateRing(4, 8, addressing, overlap=True, swa_page_size=16))
+    tag = launch_tag(kind, LaunchStage.TAIL, KvHalf.K)
+    reporter.report([ViolationRecord(int(tag), 21, 5, -1, -1, 0, 0, int(reason))], total=1,
+                    capacity=1, step=0)  # fmt: skip
+    out = reporter.take_implicated_slots()
+    assert out is not None
+    assert (out.full.tolist(), out.swa.tolist(), out.req_rows.tolist()) == (full, swa, req_rows)
+    assert reporter.take_implicated_slots() is None  # handed over once
