@@ -4,8 +4,11 @@ exactly the running requests that reference the corrupt row, and the engine keep
 
 The run is tests/canary/test_canary_abort_shared.py's (its helpers, its checks); only the
 workload and the faults differ. Pages hold 128 tokens (a C128 row needs a whole page), so
-the prompts are longer: wave 1 leaves a 270-token prompt in the prefix cache, and wave 2's
-B and C both match its first two pages (tree-owned, locked by both) while A shares nothing::
+the prompts are longer: wave 1 leaves a 400-token and a 270-token prompt in the prefix
+cache, and wave 2's B and C both match the latter's first two pages (tree-owned, locked by
+both) while A shares nothing. The SWA pool is an eighth of the full one, so wave 2 makes
+the prefix cache give SWA pages back and its own pages' SWA ids differ from their full ids
+(a fault's requests found by comparing full slots with SWA ids, or the reverse, miss)::
 
     positions   0 ........ 127 | 128 ....... 255 | 256 ...
     B, C        shared page 0  | shared page 1   | own page (tail, window, rings)
@@ -66,7 +69,7 @@ SHARED = tuple(_rng.randrange(256) for _ in range(270))
 WORKLOAD = Workload(
     model="builtin:tiny-dsv4",
     page_size=P,
-    wave1=(SHARED,),
+    wave1=(tuple(_rng.randrange(256) for _ in range(400)), SHARED),
     wave2=(
         tuple(_rng.randrange(256) for _ in range(170)),  # A
         SHARED[: 2 * P] + tuple(_rng.randrange(256) for _ in range(25)),  # B
@@ -76,6 +79,7 @@ WORKLOAD = Workload(
     fresh=tuple(tuple(_rng.randrange(256) for _ in range(n)) for n in (150, 40)),
     num_decode_steps=3,
     max_total_tokens=8192,
+    swa_full_tokens_ratio=0.125,
 )
 assert PARAMS.max_new_tokens is not None and PARAMS.max_new_tokens > WORKLOAD.num_decode_steps + 2
 
@@ -144,6 +148,8 @@ def c4_kv_flip_shared(engine: Engine, a: int, b: int, c: int) -> Target:
 def indexer_kv_flip_own(engine: Engine, a: int, b: int, c: int) -> Target:
     """A byte of the C4 indexer entry of a complete block past A's tree-owned page."""
     row = _row(engine, "INDEXER", a, 135)  # block 33: positions 132..135
+    block = list(range(row * 4, row * 4 + 4))
+    assert _holders(engine, Target(swa=block)) != {a}  # its full ids are not A's SWA ids
     _flip(_pool(engine).get_indexer_buffer(_layer(engine, 4)), row)
     return _target(engine, "INDEXER", row, {a})
 

@@ -62,6 +62,7 @@ class Workload:
     fresh: tuple[tuple[int, ...], ...]
     num_decode_steps: int
     max_total_tokens: int = 2048
+    swa_full_tokens_ratio: float = 0.25
 
 
 def workload(model: str, page_size: int) -> Workload:
@@ -99,6 +100,7 @@ class Run:
 
 def _engine(w: Workload) -> Engine:
     return tiny_engine(model=w.model, page_size=w.page_size, max_total_tokens=w.max_total_tokens,
+                       swa_full_tokens_ratio=w.swa_full_tokens_ratio,
                        canary=CanaryConfig(mode="abort", real_data="partial"))  # fmt: skip
 
 
