@@ -27,6 +27,7 @@ from kvcanary.canary.wire.constants import CANARY_FIELD_POSITION, PoolKind
 from kvcanary.canary.wire.records import as_int64_records
 from kvcanary.engine.request import Req
 from kvcanary.memory.allocator import PagedAllocator
+from kvcanary.memory.dsv4_pool import DSV4KVPool
 from kvcanary.memory.swa_allocator import SWAAllocator
 
 MODELS = ["builtin:tiny-mha", "builtin:tiny-swa"]
@@ -47,13 +48,40 @@ LATE = [_rng.randrange(256) for _ in range(17)]  # D: admitted right after the f
 FRESH = make_prompts(3, 18, 30, seed=21)  # served once everything else finished
 
 
+@dataclass(frozen=True)
+class Workload:
+    """An engine and the waves it serves (module doc): wave 1 to completion, wave 2's three
+    requests A, B, C decoding ``num_decode_steps`` steps, the fault, then D (``late``), and
+    ``fresh`` once everything else finished."""
+
+    model: str
+    page_size: int
+    wave1: tuple[tuple[int, ...], ...]
+    wave2: tuple[tuple[int, ...], ...]
+    late: tuple[int, ...]
+    fresh: tuple[tuple[int, ...], ...]
+    num_decode_steps: int
+    max_total_tokens: int = 2048
+    swa_full_tokens_ratio: float = 0.25
+
+
+def workload(model: str, page_size: int) -> Workload:
+    """The FULL / SWA pools' workload: A, B and C own 2+ whole pages past their prompts."""
+    t = lambda ps: tuple(tuple(p) for p in ps)  # noqa: E731
+    return Workload(model, page_size, t(WAVE1), t(WAVE2), tuple(LATE), t(FRESH),
+                    2 * page_size + 3)  # fmt: skip
+
+
 @dataclass
 class Target:
-    """The slots a fault corrupts (full-pool ids; ``swa``: SWA-pool ids)."""
+    """What a fault corrupts: full-pool slots, SWA-pool slots, and (``rows``) rows of the
+    compressed / compress-state groups of a DeepSeek-V4 pool, by kind name (``"C4"``,
+    ``"C128_STATE"``, ...)."""
 
     full: list[int] = field(default_factory=list)
     swa: list[int] = field(default_factory=list)
     holders: int = 1  # running requests that reference them once the fault is complete
+    rows: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -70,8 +98,9 @@ class Run:
 # ------------------------------------------------------------------ engine state helpers
 
 
-def _engine(model: str, page_size: int) -> Engine:
-    return tiny_engine(model=model, page_size=page_size, max_total_tokens=2048,
+def _engine(w: Workload) -> Engine:
+    return tiny_engine(model=w.model, page_size=w.page_size, max_total_tokens=w.max_total_tokens,
+                       swa_full_tokens_ratio=w.swa_full_tokens_ratio,
                        canary=CanaryConfig(mode="abort", real_data="partial"))  # fmt: skip
 
 
@@ -91,8 +120,28 @@ def _own(engine: Engine, rid: int, offset: int) -> tuple[Req, int]:
     return req, pos
 
 
+# A DSV4 group kind -> (compression ratio, whether it is a compress-state ring).
+DSV4_KINDS = {"C4": (4, False), "INDEXER": (4, False), "C128": (128, False),
+              "C4_STATE": (4, True), "INDEXER_STATE": (4, True), "C128_STATE": (128, True)}  # fmt: skip
+
+
+def _rows_of(engine: Engine, kind: str, slots: torch.Tensor) -> torch.Tensor:
+    """The rows of DSV4 group ``kind`` that full slots ``slots`` reference, by the pool's own
+    addressing (compressed: ``compressed_loc``; rings: ``state_loc`` of the mapped SWA slot,
+    -1 where the SWA slot is gone)."""
+    pool = engine.runner.token_to_kv_pool
+    assert isinstance(pool, DSV4KVPool)
+    ratio, ring = DSV4_KINDS[kind]
+    layer = next(i for i, entry in enumerate(pool.layer_mapping) if entry.ratio == ratio)
+    if not ring:
+        return pool.compressed_loc(layer, slots)
+    swa = engine.runner.allocator.full_to_swa_index_mapping[slots]
+    return torch.where(swa > 0, pool.state_loc(layer, swa), -1)
+
+
 def _holders(engine: Engine, target: Target) -> set[int]:
-    """Running requests whose KV ([0, kv_len) of their row) references a target slot."""
+    """Running requests whose KV ([0, kv_len) of their row) references a target slot or
+    (``target.rows``) a target row of a DSV4 group."""
     full = torch.tensor(target.full, dtype=torch.int64)
     swa = torch.tensor(target.swa, dtype=torch.int64)
     out = set()
@@ -102,6 +151,8 @@ def _holders(engine: Engine, target: Target) -> set[int]:
         if swa.numel():
             mapping = engine.runner.allocator.full_to_swa_index_mapping
             hit = hit or bool(torch.isin(mapping[slots], swa).any())
+        for kind, rows in target.rows.items():
+            hit = hit or bool(torch.isin(_rows_of(engine, kind, slots), torch.tensor(rows)).any())
         if hit:
             out.add(req.rid)
     return out
@@ -210,17 +261,23 @@ CAMPAIGN: dict[str, Fault] = {f.__name__: f for f in (kv_flip, record_tamper, us
 # ------------------------------------------------------------------ the run
 
 
-def _run(model: str, page_size: int, fault: Fault | None) -> Run:
-    engine = _engine(model, page_size)
-    engine.generate(WAVE1, SamplingParams(max_new_tokens=1, ignore_eos=True))
-    rids = [engine.add_request(p, PARAMS) for p in WAVE2]
+def _start(w: Workload) -> tuple[Engine, list[int]]:
+    """An engine with wave 1 served and wave 2 (A, B, C: their ids) ready for the fault."""
+    engine = _engine(w)
+    engine.generate([list(p) for p in w.wave1], SamplingParams(max_new_tokens=1, ignore_eos=True))
+    rids = [engine.add_request(list(p), PARAMS) for p in w.wave2]
     while not (len(engine.scheduler.running) == 3
                and all(r.decode_ready for r in engine.scheduler.running)):  # fmt: skip
         assert engine.step() == []
-    for _ in range(2 * page_size + 3):  # own slots past the tree-owned prompt: 2+ pages
+    for _ in range(w.num_decode_steps):
         assert engine.step() == []
+    return engine, rids
+
+
+def _run(w: Workload, fault: Fault | None) -> Run:
+    engine, rids = _start(w)
     target = fault(engine, *rids) if fault is not None else None
-    rids.append(engine.add_request(LATE, PARAMS))  # D
+    rids.append(engine.add_request(list(w.late), PARAMS))  # D
     assert engine.step() == []  # D's prefill: A, B, C are not in this batch
     assert engine.canary.aborted_request_ids == [] and engine.canary.violations == []
     expected = _holders(engine, target) if target is not None else set()
@@ -230,15 +287,15 @@ def _run(model: str, page_size: int, fault: Fault | None) -> Run:
     aborted = list(engine.canary.aborted_request_ids)
     engine.check_integrity()
     num_violations = len(engine.canary.violations)
-    fresh = [o.output_ids for o in engine.generate(FRESH, PARAMS)]
+    fresh = [o.output_ids for o in engine.generate([list(p) for p in w.fresh], PARAMS)]
     assert len(engine.canary.violations) == num_violations  # nothing new
     assert engine.canary.aborted_request_ids == aborted
     return Run(outs, fresh, rids, target, expected, aborted, engine)
 
 
 @functools.cache
-def _clean(model: str, page_size: int) -> Run:
-    return _run(model, page_size, None)
+def _clean(w: Workload) -> Run:
+    return _run(w, None)
 
 
 def _assert_nothing_leaked(engine: Engine) -> None:
@@ -253,14 +310,15 @@ def _assert_nothing_leaked(engine: Engine) -> None:
     assert pool.available_size() == pool.size
 
 
-def _check(model: str, page_size: int, fault: Fault) -> None:
-    clean, hit = _clean(model, page_size), _run(model, page_size, fault)
+def _check(w: Workload, fault: Fault) -> None:
+    clean, hit = _clean(w), _run(w, fault)
     assert clean.aborted == [] and clean.engine.canary.violations == []
     assert clean.rids == hit.rids
-    # The injected fault is what the canary reported...
+    # The injected fault is what the canary reported (kind: the launch tag's suffix)...
     assert hit.target is not None
     wanted = {("FULL", s) for s in hit.target.full} | {("SWA", s) for s in hit.target.swa}
-    reported = {(r.launch_tag.rsplit("_", 1)[1], r.slot_idx) for r in hit.engine.canary.violations}
+    wanted |= {(kind, r) for kind, rows in hit.target.rows.items() for r in rows}
+    reported = {(r.launch_tag.split("_", 2)[2], r.slot_idx) for r in hit.engine.canary.violations}
     assert wanted & reported
     # Exactly the requests referencing the corrupt slots at fault time were aborted...
     assert len(hit.expected) == hit.target.holders and set(hit.aborted) == hit.expected
@@ -288,7 +346,7 @@ def test_abort_after_a_remap_onto_a_shared_slot_frees_each_page_once(
 ) -> None:
     """The issue's crash: both holders of the shared slot are released; the shared page
     (another request's, or the prefix cache's) must be freed once, by its owner."""
-    _check(model, page_size, REMAPS[fault])
+    _check(workload(model, page_size), REMAPS[fault])
 
 
 @pytest.mark.parametrize(
@@ -299,4 +357,4 @@ def test_abort_after_a_remap_onto_a_shared_slot_frees_each_page_once(
 def test_abort_campaign_aborts_exactly_the_referencing_requests(
     fault: str, model: str, page_size: int
 ) -> None:
-    _check(model, page_size, CAMPAIGN[fault])
+    _check(workload(model, page_size), CAMPAIGN[fault])

@@ -342,7 +342,7 @@ def test_log_mode_warns_and_goes_on(caplog: pytest.LogCaptureFixture) -> None:
 def test_abort_mode_hands_violating_slots_to_the_handler() -> None:
     runner = install(swa_runner(), mode="abort")
     calls: list[tuple[list[int], list[int]]] = []
-    runner.canary.set_abort_handler(lambda f, s: calls.append((f.tolist(), s.tolist())) or [7])
+    runner.canary.set_abort_handler(lambda f, s, r: calls.append((f.tolist(), s.tolist())) or [7])
     runner.forward([(1, 10)])
     swa_group = runner.canary.groups[1]
     full_slot = int(runner.req_to_token_pool.req_to_token[1, 9])

@@ -163,6 +163,20 @@ def test_quarantine_drops_only_the_requests_that_reference_the_slots() -> None:
     kv.check_integrity()
 
 
+def test_quarantine_drops_the_request_holding_a_named_row_and_quarantines_nothing() -> None:
+    """A request-addressed compress-state ring names the req->token row of its request:
+    that request alone is dropped, its pages freed, none quarantined (row 0: padding)."""
+    kv = _mha(tokens=64)
+    a, b, c = _prefill(kv, 9), _prefill(kv, 9), _prefill(kv, 9)
+    b.rid = a.req_pool_idx  # a request id equal to another's row must not confuse the two
+    rows = torch.tensor([0, b.req_pool_idx])
+    free = kv.available()
+    assert kv.quarantine(torch.zeros(0, dtype=torch.int64), None, [a, b, c], rows) == [b]
+    assert b.req_pool_idx == 0 and a.kv_len == c.kv_len == 8
+    assert kv.available() == free + 8  # b's two pages
+    kv.check_integrity()
+
+
 def test_context_length_and_pool_size_errors_are_typed() -> None:
     engine = Engine(EngineConfig(model="builtin:tiny-mha", page_size=4, max_total_tokens=64,
                                  max_context_len=128, graph_batch_sizes=()))  # fmt: skip

@@ -35,12 +35,14 @@ import torch
 
 from kvcanary.canary.attach.splice import BufInfos
 
-#: ``handler(full_slots, swa_slots) -> aborted request ids`` (abort mode; int64 tensors on
-#: the canary's device). Abort the running requests whose req->token rows reference those
-#: slots (SWA slots through the full->SWA mapping), free their memory without caching it,
-#: quarantine the slots. Pages two holders share must be freed exactly once (a violation
-#: often means a remapped entry), and never while a survivor or the prefix cache holds them.
-AbortHandler = Callable[[torch.Tensor, torch.Tensor], list[int]]
+#: ``handler(full_slots, swa_slots, req_rows) -> aborted request ids`` (abort mode; int64
+#: tensors on the canary's device). Abort the running requests whose req->token rows
+#: reference those slots (SWA slots through the full->SWA mapping) or are one of
+#: ``req_rows`` (a request-addressed compress-state ring is its request's own), free their
+#: memory without caching it, quarantine the slots. Pages two holders share must be freed
+#: exactly once (a violation often means a remapped entry), and never while a survivor or
+#: the prefix cache holds them.
+AbortHandler = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], list[int]]
 
 #: ``fn(batch) -> (token_ids, positions)``, int64 ``[num_tokens]``: what every token the
 #: forward writes must carry (arms the write-input assertion). It may read host-specific

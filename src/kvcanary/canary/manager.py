@@ -365,7 +365,7 @@ class CanaryManager:
         return True
 
     def set_abort_handler(self, handler: AbortHandler) -> None:
-        """``handler(full_slots, swa_slots) -> aborted request ids`` (abort mode)."""
+        """``handler(full_slots, swa_slots, req_rows) -> aborted request ids`` (abort mode)."""
         self.abort_handler = handler
 
     def attach_radix_cache(self, cache: PrefixCacheView | None) -> None:
@@ -409,11 +409,13 @@ class CanaryManager:
         if self.abort_handler is None:
             logger.warning("kv-canary abort: no abort handler attached; nothing aborted")
             return []
-        aborted = self.abort_handler(slots.full.to(self.device), slots.swa.to(self.device))
+        full, swa, rows = (t.to(self.device) for t in slots)
+        aborted = self.abort_handler(full, swa, rows)
         self.aborted_request_ids += aborted
         logger.warning(
             "kv-canary abort: aborted requests %s referencing full slots %s / swa slots %s "
-            "(slots quarantined)", aborted, slots.full.tolist(), slots.swa.tolist(),
+            "(slots quarantined) / holding req->token rows %s", aborted, slots.full.tolist(),
+            slots.swa.tolist(), slots.req_rows.tolist(),
         )  # fmt: skip
         return aborted
 

@@ -189,11 +189,13 @@ class Engine:
         return self.scheduler.kv.prefix_cache
 
     def abort_requests_referencing(
-        self, full_slots: torch.Tensor, swa_slots: torch.Tensor | None = None
-    ) -> list[int]:
+        self, full_slots: torch.Tensor, swa_slots: torch.Tensor | None = None,
+        req_rows: torch.Tensor | None = None,
+    ) -> list[int]:  # fmt: skip
         """Abort the running requests whose KV includes ``full_slots`` (or maps to
-        ``swa_slots``) and quarantine those slots (see the scheduler's method)."""
-        return self.scheduler.abort_requests_referencing(full_slots, swa_slots)
+        ``swa_slots``) or that hold one of ``req_rows``, and quarantine those slots (see the
+        scheduler's method)."""
+        return self.scheduler.abort_requests_referencing(full_slots, swa_slots, req_rows)
 
     @property
     def stats(self) -> SchedulerStats:

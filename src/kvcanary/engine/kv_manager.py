@@ -13,8 +13,9 @@ pairs of nano-vllm's block manager and vLLM v1's ``KVCacheManager``::
     retract(req)               release a running request (its KV saved to the host first
                                with host offload); restore() loads it on readmission
     preallocate(req, ...)      a row + KV reserved for a transfer (disagg decode side)
-    quarantine(full, swa, reqs) never hand out corrupt slots again; drop the requests
-                               that reference them and free what nothing holds any more
+    quarantine(full, swa, reqs, rows) never hand out corrupt slots again; drop the
+                               requests that reference them (or hold one of ``rows``)
+                               and free what nothing holds any more
 
 ``pool_need`` is the sizing rule admission applies: the smallest pools one request runs in
 alone (a larger request is refused up front, never half-run).
@@ -434,12 +435,15 @@ class KVManager:
 
     # ------------------------------------------------------------------ quarantine
     def quarantine(
-        self, full_slots: torch.Tensor, swa_slots: torch.Tensor | None, running: Sequence[Req]
+        self, full_slots: torch.Tensor, swa_slots: torch.Tensor | None, running: Sequence[Req],
+        req_rows: torch.Tensor | None = None,
     ) -> list[Req]:
         """Quarantine ``full_slots`` / ``swa_slots`` (never handed out again), drop the rows
-        of the ``running`` requests whose KV includes them (or maps to them), free every
-        page nothing references any more and invalidate the prefix cache's copies. Returns
-        the dropped requests (the caller aborts them); the others keep everything."""
+        of the ``running`` requests whose KV includes them (or maps to them) or whose
+        req->token row is one of ``req_rows`` (state of their own gone bad: nothing to
+        quarantine), free every page nothing references any more and invalidate the prefix
+        cache's copies. Returns the dropped requests (the caller aborts them); the others
+        keep everything."""
         # On the table's device: they meet its slots (isin) and the SWA mapping (isin, cat).
         dev = self.req_to_token.device
         full_slots = full_slots.reshape(-1).to(dev, torch.int64)
@@ -449,7 +453,9 @@ class KVManager:
             else torch.zeros(0, dtype=torch.int64, device=dev)
         )
         full_slots, swa = full_slots[full_slots > 0], swa[swa > 0]
-        hit = [req for req in running if self._references(req, full_slots, swa)]
+        rows = set() if req_rows is None else set(req_rows.reshape(-1).tolist()) - {0}
+        hit = [req for req in running
+               if req.req_pool_idx in rows or self._references(req, full_slots, swa)]  # fmt: skip
         if hit:  # pages nothing referenced even before the drop: leaked from elsewhere
             leaked_full, leaked_swa = self._unreferenced_full_pages(running), self._orphan_swa_pages()
         self.allocator.quarantine(full_slots)

@@ -100,13 +100,15 @@ class Scheduler:
         return bool(self.waiting or self.running or self._aborted)
 
     def abort_requests_referencing(
-        self, full_slots: torch.Tensor, swa_slots: torch.Tensor | None = None
-    ) -> list[int]:
+        self, full_slots: torch.Tensor, swa_slots: torch.Tensor | None = None,
+        req_rows: torch.Tensor | None = None,
+    ) -> list[int]:  # fmt: skip
         """Abort every running request whose KV includes ``full_slots`` (or, SWA pools,
-        whose in-use full slots map to ``swa_slots``); quarantine those slots so they are
-        never handed out again. The aborted requests come back from the next ``step()``
-        with ``finish_reason="abort"``; everyone else keeps running. Returns their ids."""
-        hit = self.kv.quarantine(full_slots, swa_slots, self.running)
+        whose in-use full slots map to ``swa_slots``) or that holds req->token row one of
+        ``req_rows``; quarantine those slots so they are never handed out again. The aborted
+        requests come back from the next ``step()`` with ``finish_reason="abort"``; everyone
+        else keeps running. Returns their ids."""
+        hit = self.kv.quarantine(full_slots, swa_slots, self.running, req_rows)
         for req in hit:
             self.running.remove(req)
             req.finish_reason = "abort"

@@ -405,7 +405,7 @@ def test_abort_mode_hands_the_implicated_slots_to_the_host() -> None:
     s = SWAServing.make(page_size=1, config=config, window=4)
     assert s.canary is not None
     calls: list[tuple[list[int], list[int]]] = []
-    s.canary.set_abort_handler(lambda full, swa: calls.append((full.tolist(), swa.tolist())) or [7])
+    s.canary.set_abort_handler(lambda full, swa, rows: calls.append((full.tolist(), swa.tolist())) or [7])
     a, b = s.new_request(16), s.new_request(16)
     s.forward([(a, 10), (b, 8)])
     assert s.canary.end_step() == [] and calls == []

@@ -5,11 +5,20 @@
                  one parsed :class:`CanaryViolationRow` in ``rows``
     raise        then raise :class:`KVCanaryViolation` with the reports (once: later rows
                  are still logged and kept, never raised again)
-    abort        then remember the violating slots (full and SWA index spaces) until the
-                 engine calls :meth:`take_implicated_slots` between steps
+    abort        then remember what the violating rows name until the engine calls
+                 :meth:`take_implicated_slots` between steps
 
-Compressed-group slots (DSV4 C4/C128/indexer rows) implicate the ``ratio`` full slots the
-row summarises; ``verify_not_resident`` rows name a full slot whatever their tag.
+What a row implicates, by its group's kind (``verify_not_resident`` rows name a full slot
+whatever their tag)::
+
+    FULL                     full slot ``slot_idx``
+    SWA                      SWA slot ``slot_idx``
+    C4 / C128 / INDEXER      full slots [c * ratio, (c + 1) * ratio), c = ``slot_idx``: the
+                             tokens the compressed row summarises (``full slot // ratio``)
+    compress-state ring      ``swa_page``: every SWA slot of the page owning the ring,
+                             page = row // ring_size; ``request``: req->token row
+                             row // ring_size (the ring is the request's own: no pool slot
+                             to quarantine, the request holding the row is aborted)
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ class CanaryViolationRow(NamedTuple):
 class ImplicatedSlots(NamedTuple):
     full: torch.Tensor  # int64, full-pool slots
     swa: torch.Tensor  # int64, SWA sub-pool slots
+    req_rows: torch.Tensor  # int64, req->token rows (request-addressed rings)
 
 
 class ViolationReporter:
@@ -62,6 +72,7 @@ class ViolationReporter:
         self.raised = False
         self._full: set[int] = set()
         self._swa: set[int] = set()
+        self._req_rows: set[int] = set()
 
     def report(
         self, records: list[ViolationRecord], *, total: int, capacity: int, step: int
@@ -101,26 +112,27 @@ class ViolationReporter:
             self._swa.add(r.slot_idx)
         elif kind == PoolKind.FULL:
             self._full.add(r.slot_idx)
-        elif kind in self.state_rings:  # a ring row: the SWA page that owns the ring
+        elif kind in self.state_rings:  # a ring row: whatever owns the ring (module doc)
             ring = self.state_rings[kind]
+            owner = r.slot_idx // ring.ring_size
             if ring.addressing == "swa_page":
-                page = r.slot_idx // ring.ring_size
-                self._swa.update(range(page * ring.swa_page_size,
-                                       (page + 1) * ring.swa_page_size))  # fmt: skip
-            # request-addressed rings (SGLang's C128) name no slot: nothing to quarantine
+                self._swa.update(range(owner * ring.swa_page_size,
+                                       (owner + 1) * ring.swa_page_size))  # fmt: skip
+            else:  # request-addressed (SGLang's C128): the request's req->token row
+                self._req_rows.add(owner)
         else:  # a compressed row summarises `ratio` consecutive full slots
             ratio = self.compression_ratios.get(kind, 1)
             self._full.update(range(r.slot_idx * ratio, (r.slot_idx + 1) * ratio))
 
     def take_implicated_slots(self) -> ImplicatedSlots | None:
-        """Slots of the rows reported since the last call (abort mode), or None."""
-        if not (self._full or self._swa):
+        """What the rows reported since the last call implicate (abort mode), or None."""
+        if not (self._full or self._swa or self._req_rows):
             return None
         out = ImplicatedSlots(
-            torch.tensor(sorted(self._full), dtype=torch.int64),
-            torch.tensor(sorted(self._swa), dtype=torch.int64),
-        )
-        self._full, self._swa = set(), set()
+            *(torch.tensor(sorted(s), dtype=torch.int64)
+              for s in (self._full, self._swa, self._req_rows))
+        )  # fmt: skip
+        self._full, self._swa, self._req_rows = set(), set(), set()
         return out
 
     def counts(self) -> tuple[dict[str, int], dict[str, int]]:

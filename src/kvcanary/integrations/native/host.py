@@ -54,8 +54,9 @@ class NativeEngine(Protocol):
     def prefix_cache(self) -> PrefixCacheView | None: ...
 
     def abort_requests_referencing(
-        self, full_slots: torch.Tensor, swa_slots: torch.Tensor | None = None
-    ) -> list[int]: ...
+        self, full_slots: torch.Tensor, swa_slots: torch.Tensor | None = None,
+        req_rows: torch.Tensor | None = None,
+    ) -> list[int]: ...  # fmt: skip
 
     def prompt_lens(self, rids: list[int]) -> list[int]: ...
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -37,7 +37,7 @@ from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.errors import KVCanaryViolation
 from kvcanary.canary.install import install_canary
 from kvcanary.canary.kernels import dispatch as kernels
-from kvcanary.canary.manager import CanaryManager
+from kvcanary.canary.manager import AbortHandler, CanaryManager
 from kvcanary.canary.plan.types import WritePlan
 from kvcanary.canary.wire.constants import LaunchStage, launch_tag
 from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
@@ -367,8 +367,9 @@ class VllmCanaryWorker:
                 self.num_sealed += sum(plan.total_num_tokens for plan, _ in plans)
 
     # -------------------------------------------------------------- helpers
-    def _abort_handler(self, spec: GroupSpec) -> Callable[[torch.Tensor, torch.Tensor], list[int]]:
-        def handler(full: torch.Tensor, swa: torch.Tensor) -> list[int]:
+    def _abort_handler(self, spec: GroupSpec) -> AbortHandler:
+        def handler(full: torch.Tensor, swa: torch.Tensor, req_rows: torch.Tensor) -> list[int]:
+            # (req_rows: request-addressed compress-state rings, which vLLM groups lack)
             slots = torch.cat([full.long(), swa.long()]).tolist()
             self._invalid_blocks.update(s // spec.block_size for s in slots
                                         if s >= spec.block_size)  # fmt: skip
