@@ -148,17 +148,9 @@ def verify(
         kernels_numba.verify_rows(records, plan, ring, launch_tag, real_kv_sources, check_token,
                                   counters, reader_chain)  # fmt: skip
         return
-    module = _module(records, backend, plan)
-    if module is kernels_numba:
-        module.verify(records, plan, ring, launch_tag, real_kv_sources=real_kv_sources,
-                      check_token=check_token, counters=counters, reader_chain=reader_chain)  # fmt: skip
-        return
-    if reader_chain:
-        raise ValueError(f"canary kernel backend {module.__name__.rsplit('.', 1)[-1]} has no "
-                         "reader_chain (numba only)")  # fmt: skip
-    module.verify(
-        records, plan, ring, launch_tag,
-        real_kv_sources=real_kv_sources, check_token=check_token, counters=counters,
+    _module(records, backend, plan).verify(
+        records, plan, ring, launch_tag, real_kv_sources=real_kv_sources,
+        check_token=check_token, counters=counters, reader_chain=reader_chain,
     )  # fmt: skip
 
 
