@@ -16,11 +16,11 @@ import random
 from dataclasses import dataclass
 
 import pytest
+import reference_kernels
 import torch
 from canary_testlib import IMPLS, make_sources
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import reference_kernels
 from reference_kernels import real_kv_hash, slot_hash
 
 from kvcanary.canary.plan.types import VerifyPlan, WritePlan

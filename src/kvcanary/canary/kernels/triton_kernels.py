@@ -293,7 +293,8 @@ def _verify_reader_chains(
     if (tl.load(status) == 0) & (tl.sum(candidates.to(tl.int32), 0) > 0):
         for k in range(0, BLOCK):
             o = b * BLOCK + k
-            if _fails_checked(bits_ptr, tokens_ptr, o, o < n):
+            # (nested: Triton has no short-circuit `and`, and the scan back is only for these)
+            if _fails_checked(bits_ptr, tokens_ptr, o, o < n):  # noqa: SIM102
                 if _is_origin(o, slots_ptr, prev_ptr, tokens_ptr, bits_ptr, n, BLOCK):
                     # the origin's expected chain is the reader's before it (by induction)
                     reader = _chain_hash(tl.load(chain_ptr + o), tl.load(tokens_ptr + o),
