@@ -4,7 +4,10 @@ Worlds are legit request chains with random corruption sprinkled over records an
 plans mix faithful entries with mutated ones (slot 0, unreachable/wrong predecessors, wrong
 positions/tokens), writes mix chained seeds with bogus ones, skipped (-1), padding (0) and
 duplicate slots. Small ring capacities exercise overflow. Every implementation must leave
-identical records, ring rows, ring counters and run counters.
+identical records, ring rows, ring counters and run counters, with the reader chain on and
+off. False-prefix-hit worlds (:func:`make_false_hit_world`): readers whose rows hold another
+prompt's self-consistent records after a token of their own that differs; each must have
+every slot after that token named.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import random
 from dataclasses import dataclass
 
 import pytest
+import reference_kernels
 import torch
 from canary_testlib import IMPLS, make_sources
 from hypothesis import given, settings
@@ -157,19 +161,39 @@ def run(impl_name: str, w: World, vplan: VerifyPlan, wplan: WritePlan, ring_capa
     ring_start=st.integers(0, 3),
     check_token=st.booleans(),
     position_assert=st.booleans(),
+    reader_chain=st.booleans(),
 )
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 def test_implementations_agree(
     seed: int, num_slots: int, num_sources: int, ring_capacity: int, ring_start: int,
-    check_token: bool, position_assert: bool,
+    check_token: bool, position_assert: bool, reader_chain: bool,
 ) -> None:  # fmt: skip
     rng = random.Random(seed)
     w = make_world(rng, num_slots, num_sources)
     vplan, wplan = make_verify_plan(rng, w), make_write_plan(rng, w)
-    args = (w, vplan, wplan, ring_capacity, ring_start, check_token, position_assert)
+    args = (w, vplan, wplan, ring_capacity, ring_start, check_token, position_assert,
+            reader_chain)  # fmt: skip
     want = run("reference", *args)
     assert run("numba", *args) == want
     assert run("torch", *args) == want
+
+
+def test_the_random_worlds_exercise_the_reader_chain() -> None:
+    """The worlds above are ones where the reader chain names slots the stored chain does
+    not, often, and with several chains' tails at once (so an implementation that ignored
+    it, or walked only one tail, would differ from the reference)."""
+    num_changed = num_multi = 0
+    for seed in range(60):
+        rng = random.Random(seed)
+        w = make_world(rng, rng.randint(2, 40), 0)
+        vplan, wplan = make_verify_plan(rng, w), make_write_plan(rng, w)
+        args = (w, vplan, wplan, 256, 0, True, False)
+        on, off = run("reference", *args, True), run("reference", *args, False)
+        n = w.records.shape[0]
+        added = {tuple(r) for r in on[n : n + 256]} - {tuple(r) for r in off[n : n + 256]}
+        num_changed += on != off
+        num_multi += len({r[1] for r in added}) > 1
+    assert num_changed >= 20 and num_multi >= 10, (num_changed, num_multi)
 
 
 @pytest.mark.parametrize("impl_name", IMPLS)
@@ -201,20 +225,114 @@ def test_disabled_verify_only_counts_the_launch(impl_name: str) -> None:
     assert counters.kernel_runs[3] == 1 and counters.slots_processed[3] == 0
 
 
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    num_slots=st.integers(2, 40),
-    num_sources=st.integers(0, 2),
-    check_token=st.booleans(),
-)
+@dataclass
+class FalseHitWorld:
+    records: torch.Tensor
+    sources: list[RealKvSource]
+    verify: VerifyPlan  # every reader's row, in order, with its own tokens
+    named: list[int]  # the slots the reader chain must name (in entry order)
+    named_without: list[int]  # those the stored chain alone names
+
+
+def make_false_hit_world(rng: random.Random, num_sources: int) -> FalseHitWorld:
+    """Donor prompts whose records a write laid down (chained, fingerprinted), and readers
+    that each read one donor's first slots as their prefix with their own tokens: equal to
+    the donor's up to a differing token at a random position (or none: a true hit), then
+    the donor's again or not. The stored chains agree with each other, so without the
+    reader chain only the differing tokens' slots fail; with it every slot from the first
+    differing one on (its KV was computed after the donor's token, not the reader's).
+    Some readers' rows start at a position > 0 (an SWA window: predecessor given), some
+    entries have no expected token (-1: it ends the reader's chain when it fails)."""
+    num_slots = 160
+    records = torch.zeros(num_slots, 32, dtype=torch.uint8)
+    sources = make_sources(num_slots, rng, num_sources=num_sources, page_size=rng.choice([1, 4]),
+                           bytes_per_token=16, read_bytes=16)  # fmt: skip
+    free = list(range(1, num_slots))
+    rng.shuffle(free)
+    donors: list[tuple[list[int], list[int]]] = []  # (slots, tokens)
+    seeds, starts, counts, ids, positions, slots = [], [], [], [], [], []
+    for _ in range(rng.randint(2, 5)):
+        length = rng.randint(2, 24)
+        chain, free = free[:length], free[length:]
+        tokens = [rng.randrange(4) for _ in range(length)]
+        donors.append((chain, tokens))
+        seeds.append(-1)
+        starts.append(len(ids))
+        counts.append(length)
+        ids += tokens
+        positions += list(range(length))
+        slots += chain
+    write = WritePlan(t(seeds), t(starts), t(counts), t(ids), t(positions), t(slots),
+                      max(counts), sum(counts))  # fmt: skip
+    reference_kernels.write(records, write, ViolationRing(1), 0, real_kv_sources=sources)
+    entries: list[list[int]] = []
+    named: list[int] = []
+    named_without: list[int] = []
+    for _ in range(rng.randint(1, 6)):
+        chain, tokens = rng.choice(donors)
+        hit_len = rng.randint(1, len(chain))
+        first = rng.choice([0, 0, rng.randrange(hit_len)])  # the row's first verified position
+        differs = rng.choice([None, rng.randrange(first, hit_len)])
+        mine = list(tokens[:hit_len])
+        unchecked = rng.random() < 0.3  # one entry without an expected token
+        blind = rng.randrange(first, hit_len) if unchecked else -1
+        for p in range(first, hit_len):
+            if differs is not None and (p == differs or (p > differs and rng.random() < 0.2)):
+                mine[p] = tokens[p] + 1 + rng.randrange(3)
+        if first and entries:  # padding: its predecessor is not the row before's last slot
+            entries.append([0, 0, 0, -1])
+        row_named = False
+        for p in range(first, hit_len):
+            token = -1 if p == blind else mine[p]
+            entries.append([chain[p], chain[p - 1] if p else -1, p, token])
+            token_bad = token != -1 and token != tokens[p]
+            if token_bad:
+                named_without.append(chain[p])
+            if p == blind and row_named:
+                named.append(chain[p])  # its stored chain is not the reader's: named, then
+                row_named = False  # the reader's history is unknown: the chain ends here
+            elif token_bad or row_named:
+                named.append(chain[p])
+                row_named = token != -1
+    cols = torch.tensor(entries, dtype=torch.int64).reshape(-1, 4).T
+    verify = VerifyPlan.from_entries(cols[0], cols[1], cols[2], cols[3])
+    return FalseHitWorld(records, sources, verify, named, named_without)
+
+
+def verify_false_hit(impl_name: str, w: FalseHitWorld, reader_chain: bool,
+                     ring_capacity: int = 512) -> tuple[list[list[int]], list[int]]:  # fmt: skip
+    """One verify of ``w`` (tokens checked); the ring's rows, counters and records."""
+    records, ring, counters = w.records.clone(), ViolationRing(ring_capacity), RunCounters()
+    IMPLS[impl_name].verify(records, w.verify, ring, CanaryLaunchTag.HEAD_K_FULL,
+                            real_kv_sources=w.sources, check_token=True, counters=counters,
+                            reader_chain=reader_chain)  # fmt: skip
+    rows = ring.rows[: min(ring.num_recorded(), ring_capacity)].tolist()
+    state = [*as_int64_records(records).tolist(), *ring.rows.tolist(), ring.write_index.tolist(),
+             counters.kernel_runs.tolist(), counters.slots_processed.tolist()]  # fmt: skip
+    return state, [r[1] for r in rows]
+
+
+@given(seed=st.integers(0, 2**32 - 1), num_sources=st.integers(0, 2))
 @settings(max_examples=60, deadline=None)
-def test_reader_chain_numba_equals_reference(seed: int, num_slots: int, num_sources: int,
-                                             check_token: bool) -> None:  # fmt: skip
-    rng = random.Random(seed)
-    w = make_world(rng, num_slots, num_sources)
-    vplan, wplan = make_verify_plan(rng, w), make_write_plan(rng, w)
-    args = (w, vplan, wplan, 256, 0, check_token, False, True)
-    assert run("numba", *args) == run("reference", *args)
+def test_false_prefix_hits_name_every_slot_after_the_differing_token(
+    seed: int, num_sources: int
+) -> None:
+    """Every implementation names exactly the slots after each reader's first differing
+    token (and the same rows, counters and records); without the reader chain only the
+    differing tokens' own slots."""
+    w = make_false_hit_world(random.Random(seed), num_sources)
+    for reader_chain, want_named in ((True, w.named), (False, w.named_without)):
+        want, named = verify_false_hit("reference", w, reader_chain)
+        assert named == want_named
+        for impl in ("numba", "torch"):
+            assert verify_false_hit(impl, w, reader_chain)[0] == want, (impl, reader_chain)
+
+
+def test_false_hit_worlds_name_more_with_the_reader_chain() -> None:
+    """Most false-hit worlds name slots with the reader chain that the stored chain alone
+    does not (the test above would catch an implementation without it)."""
+    worlds = [make_false_hit_world(random.Random(seed), 0) for seed in range(40)]
+    assert sum(len(w.named) > len(w.named_without) for w in worlds) >= 20
 
 
 def test_reader_chain_names_every_slot_after_a_false_hit() -> None:
@@ -229,7 +347,7 @@ def test_reader_chain_names_every_slot_after_a_false_hit() -> None:
         prev = slot_hash([token, pos, prev])
     plan = VerifyPlan.from_entries(t([1, 2, 3]), t([-1, 1, 2]), t([0, 1, 2]), t([10, 99, 12]))
     for reader_chain, want in ((False, [2]), (True, [2, 3])):
-        for impl in ("numba", "reference"):
+        for impl in IMPLS:
             ring = ViolationRing(8)
             IMPLS[impl].verify(records, plan, ring, 0, check_token=True,
                                reader_chain=reader_chain)  # fmt: skip

@@ -10,8 +10,12 @@ import pytest
 import torch
 from canary_testlib import ToyKvSystem
 
+from kvcanary.canary.kernels import numba_kernels, torch_kernels
 from kvcanary.canary.plan.inputs import compress_plan_inputs
 from kvcanary.canary.plan.reference import CanaryPlans, PlanInputs, build_plans
+from kvcanary.canary.report.ring import ViolationRing
+from kvcanary.canary.wire.constants import FailReason
+from kvcanary.canary.wire.records import alloc_canary_buffer
 
 FIELDS = {
     "verify": ("slots", "prev_slots", "positions", "expected_tokens", "enabled",
@@ -77,3 +81,29 @@ def test_both_reject_slots_outside_the_lut() -> None:
         with pytest.raises(IndexError):
             build_plans(inputs, verify_capacity=100, lut=torch.zeros(4, dtype=torch.int64),
                         backend=backend)  # type: ignore[arg-type]  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_each_builders_plans_verify_alike_with_the_reader_chain(seed: int) -> None:
+    """Each builder's plans, run by its own kernels (numba, torch) with the reader chain,
+    forward after forward, with a false hit injected into a row's token table: the same
+    records and ring rows, and the false hits are named beyond their differing slot."""
+    rng = random.Random(seed)
+    sides = {b: (alloc_canary_buffer(201), ViolationRing(4096)) for b in ("numba", "torch")}
+    kernels = {"numba": numba_kernels, "torch": torch_kernels}
+    for inputs, _ in random_steps(seed, None):
+        row, prefix = int(inputs.req_pool_indices[0]), int(inputs.prefix_lens[0])
+        if prefix > 2 and inputs.expected_token_table is not None and rng.random() < 0.5:
+            inputs.expected_token_table[row, rng.randrange(prefix - 1)] += 1
+        for backend, (records, ring) in sides.items():
+            plans = build_plans(inputs, verify_capacity=10_000, backend=backend)  # type: ignore[arg-type]
+            kernels[backend].verify(records, plans.verify, ring, 0, check_token=True,
+                                    reader_chain=True)  # fmt: skip
+            kernels[backend].write(records, plans.write, ring, 0)
+        (a, ring_a), (b, ring_b) = sides["numba"], sides["torch"]
+        assert torch.equal(a, b) and ring_a.read() == ring_b.read()
+    # The records agree with each other: only the reader chain names a chain mismatch.
+    bits = ring_a.rows[: ring_a.num_recorded(), 7].tolist()
+    chain, token = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH), int(FailReason.VERIFY_TOKEN_MISMATCH)
+    assert bits and set(bits) <= {chain, token, chain | token}
+    assert chain in bits, bits

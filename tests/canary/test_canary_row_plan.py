@@ -6,7 +6,8 @@ counter and run counters as over the materialised plan, forward after forward (H
 write, the model's KV stores, TAIL verify + write with real-KV sources), on random engine-like
 batches: prefill, chunks, decode, padding rows (slot 0), radix-shared prefixes, SWA LUT with
 window eviction, token tables with the draft offset, capacity overflow, compressed views,
-corrupted records, KV bytes and req->token entries, and small rings that overflow. The
+corrupted records, KV bytes and req->token entries, false prefix hits (a row's own token
+differs from its records'), and small rings that overflow, with the reader chain on and off. The
 materialised numba path is itself pinned to torch and the Python reference by
 test_canary_kernels_equivalence; the torch path joins here too.
 """
@@ -184,6 +185,15 @@ def _remap(rng: random.Random, inputs: PlanInputs, num_slots: int) -> None:
     inputs.req_to_token[row, rng.randrange(inputs.req_to_token.shape[1])] = rng.randrange(num_slots)
 
 
+def _false_hit(rng: random.Random, inputs: PlanInputs) -> None:
+    """A batch row's own token at a position of its prefix is not the one its records hold
+    (a false prefix hit as the canary sees it: the records agree with each other, the
+    reader's history differs from that position on)."""
+    row, prefix = int(inputs.req_pool_indices[0]), int(inputs.prefix_lens[0])
+    if inputs.expected_token_table is not None and prefix > 1:
+        inputs.expected_token_table[row, rng.randrange(prefix)] += 1
+
+
 def _forward(impl, side: Side, plans: CanaryPlans, kind: str, fresh_kv: dict[int, int],
              check_token: bool, reader_chain: bool = False) -> None:  # fmt: skip
     extra = {"reader_chain": True} if reader_chain else {}
@@ -218,21 +228,21 @@ def test_row_plan_launches_leave_the_same_state(
 ) -> None:  # fmt: skip
     """Materialised plans, the torch kernels, row plans and one-call launches leave the same
     records, ring rows and counters, batch after batch of faults (``split``: the row plans'
-    verifies on two threads, :func:`.kernels_numba._split_rows`; ``reader_chain``: numba's
-    check against the reader's own chain, which torch does not have)."""
+    verifies on two threads, :func:`.kernels_numba._split_rows`; ``reader_chain``: every
+    verify checks against the reader's own chain too)."""
     if split:
         force_split(monkeypatch)
     rng = random.Random(1000 + seed)
     num_slots = 201
     kind = "SWA" if window else "FULL"
     ring_capacity = rng.choice([4, 64])
-    check_token = rng.random() < 0.5
+    check_token = rng.random() < 0.5 or reader_chain  # (the reader chain needs tokens)
     page_size, read_bytes = rng.choice([(1, 16), (2, 32), (1, 32)])
     sources_seed = rng.randrange(2**31)
     sides = {
         name: _side(random.Random(seed), num_slots, ring_capacity, sources_seed, page_size,
                     read_bytes)
-        for name in ("materialised", "rows", "fused", *(() if reader_chain else ("torch",)))
+        for name in ("materialised", "rows", "fused", "torch")
     }  # fmt: skip
     capacity = rng.choice([40, 10_000])
     planner = None
@@ -242,6 +252,8 @@ def test_row_plan_launches_leave_the_same_state(
                                  lut=kv.lut if window else None)  # fmt: skip
         if rng.random() < 0.2:
             _remap(rng, inputs, num_slots)
+        if rng.random() < 0.3:
+            _false_hit(rng, inputs)
         kw = dict(verify_capacity=capacity, window=window, lut=lut if window else None)
         try:
             want = build_plans(inputs, **kw)  # type: ignore[arg-type]
@@ -269,8 +281,7 @@ def test_row_plan_launches_leave_the_same_state(
             return
         want_state = sides["materialised"].state()
         assert sides["rows"].state() == want_state
-        if not reader_chain:
-            assert sides["torch"].state() == want_state
+        assert sides["torch"].state() == want_state
         assert sides["fused"].state() == want_state
     assert sides["rows"].ring.num_recorded() > 1  # the faults were seen
 

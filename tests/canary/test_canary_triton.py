@@ -46,13 +46,14 @@ def test_triton_kernels_interpreted_and_compiled(tmp_path: Path) -> None:
     summary = done.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and not re.search(r"skipped|failed|error", summary)
     counts = [int(n) for n in re.findall(r"(\d+) random cases compared", done.stdout)]
-    assert len(counts) == 5 and sum(counts) >= 150, counts
+    assert len(counts) == 6 and sum(counts) >= 180, counts
     print(f"{sum(counts)} random cases compared in all")
 
     variants = json.loads(launches.read_text())
     names = {v[1] for v in variants}
     assert names >= {
-        "_verify_entries", "_verify_offsets", "_verify_rows", "_write_requests", "_write_marks",
+        "_verify_entries", "_verify_reader_chains", "_verify_offsets", "_verify_rows",
+        "_write_requests", "_write_marks",
         "_write_chains", "_write_serial", "_write_rows_and_store", "_plan_rows",
         "_translate_tokens", "_plan_verify", "_plan_holes",
     }, names  # fmt: skip

@@ -11,13 +11,17 @@ cases:
 
 * random worlds (:mod:`test_canary_kernels_equivalence`): legit chains with corrupted
   fields and KV bytes, mutated verify entries, bogus/duplicate/skipped write slots, seeds
-  this launch stores to (remapped entries), up to 4 real-KV sources, tiny rings;
+  this launch stores to (remapped entries), up to 4 real-KV sources, tiny rings, the reader
+  chain on or off; and its false-prefix-hit worlds (every slot after a reader's differing
+  token named), also with 4-entry verify blocks, so the reader chain's scans and walks
+  cross blocks;
 * engine-like runs (:class:`canary_testlib.ToyKvSystem`): prefill, chunked prefill, decode,
   padding rows, radix-shared prefixes, finished requests, FULL and SWA groups (full->SWA
   LUT, window eviction), K and V halves, real data none / partial / all, page size 1 and
   > 1, token checks, and injected corruptions of records, KV bytes, req->token entries, the
   LUT (holes), write inputs and positions, each forward planned by all three builders and
-  run HEAD + TAIL by all three kernel sets.
+  run HEAD + TAIL by all three kernel sets, every verify with the reader chain (as the
+  forward manager runs them).
 
 By hand: ``TRITON_INTERPRET=1 pytest tests/canary/triton_interpreted_cases.py``. With
 ``KVCANARY_TEST_TRITON_LAUNCHES=PATH`` every kernel variant launched (kernel, argument
@@ -36,7 +40,14 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 from canary_testlib import IMPLS, ToyKvSystem, make_sources, store_kv
-from test_canary_kernels_equivalence import make_verify_plan, make_world, make_write_plan, run
+from test_canary_kernels_equivalence import (
+    make_false_hit_world,
+    make_verify_plan,
+    make_world,
+    make_write_plan,
+    run,
+    verify_false_hit,
+)
 from test_canary_plan_backends import assert_same
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import mangle_type
@@ -106,11 +117,34 @@ def test_kernels_agree_on_random_worlds(monkeypatch: pytest.MonkeyPatch) -> None
         w = make_world(rng, rng.randint(2, 40), rng.randint(0, 4))
         vplan, wplan = make_verify_plan(rng, w), make_write_plan(rng, w)
         args = (w, vplan, wplan, rng.choice([1, 3, 64, 256]), rng.randint(0, 3),
-                rng.random() < 0.5, rng.random() < 0.5)  # fmt: skip
+                rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.5)  # fmt: skip
         want = run("numba", *args)
         assert run("torch", *args) == want, f"seed {seed}"
         assert run("triton", *args) == want, f"seed {seed}"
     _counted("random worlds", NUM_WORLD_CASES)
+
+
+NUM_FALSE_HIT_CASES = 30
+
+
+def test_false_prefix_hits_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every slot after a reader's differing token is named, by the Triton verify as by
+    numba (rows, counters, records equal); every other world with 4-entry blocks (a row's
+    scan back to its segment's start and its walk cross blocks; a walk adds violations to
+    other blocks' counts)."""
+    monkeypatch.setitem(IMPLS, "triton", kernels_triton)
+    for seed in range(NUM_FALSE_HIT_CASES):
+        rng = random.Random(f"false-hit/{seed}")
+        w = make_false_hit_world(rng, rng.randint(0, 2))
+        monkeypatch.setattr(kernels_triton, "_BLOCK", 4 if seed % 2 else 256)
+        for reader_chain, want_named in ((True, w.named), (False, w.named_without)):
+            capacity = rng.choice([3, 512])
+            want, named = verify_false_hit("numba", w, reader_chain, capacity)
+            assert verify_false_hit("torch", w, reader_chain, capacity)[0] == want
+            assert verify_false_hit("triton", w, reader_chain, capacity)[0] == want, seed
+            if capacity == 512:
+                assert named == want_named, (seed, reader_chain)
+    _counted("false-hit worlds", NUM_FALSE_HIT_CASES)
 
 
 # ------------------------------------------------------------------ engine-like runs
@@ -185,7 +219,8 @@ def _launch(state: CanaryState, impl: ModuleType, group: Group, stage: LaunchSta
         records = state.records[group.kind, stage, half]
         sources = group.sources[half] if stage == LaunchStage.TAIL else []
         impl.verify(records, plans.verify, state.ring, tag, real_kv_sources=sources,
-                    check_token=check_token, counters=state.verify_counters)  # fmt: skip
+                    check_token=check_token, counters=state.verify_counters,
+                    reader_chain=True)  # fmt: skip
         impl.write(records, plans.write, state.ring, tag, real_kv_sources=sources,
                    chain_position_assert=True, counters=state.write_counters)  # fmt: skip
 

@@ -413,7 +413,7 @@ class SingleForwardManager:
                 kernels.verify(records, plans.verify, rt.ring, tag, real_kv_sources=sources,
                                check_token=rt.config.verify_tokens, counters=rt.verify_counters,
                                backend=rt.config.backend,  # type: ignore[arg-type]
-                               reader_chain=self._planners is not None)  # fmt: skip
+                               reader_chain=True)  # fmt: skip
 
     def _launch(self, group: CanaryBufferGroup, stage: LaunchStage, plans: CanaryPlans) -> None:
         rt = self.rt
@@ -421,15 +421,14 @@ class SingleForwardManager:
         verify_plan = plans.verify
         if stage == LaunchStage.TAIL and plans.tail_verify is not None:
             verify_plan = plans.tail_verify
-        # (HEAD of a per-position group: _head_write / _head_verify.) The CPU per-forward
-        # path (numba) checks each row against its reader's chain too (kernels.dispatch).
-        reader_chain = self._planners is not None
+        # (HEAD of a per-position group: _head_write / _head_verify.) Every verify checks
+        # each row against its reader's chain too (kernels.dispatch), on every backend.
         for tag, records, sources, watch in self._launches[id(group), stage]:
             kernels.launch(
                 records, verify_plan, plans.write, rt.ring, tag, real_kv_sources=sources,
                 check_token=rt.config.verify_tokens, chain_position_assert=rt.chain_position_assert,
                 verify_counters=rt.verify_counters, write_counters=rt.write_counters,
-                backend=backend, reader_chain=reader_chain,  # type: ignore[arg-type]
+                backend=backend, reader_chain=True,  # type: ignore[arg-type]
             )  # fmt: skip
             if watch is not None and rt.store_checker is not None:
                 rt.store_checker.check(watch, plans.write, rt.ring)

@@ -33,7 +33,7 @@ remapped entry — is seen, as in SGLang's ``write_ref``)::
         record[slot] = (token, position, running, fingerprint of the live KV or 0)
         running = chain_hash(running, token, position)   # always the ACTUAL values
 
-**reader_chain** (verify and launch; numba backend only, the CPU per-forward path): an entry
+**reader_chain** (verify and launch, every backend and plan): an entry
 *linked* to the entry before it (a row plan's every entry but its row's first; a
 materialised plan's entry whose ``prev_slot > 0`` is the slot of the entry before it)
 is also checked against the *reading request's own chain*::
@@ -54,7 +54,10 @@ induction), so clean rows cost nothing more (a row plan's fast check is unchange
 adds: every slot after the first one whose token, position or chain is not the reader's
 is named, since its KV was computed under another prefix (a false prefix hit on a block
 whose last token differs names the whole hit, not its one differing slot). SGLang does not
-define it: its cross-checks run with it off.
+define it: its cross-checks run with it off. With every token unchecked it changes nothing
+(a failing entry ends the run), so the torch and Triton verifies skip it without
+``check_token``; with it, the torch verify reads the device once (its sequential part: no
+CUDA graph capture, :mod:`.torch_kernels`), the Triton verify does not.
 
 Duplicate slots within one write keep the last token's record. Slots outside the buffer
 raise. ``counters`` (optional) count one launch per call and the entries processed (verify:
@@ -148,17 +151,9 @@ def verify(
         kernels_numba.verify_rows(records, plan, ring, launch_tag, real_kv_sources, check_token,
                                   counters, reader_chain)  # fmt: skip
         return
-    module = _module(records, backend, plan)
-    if module is kernels_numba:
-        module.verify(records, plan, ring, launch_tag, real_kv_sources=real_kv_sources,
-                      check_token=check_token, counters=counters, reader_chain=reader_chain)  # fmt: skip
-        return
-    if reader_chain:
-        raise ValueError(f"canary kernel backend {module.__name__.rsplit('.', 1)[-1]} has no "
-                         "reader_chain (numba only)")  # fmt: skip
-    module.verify(
-        records, plan, ring, launch_tag,
-        real_kv_sources=real_kv_sources, check_token=check_token, counters=counters,
+    _module(records, backend, plan).verify(
+        records, plan, ring, launch_tag, real_kv_sources=real_kv_sources,
+        check_token=check_token, counters=counters, reader_chain=reader_chain,
     )  # fmt: skip
 
 

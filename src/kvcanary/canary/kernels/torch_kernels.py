@@ -5,6 +5,23 @@ Verify is one gather-compare pass. Write is vectorised except for the hash chain
 which is inherently sequential: one step per token column, all requests at once, so a
 launch costs ``max_num_tokens`` small steps (fine for decode; prefill on CPU uses numba).
 Semantics are those of :mod:`kvcanary.canary.kernels.dispatch`, bit for bit.
+
+The reader chain (verify with ``reader_chain`` and ``check_token``) is the one sequential part
+of a verify, and it matters only in a few places: by induction the reader's chain is the
+stored one until an entry whose token is checked fails a chain, token or position check (the
+*origin*), and an entry whose token is not checked ends any divergence (the next one is not
+linked, or is checked against the stored chain again). So the plan is cut into *segments*,
+each a run of linked entries in which only the last may have an unchecked token::
+
+    entries   a  b  c  d  e  f  g  h      (| : not linked, or the entry before is unchecked)
+    segments  |a  b  c  d  e |f  g |h
+    origin          c (first failing checked entry of its segment)
+    sequential         d  e              one step each, every segment's tail at once
+
+Everything outside the tails is the vectorised check; the tails take one step per entry of
+the longest. That costs the verify one host read (whether any segment has a tail, and their
+lengths), so a torch verify with ``reader_chain`` cannot be captured in a CUDA graph (the
+captured path is Triton's, :mod:`.triton_kernels`, which has no host read).
 """
 
 from __future__ import annotations
@@ -43,6 +60,54 @@ def _bit(cond: torch.Tensor, reason: FailReason) -> torch.Tensor:
     return cond.to(torch.int64) * int(reason)
 
 
+_CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
+# Bits that say a slot holds another history than the reader's.
+_HISTORY = _CHAIN | int(FailReason.VERIFY_TOKEN_MISMATCH | FailReason.VERIFY_POSITION_MISMATCH)
+
+
+def _reader_chain(
+    slots: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor, expected_token: torch.Tensor,
+    token: torch.Tensor, stored_chain: torch.Tensor, expected_chain: torch.Tensor,
+    bits: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(bits, reported expected chain)`` with the reader chain's check (:mod:`.dispatch`;
+    the segments: module doc), from the entries' stored-chain check (``bits``,
+    ``expected_chain``). Inside a tail every entry is linked and the one before it has a
+    checked token, so the reader's chain there is a plain hash chain of the reader's own
+    tokens and positions from its origin on."""
+    n = slots.shape[0]
+    idx = torch.arange(n, device=slots.device)
+    checked = expected_token != NO_TOKEN
+    seg_start = torch.ones_like(checked)
+    seg_start[1:] = ~((slots[1:] != 0) & (prev[1:] > 0) & (prev[1:] == slots[:-1]) & checked[:-1])
+    failing = checked & ((bits & _HISTORY) != 0)  # (bits are 0 under slot 0)
+    seg_first = torch.where(seg_start, idx, 0).cummax(0).values
+    last_failing = torch.where(failing, idx, -1).cummax(0).values
+    origin = failing & (torch.cat([idx.new_full((1,), -1), last_failing[:-1]]) < seg_first)
+    next_start = torch.where(seg_start, idx, n).flip(0).cummin(0).values.flip(0)
+    seg_end = torch.cat([next_start[1:], idx.new_full((1,), n)])  # the entry after i's segment
+    tail_len = torch.where(origin, seg_end - idx - 1, 0)
+    origins = torch.nonzero(tail_len > 0).squeeze(1)  # the host read
+    if not origins.numel():
+        return bits, expected_chain
+    lens, order = torch.sort(tail_len[origins], descending=True, stable=True)
+    origins, lens_host = origins[order], lens.tolist()
+    bits, reported = bits.clone(), expected_chain.clone()
+    reader_token = torch.where(checked, expected_token, token)
+    reader = chain_hash_t(expected_chain[origins], reader_token[origins], positions[origins])
+    num_tails = len(lens_host)  # tails sorted longest first: step k moves the first num_tails
+    for k in range(1, lens_host[0] + 1):
+        while lens_host[num_tails - 1] < k:
+            num_tails -= 1
+        j, reader = origins[:num_tails] + k, reader[:num_tails]
+        entry_bits = bits[j]
+        fire = ((entry_bits & _CHAIN) == 0) & (stored_chain[j] != reader)
+        bits[j] = entry_bits | _bit(fire, FailReason.VERIFY_CHAIN_HASH_MISMATCH)
+        reported[j] = torch.where(fire, reader, expected_chain[j])
+        reader = chain_hash_t(reader, reader_token[j], positions[j])
+    return bits, reported
+
+
 def verify(
     records: torch.Tensor,
     plan: VerifyPlan,
@@ -52,6 +117,7 @@ def verify(
     real_kv_sources: Sequence[RealKvSource] = (),
     check_token: bool = False,
     counters: RunCounters | None = None,
+    reader_chain: bool = False,
 ) -> None:
     num_entries = plan.num_entries if plan.enabled else 0
     if counters is not None:
@@ -83,6 +149,9 @@ def verify(
         )
     )
     bits = torch.where(slots == 0, 0, bits)
+    if reader_chain and check_token:  # (every token unchecked: the stored chain is the reader's)
+        bits, expected_chain = _reader_chain(slots, prev, plan.positions, expected_token, token,
+                                             stored_chain, expected_chain, bits)  # fmt: skip
     tag = torch.full_like(slots, int(launch_tag))
     rows = torch.stack(
         [tag, slots, position, token, expected_token, stored_chain, expected_chain, bits], dim=1

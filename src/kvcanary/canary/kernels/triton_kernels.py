@@ -6,6 +6,11 @@ in the same order: each launch is a fixed sequence of kernels with no host read 
 and the ring is filled by a prefix sum, never by racing atomics::
 
     verify  V1  grid: entry blocks   fail bits + expected chain per entry; violations per block
+            V1r grid: entry blocks   (reader_chain with check_token) the reader chain: each
+                                     segment's tail after its origin, walked in order by the
+                                     program holding the origin (:mod:`.torch_kernels`
+                                     defines segments, origins and tails); its new
+                                     violations added to their blocks' counts
             V2  one program          each block's first ring row; write_index; run counters
             V3  grid: entry blocks   the ring rows of blocks that have violations
     write   W0  one program          each request's first entry; token-range and seed checks
@@ -75,6 +80,10 @@ _V_CHAIN = tl.constexpr(int(FailReason.VERIFY_CHAIN_HASH_MISMATCH))
 _V_POSITION = tl.constexpr(int(FailReason.VERIFY_POSITION_MISMATCH))
 _V_REAL = tl.constexpr(int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH))
 _V_TOKEN = tl.constexpr(int(FailReason.VERIFY_TOKEN_MISMATCH))
+# Bits that say a slot holds another history than the reader's (the reader chain).
+_V_HISTORY = tl.constexpr(int(FailReason.VERIFY_CHAIN_HASH_MISMATCH
+                              | FailReason.VERIFY_TOKEN_MISMATCH
+                              | FailReason.VERIFY_POSITION_MISMATCH))
 _W_TOKEN = tl.constexpr(int(FailReason.WRITE_TOKEN_MISMATCH))
 _W_POSITION = tl.constexpr(int(FailReason.WRITE_POSITION_MISMATCH))
 _W_INPUT = tl.constexpr(int(FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH))
@@ -222,6 +231,87 @@ def _verify_entries(
     tl.store(chain_ptr + offs, expected_chain, mask=m)
     tl.store(counts_ptr + b, tl.sum((bits != 0).to(tl.int64), 0))
     _flag_error(status, tl.sum((bad | bad_source).to(tl.int32), 0), _ERR_INDEX)
+
+
+@triton.jit
+def _segment_starts(slots_ptr, prev_ptr, tokens_ptr, i, n):
+    """Whether entry ``i`` (scalar or block) starts a reader-chain segment: it is not linked
+    to the entry before it (``prev_slot > 0`` is that entry's slot), or that entry's token
+    is not checked."""
+    inner = (i > 0) & (i < n)
+    at = tl.where(inner, i, 1)
+    slot = tl.load(slots_ptr + at, mask=inner, other=0)
+    prev = tl.load(prev_ptr + at, mask=inner, other=0)
+    before = tl.load(slots_ptr + at - 1, mask=inner, other=0)
+    before_token = tl.load(tokens_ptr + at - 1, mask=inner, other=-1)
+    return ~(inner & (slot != 0) & (prev > 0) & (prev == before) & (before_token != -1))
+
+
+@triton.jit
+def _fails_checked(bits_ptr, tokens_ptr, i, m):
+    """Whether entry ``i`` (where ``m``) has a checked token and fails a history check."""
+    token = tl.load(tokens_ptr + i, mask=m, other=-1)
+    bits = tl.load(bits_ptr + i, mask=m, other=0)
+    return m & (token != -1) & ((bits & _V_HISTORY) != 0)
+
+
+@triton.jit
+def _is_origin(o, slots_ptr, prev_ptr, tokens_ptr, bits_ptr, n, BLOCK: tl.constexpr):
+    """Whether no entry before failing checked entry ``o`` in its segment fails a history
+    check with a checked token (a scan back, a block at a time, to the segment's start).
+    Another origin's walk may add bits meanwhile, but only after that origin in its own
+    segment, where the answer is False either way."""
+    found = tl.zeros([], tl.int32)
+    done = _segment_starts(slots_ptr, prev_ptr, tokens_ptr, o, n).to(tl.int32)
+    hi = o
+    while done == 0:
+        lo = tl.maximum(hi - BLOCK, 0)
+        offs = lo + tl.arange(0, BLOCK)
+        m = offs < hi
+        # entries up to the last one whose successor starts a segment are not in o's
+        cut = m & _segment_starts(slots_ptr, prev_ptr, tokens_ptr, offs + 1, n)
+        last_cut = tl.max(tl.where(cut, offs, -1), 0)
+        inside = m & (offs > last_cut)
+        found = tl.sum(_fails_checked(bits_ptr, tokens_ptr, offs, inside).to(tl.int32), 0)
+        done = ((found > 0) | (last_cut >= 0) | (lo == 0)).to(tl.int32)
+        hi = lo
+    return found == 0
+
+
+@triton.jit(do_not_specialize=["n", "rec_stride"])
+def _verify_reader_chains(
+    slots_ptr, prev_ptr, positions_ptr, tokens_ptr, n, rec, rec_stride, bits_ptr, chain_ptr,
+    counts_ptr, status, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """V1r: the reader chain over the tails of the segments whose origin is in this block:
+    each tail entry whose stored chain is not the reader's (and that passed the stored
+    chain check) fails ``verify_chain_hash`` with the reader's chain as its expected chain."""
+    n = tl.cast(n, tl.int64)
+    b = tl.program_id(0).to(tl.int64)
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    candidates = _fails_checked(bits_ptr, tokens_ptr, offs, offs < n)
+    if (tl.load(status) == 0) & (tl.sum(candidates.to(tl.int32), 0) > 0):
+        for k in range(0, BLOCK):
+            o = b * BLOCK + k
+            # (nested: Triton has no short-circuit `and`, and the scan back is only for these)
+            if _fails_checked(bits_ptr, tokens_ptr, o, o < n):  # noqa: SIM102
+                if _is_origin(o, slots_ptr, prev_ptr, tokens_ptr, bits_ptr, n, BLOCK):
+                    # the origin's expected chain is the reader's before it (by induction)
+                    reader = _chain_hash(tl.load(chain_ptr + o), tl.load(tokens_ptr + o),
+                                         tl.load(positions_ptr + o))  # fmt: skip
+                    j = o + 1
+                    go = ~_segment_starts(slots_ptr, prev_ptr, tokens_ptr, j, n)
+                    while go:
+                        stored = tl.load(rec + tl.load(slots_ptr + j) * rec_stride + _F_CHAIN)
+                        bits = tl.load(bits_ptr + j)
+                        fire = ((bits & _V_CHAIN) == 0) & (stored != reader)
+                        tl.store(bits_ptr + j, bits | _V_CHAIN, mask=fire)
+                        tl.store(chain_ptr + j, reader, mask=fire)
+                        tl.atomic_add(counts_ptr + j // BLOCK, 1, mask=fire & (bits == 0))
+                        reader = _chain_hash(reader, tl.load(tokens_ptr + j),
+                                             tl.load(positions_ptr + j))  # fmt: skip
+                        j += 1
+                        go = ~_segment_starts(slots_ptr, prev_ptr, tokens_ptr, j, n)
 
 
 @triton.jit(do_not_specialize=["num_blocks", "tag", "num_entries"])
@@ -651,6 +741,7 @@ def verify(
     real_kv_sources: Sequence[RealKvSource] = (),
     check_token: bool = False,
     counters: RunCounters | None = None,
+    reader_chain: bool = False,
 ) -> None:
     _check_device(records)
     tag = int(launch_tag)
@@ -669,13 +760,18 @@ def verify(
     counts = torch.empty(num_blocks, dtype=torch.int64, device=device)
     base = torch.empty_like(counts)
     sources = _source_args(real_kv_sources, device)
-    slots = plan.slots.contiguous()
-    tokens = plan.expected_tokens.contiguous()
+    slots, prev = plan.slots.contiguous(), plan.prev_slots.contiguous()
+    positions, tokens = plan.positions.contiguous(), plan.expected_tokens.contiguous()
     _verify_entries[(num_blocks,)](
-        slots, plan.prev_slots.contiguous(), plan.positions.contiguous(), tokens, n, rec,
+        slots, prev, positions, tokens, n, rec,
         rec.stride(0), rec.shape[0], *sources, bits, chain, counts, state.status,
         CHECK_TOKEN=bool(check_token), NUM_SOURCES=len(real_kv_sources), BLOCK=_BLOCK,
     )  # fmt: skip
+    if reader_chain and check_token:  # (every token unchecked: the stored chain is the reader's)
+        _verify_reader_chains[(num_blocks,)](
+            slots, prev, positions, tokens, n, rec, rec.stride(0), bits, chain, counts,
+            state.status, BLOCK=_BLOCK,
+        )  # fmt: skip
     _verify_offsets[(1,)](
         counts, num_blocks, base, ring.write_index, state.status,
         *_counter_args(counters, ring), tag, n, HAS_COUNTERS=counters is not None,
