@@ -550,8 +550,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-_MAX_CACHED = 64
-_launch_cache: dict[tuple[int, ...], tuple[Any, ...]] = {}
+_MAX_CACHED = 64  # launch-argument sets memoised per ring
 _NO_COUNTERS = (np.zeros(NUM_LAUNCH_TAGS, dtype=np.int64), np.zeros(NUM_LAUNCH_TAGS, np.int64))
 
 
@@ -562,16 +561,15 @@ def _launch_args(
     counters: RunCounters | None,
 ) -> tuple[Any, ...]:
     """The kernels' trailing arguments (int64 records, sources, ring, counters) as numpy
-    views, memoised on the identity of the objects (kept alive by the entry, so their ids
-    cannot be reused while cached): canary buffers, source tuples, rings and counters live
-    as long as the canary, and converting them per launch cost more than a decode-step
-    verify."""
-    key = (id(records), id(sources), id(ring), id(counters))
-    hit = _launch_cache.get(key)
-    if hit is not None and hit[0] is records and hit[1] is sources and hit[2] is ring and (
-        hit[3] is counters
-    ):
-        return hit[4]
+    views, memoised in ``ring.launch_args`` on the identity of the objects (kept alive by
+    the entry, so their ids cannot be reused while cached; the memo goes with the ring, so
+    with its canary): canary buffers, source tuples and counters live as long as the
+    canary, and converting them per launch cost more than a decode-step verify."""
+    cache = ring.launch_args
+    key = (id(records), id(sources), id(counters))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is records and hit[1] is sources and hit[2] is counters:
+        return hit[3]
     if counters is None:
         count_args = _NO_COUNTERS
     elif counters.kernel_runs.device.type == "cpu":
@@ -580,9 +578,9 @@ def _launch_args(
         raise ValueError(f"numba canary kernels need CPU counters, got {counters.kernel_runs.device}")
     args = (_np(as_int64_records(records)), *numba_source_args(sources),
             _np(ring.rows), _np(ring.write_index), *count_args)  # fmt: skip
-    if len(_launch_cache) >= _MAX_CACHED:
-        del _launch_cache[next(iter(_launch_cache))]
-    _launch_cache[key] = (records, sources, ring, counters, args)
+    if len(cache) >= _MAX_CACHED:
+        del cache[next(iter(cache))]
+    cache[key] = (records, sources, counters, args)
     return args
 
 

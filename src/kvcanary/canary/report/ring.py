@@ -12,6 +12,8 @@ A violation with sequence number ``seq >= capacity`` is dropped but still counte
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -48,6 +50,11 @@ class ViolationRing:
         # CPU: read the index through a numpy view of the same memory (``.item()`` costs
         # microseconds per step once the forward has evicted torch's code from the caches).
         self._host_index = self.write_index.numpy() if self.write_index.device.type == "cpu" else None
+        # The numba kernels' launch arguments for this ring (numpy views of the records,
+        # real-KV sources and counters it is launched with: kernels.numba_kernels), kept
+        # with the ring so they go when its canary goes (a module-level memo kept every
+        # pool a process ever guarded alive).
+        self.launch_args: dict[tuple[int, ...], tuple[Any, ...]] = {}
 
     @property
     def device(self) -> torch.device:
