@@ -2,15 +2,15 @@
 
 The scheduler only finds out mid-run (a :class:`KVPoolTooSmallError` after other requests
 have finished); this says it before the first forward, naming the pool that binds and the
-flags that fix it. The bounds are the smallest pools a lone request was measured to need
-(tests/engine/test_cli_startup.py runs the workload at each bound)::
+flags that fix it. The need is :func:`~kvcanary.engine.kv_manager.pool_need`, the rule
+admission applies: the exact smallest pools in which the request runs to completion alone
+(tests/engine/test_admission.py runs it alone on both sides of that size)::
 
     full pool   ceil_page(prompt + new tokens - 1)   (the last token never gets KV)
-    SWA pool    ceil_page(chunk) + window             (a chunk attends to the window before it)
-                ceil_page(prompt)                     (the whole prompt in one chunk)
-                window + 2 pages                      (decode: the window plus eviction slack)
-
-where ``chunk = min(chunked_prefill_size, prompt)``.
+    SWA pool    the peak over the request's forwards, replayed chunk by chunk (the last
+                chunk short) and decode step by decode step: the window (and a page of
+                eviction slack) the forward attends to, the pages it allocates, and, with
+                the prefix cache, the window the tree keeps locked
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 from typing import TYPE_CHECKING
 
 from kvcanary.config import EngineConfig
-from kvcanary.engine.kv_manager import pool_need
+from kvcanary.engine.kv_manager import PoolNeed, pool_need
 from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.model.loader import load_model_config
 from kvcanary.utils import ceil_page, floor_page
@@ -32,11 +32,14 @@ if TYPE_CHECKING:
 def check_pools(
     *, num_full_tokens: int, num_swa_tokens: int, prompt_len: int, max_new_tokens: int,
     chunked_prefill_size: int, page_size: int, window: int | None, max_total_tokens: int,
-    swa_full_tokens_ratio: float,
+    swa_full_tokens_ratio: float, prefix_cache: bool,
 ) -> None:  # fmt: skip
     """Raise ``ValueError`` naming the binding pool, its flags, and values that would fit."""
-    need = pool_need(prompt_len, max_new_tokens, chunked_prefill_size, page_size, window)
-    unpaged = pool_need(prompt_len, max_new_tokens, chunked_prefill_size, 1, window)
+
+    def need_with(chunk: int, page: int) -> PoolNeed:
+        return pool_need(prompt_len, max_new_tokens, chunk, page, window, prefix_cache=prefix_cache)
+
+    need, unpaged = need_with(chunked_prefill_size, page_size), need_with(chunked_prefill_size, 1)
     request = (f"the longest request ({prompt_len} prompt + {max_new_tokens} new tokens, "
                f"--page-size {page_size})")  # fmt: skip
     if num_full_tokens < need.num_full_tokens:
@@ -57,9 +60,13 @@ def check_pools(
         min_ratio += 0.001  # float products round down: the value shown must be enough
     if min_ratio <= 1.0:
         fixes.insert(0, f"--swa-full-tokens-ratio to {min_ratio:.3f} or more")
-    max_chunk = floor_page(num_swa_tokens - window, page_size)
-    lowers = [f"--chunked-prefill-size to {max_chunk} or less"] if (
-        max_chunk >= page_size and num_swa_tokens >= window + 2 * page_size) else []  # fmt: skip
+    # The need is not monotone in the chunk size (where the chunks end moves the window):
+    # name the largest whole-page chunk below the current one that fits.
+    chunk = prompt_len if chunked_prefill_size <= 0 else min(chunked_prefill_size, prompt_len)
+    fits = (c for c in range(floor_page(chunk - 1, page_size), 0, -page_size)
+            if need_with(c, page_size).num_swa_tokens <= num_swa_tokens)  # fmt: skip
+    max_chunk = next(fits, None)
+    lowers = [] if max_chunk is None else [f"--chunked-prefill-size to {max_chunk}"]
     if unpaged.num_swa_tokens <= num_swa_tokens:
         lowers.append("--page-size")
     lower = f", or lower {' or '.join(lowers)}" if lowers else ""
@@ -92,5 +99,5 @@ def check_engine_pools(engine: Engine, prompt_len: int, max_new_tokens: int) -> 
         prompt_len=prompt_len, max_new_tokens=max_new_tokens,
         chunked_prefill_size=c.chunked_prefill_size, page_size=c.page_size,
         window=engine.runner.sliding_window, max_total_tokens=c.max_total_tokens,
-        swa_full_tokens_ratio=c.swa_full_tokens_ratio,
+        swa_full_tokens_ratio=c.swa_full_tokens_ratio, prefix_cache=c.enable_prefix_cache,
     )  # fmt: skip

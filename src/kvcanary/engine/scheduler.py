@@ -82,7 +82,8 @@ class Scheduler:
                 prompt_len=req.seq_len, max_new_tokens=req.params.max_new_tokens, limit=limit,
             )  # fmt: skip
         need = pool_need(req.seq_len, req.params.max_new_tokens, self.config.chunked_prefill_size,
-                         self.config.page_size, self.kv.spec.window)  # fmt: skip
+                         self.config.page_size, self.kv.spec.window,
+                         prefix_cache=self.config.enable_prefix_cache)  # fmt: skip
         full, swa = self.kv.pool_sizes()
         if need.num_full_tokens > full or need.num_swa_tokens > swa:
             raise RequestTooLargeError(
