@@ -56,11 +56,12 @@ class PoolNeed(NamedTuple):
 
 def pool_need(
     prompt_len: int, max_new_tokens: int, chunked_prefill_size: int, page_size: int,
-    window: int | None, *, prefix_cache: bool,
+    window: int | None, *, prefix_cache: bool, prefix_len: int = 0,
 ) -> PoolNeed:  # fmt: skip
     """The smallest pools in which one request of ``prompt_len`` + ``max_new_tokens`` runs
-    to completion alone, from an empty prefix cache (``prefix_cache``: the engine caches
-    prefilled pages as it goes, which changes what the SWA pool must keep).
+    to completion alone (``prefix_cache``: the engine caches prefilled pages as it goes,
+    which changes what the SWA pool must keep), starting from ``prefix_len`` tokens found
+    in the prefix cache (page aligned; 0: computed from the first token).
 
     Full pool: every position but the last sampled token keeps its slot to the end,
     ``ceil_page(prompt_len + max_new_tokens - 1)``. SWA pool: the peak of
@@ -71,13 +72,13 @@ def pool_need(
     if window is None:
         return PoolNeed(full, 0)
     swa = _lone_swa_peak(prompt_len, max_new_tokens, chunked_prefill_size, page_size, window,
-                         prefix_cache)  # fmt: skip
+                         prefix_cache, prefix_len)  # fmt: skip
     return PoolNeed(full, swa)
 
 
 def _lone_swa_peak(
     prompt_len: int, max_new_tokens: int, chunked_prefill_size: int, page_size: int,
-    window: int, prefix_cache: bool,
+    window: int, prefix_cache: bool, prefix_len: int,
 ) -> int:  # fmt: skip
     """SWA slots held at the fullest moment of a lone request's run: right after a forward's
     slots are allocated, before the window eviction that follows it.
@@ -93,7 +94,9 @@ def _lone_swa_peak(
     ``prot`` (:meth:`KVManager.cache`, after each prefill chunk) is the last whole page; the
     tree SWA-locks ``[floor_page(prot - W), prot)`` until ``kv_len - W >= prot`` and its
     SWA outside the lock is evictable, so it counts as free (allocation evicts it on
-    failure). Without it ``prot = lock = 0``.
+    failure). Without it ``prot = lock = 0``. A cached prefix starts the run at
+    ``kv_len = prot = swa_evicted_seqlen = prefix_len``, its window locked (at most: the
+    lock stops early at a tombstone).
 
     Prefill runs in chunks of ``chunked_prefill_size`` (the last one short) while more
     than one prompt token lacks KV; decode then adds one position a forward up to
@@ -104,7 +107,8 @@ def _lone_swa_peak(
     p, w = page_size, window
     chunk = chunked_prefill_size if chunked_prefill_size > 0 else prompt_len
     end_len = prompt_len + max_new_tokens - 1  # positions that get KV
-    kv = prot = lock = evicted = peak = 0
+    kv = prot = evicted = prefix_len
+    lock, peak = floor_page(max(0, prefix_len - w), p), 0
 
     def evict_window(kv: int) -> None:  # KVManager.evict_window for one request
         nonlocal lock, evicted
@@ -235,9 +239,12 @@ class KVManager:
         self.evict_cache(need + headroom - self.available())
         return self.available() - need >= headroom
 
-    def admit(self, req: Req) -> bool:
+    def admit(self, req: Req, runs_from: Callable[[int], bool] = lambda _: True) -> bool:
         """Give ``req`` a row and its cached prefix (locked) or, after a retraction with
-        host offload, its saved KV. False with nothing held when the saved KV does not fit."""
+        host offload, its saved KV. False with nothing held when the saved KV does not fit.
+        ``runs_from(prefix_len)``: whether ``req`` runs alone to the end from a cached prefix
+        that long; a longer cached prefix is not used (its chunks would start elsewhere and
+        can need more than the pools hold), the prompt is computed from the start."""
         row = self.req_to_token_pool.alloc(1)[0]
         req.req_pool_idx = row
         self.req_to_token_pool.set_tokens(row, req.all_ids())
@@ -251,6 +258,8 @@ class KVManager:
             # Match at most seq_len - 1 tokens (the last one must be computed to sample);
             # truncating a longer match instead could cut where the window is not resident.
             match = self.prefix_cache.match_prefix(req.all_ids()[: req.seq_len - 1])
+            if match.num_tokens and not runs_from(match.num_tokens):
+                match = self.prefix_cache.match_prefix([])
             prefix_len = match.num_tokens
             if prefix_len:
                 self.req_to_token[row, :prefix_len] = match.device_indices.to(torch.int32)
