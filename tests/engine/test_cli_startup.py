@@ -14,7 +14,7 @@ from kvcanary import Engine, EngineConfig, SamplingParams
 from kvcanary.cli.command import build_parser, main
 from kvcanary.engine.errors import KVPoolTooSmallError, RequestTooLargeError
 from kvcanary.engine.kv_manager import pool_need
-from kvcanary.engine.pool_check import check_pools
+from kvcanary.engine.pool_check import check_engine_pools, check_pools
 from kvcanary.engine.request import Req
 from kvcanary.utils import ceil_page
 from kvcanary.workload import WorkloadSpec, make_prompts
@@ -112,6 +112,18 @@ def test_suggested_ratio_is_enough_and_page_size_is_named_when_it_binds() -> Non
         check_pools(num_full_tokens=1024, num_swa_tokens=128, prompt_len=40, max_new_tokens=200,
                     chunked_prefill_size=512, page_size=64, window=32, max_total_tokens=1024,
                     swa_full_tokens_ratio=0.125, prefix_cache=True)  # fmt: skip
+
+
+def test_a_shorter_prompt_can_bind_the_swa_pool() -> None:
+    # 16-token pages, 40 new tokens: a 16-token prompt needs 48 SWA tokens (the prefix cache
+    # takes its page and keeps only the window locked), a 15-token one 64 (no whole page to
+    # cache: its own window eviction keeps a page of slack).
+    assert [pool_need(n, 40, 64, 16, 32, prefix_cache=True).num_swa_tokens for n in (15, 16)] == [64, 48]
+    engine = Engine(EngineConfig(page_size=16, max_total_tokens=256, swa_full_tokens_ratio=48.5 / 256,
+                                 chunked_prefill_size=64, graph_batch_sizes=()))  # fmt: skip
+    check_engine_pools(engine, [16], 40)
+    with pytest.raises(ValueError, match=r"a request of 15 prompt \+ 40 new tokens .* need 64"):
+        check_engine_pools(engine, [16, 15, 16], 40)
 
 
 # (model, prompt_len, new tokens, chunk, page): the lone request runs at the computed bound

@@ -1,4 +1,4 @@
-"""Start-up check: can the KV pools hold the workload's largest request running alone?
+"""Start-up check: can the KV pools hold each of the workload's requests running alone?
 
 The scheduler only finds out mid-run (a :class:`KVPoolTooSmallError` after other requests
 have finished); this says it before the first forward, naming the pool that binds and the
@@ -16,6 +16,7 @@ admission applies: the exact smallest pools in which the request runs to complet
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvcanary.config import EngineConfig
@@ -40,8 +41,8 @@ def check_pools(
         return pool_need(prompt_len, max_new_tokens, chunk, page, window, prefix_cache=prefix_cache)
 
     need, unpaged = need_with(chunked_prefill_size, page_size), need_with(chunked_prefill_size, 1)
-    request = (f"the longest request ({prompt_len} prompt + {max_new_tokens} new tokens, "
-               f"--page-size {page_size})")  # fmt: skip
+    request = (f"a request of {prompt_len} prompt + {max_new_tokens} new tokens "
+               f"(--page-size {page_size})")  # fmt: skip
     if num_full_tokens < need.num_full_tokens:
         raise ValueError(
             f"KV pool too small: the full pool (--max-total-tokens {max_total_tokens}) holds "
@@ -89,15 +90,25 @@ def check_workload(config: EngineConfig, spec: WorkloadSpec) -> None:
         )
 
 
-def check_engine_pools(engine: Engine, prompt_len: int, max_new_tokens: int) -> None:
-    """The engine's pools against the workload's longest request (see
-    :mod:`kvcanary.engine.pool_check`); ``ValueError`` naming the binding pool and flags."""
+def check_engine_pools(engine: Engine, prompt_lens: Iterable[int], max_new_tokens: int) -> None:
+    """The engine's pools against the workload's requests (see
+    :mod:`kvcanary.engine.pool_check`): the longest one for the full pool, the one that
+    needs the most SWA (not always the longest: where its chunks end moves the window) for
+    the SWA pool; ``ValueError`` naming the binding pool and flags."""
     alloc, c = engine.runner.allocator, engine.config
-    check_pools(
-        num_full_tokens=alloc.size_full if isinstance(alloc, SWAAllocator) else alloc.size,
-        num_swa_tokens=alloc.size_swa if isinstance(alloc, SWAAllocator) else 0,
-        prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-        chunked_prefill_size=c.chunked_prefill_size, page_size=c.page_size,
-        window=engine.runner.sliding_window, max_total_tokens=c.max_total_tokens,
-        swa_full_tokens_ratio=c.swa_full_tokens_ratio, prefix_cache=c.enable_prefix_cache,
-    )  # fmt: skip
+    window = engine.runner.sliding_window
+    lens = sorted(set(prompt_lens))
+
+    def swa_need(prompt_len: int) -> int:
+        return pool_need(prompt_len, max_new_tokens, c.chunked_prefill_size, c.page_size, window,
+                         prefix_cache=c.enable_prefix_cache).num_swa_tokens  # fmt: skip
+
+    for prompt_len in dict.fromkeys((lens[-1], max(reversed(lens), key=swa_need))):
+        check_pools(
+            num_full_tokens=alloc.size_full if isinstance(alloc, SWAAllocator) else alloc.size,
+            num_swa_tokens=alloc.size_swa if isinstance(alloc, SWAAllocator) else 0,
+            prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+            chunked_prefill_size=c.chunked_prefill_size, page_size=c.page_size, window=window,
+            max_total_tokens=c.max_total_tokens, swa_full_tokens_ratio=c.swa_full_tokens_ratio,
+            prefix_cache=c.enable_prefix_cache,
+        )  # fmt: skip
