@@ -14,7 +14,7 @@ from kvcanary import Engine, EngineConfig, SamplingParams
 from kvcanary.cli.command import build_parser, main
 from kvcanary.engine.errors import KVPoolTooSmallError, RequestTooLargeError
 from kvcanary.engine.kv_manager import pool_need
-from kvcanary.engine.pool_check import check_pools
+from kvcanary.engine.pool_check import check_engine_pools, check_pools
 from kvcanary.engine.request import Req
 from kvcanary.utils import ceil_page
 from kvcanary.workload import WorkloadSpec, make_prompts
@@ -101,16 +101,29 @@ def test_suggested_ratio_is_enough_and_page_size_is_named_when_it_binds() -> Non
     with pytest.raises(ValueError) as e:
         check_pools(num_full_tokens=320, num_swa_tokens=80, prompt_len=250, max_new_tokens=64,
                     chunked_prefill_size=512, page_size=4, window=32, max_total_tokens=320,
-                    swa_full_tokens_ratio=0.25)  # fmt: skip
+                    swa_full_tokens_ratio=0.25, prefix_cache=True)  # fmt: skip
     ratio = float(str(e.value).split("--swa-full-tokens-ratio to ")[1].split()[0])
     swa = Engine(EngineConfig(max_total_tokens=320, swa_full_tokens_ratio=ratio)).runner.allocator
     assert swa.size_swa >= 252  # what the message says is needed
     assert "--page-size" not in str(e.value).split(": raise")[1]
-    # A 64-token page makes decode need window + 2 pages = 160 > 128; pages of 1 need 40.
-    with pytest.raises(ValueError, match=r"or lower --page-size$"):
-        check_pools(num_full_tokens=1024, num_swa_tokens=128, prompt_len=40, max_new_tokens=8,
+    # 64-token pages make a long decode hold its page, the window and a page of eviction
+    # slack rounded out to pages (192 > 128); pages of 1 hold 34.
+    with pytest.raises(ValueError, match=r"need 192: .* or lower --page-size$"):
+        check_pools(num_full_tokens=1024, num_swa_tokens=128, prompt_len=40, max_new_tokens=200,
                     chunked_prefill_size=512, page_size=64, window=32, max_total_tokens=1024,
-                    swa_full_tokens_ratio=0.125)  # fmt: skip
+                    swa_full_tokens_ratio=0.125, prefix_cache=True)  # fmt: skip
+
+
+def test_a_shorter_prompt_can_bind_the_swa_pool() -> None:
+    # 16-token pages, 40 new tokens: a 16-token prompt needs 48 SWA tokens (the prefix cache
+    # takes its page and keeps only the window locked), a 15-token one 64 (no whole page to
+    # cache: its own window eviction keeps a page of slack).
+    assert [pool_need(n, 40, 64, 16, 32, prefix_cache=True).num_swa_tokens for n in (15, 16)] == [64, 48]
+    engine = Engine(EngineConfig(page_size=16, max_total_tokens=256, swa_full_tokens_ratio=48.5 / 256,
+                                 chunked_prefill_size=64, graph_batch_sizes=()))  # fmt: skip
+    check_engine_pools(engine, [16], 40)
+    with pytest.raises(ValueError, match=r"a request of 15 prompt \+ 40 new tokens .* need 64"):
+        check_engine_pools(engine, [16, 15, 16], 40)
 
 
 # (model, prompt_len, new tokens, chunk, page): the lone request runs at the computed bound
@@ -127,7 +140,7 @@ BOUNDS = [
 @pytest.mark.parametrize("model,prompt_len,new,chunk,page", BOUNDS)
 def test_pool_bounds_are_exact(model: str, prompt_len: int, new: int, chunk: int, page: int) -> None:
     window = None if model.endswith("mha") else 32
-    need = pool_need(prompt_len, new, chunk, page, window)
+    need = pool_need(prompt_len, new, chunk, page, window, prefix_cache=True)
 
     def engine(full: int, swa: int) -> Engine:
         return Engine(EngineConfig(model=model, page_size=page, max_total_tokens=full,

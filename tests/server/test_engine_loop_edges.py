@@ -78,14 +78,14 @@ def test_a_stop_string_matched_when_the_text_finishes_reports_stop() -> None:
 
 
 def test_the_suggested_max_total_tokens_is_enough_when_the_window_is_not_whole_pages() -> None:
-    kw = dict(prompt_len=40, max_new_tokens=8, chunked_prefill_size=0, page_size=16, window=100,
-              swa_full_tokens_ratio=0.5)  # fmt: skip
+    kw = dict(prompt_len=40, max_new_tokens=200, chunked_prefill_size=0, page_size=16, window=100,
+              swa_full_tokens_ratio=0.5, prefix_cache=True)  # fmt: skip
     with pytest.raises(ValueError, match=r"--max-total-tokens to (\d+) or more") as e:
         check_pools(num_full_tokens=4096, num_swa_tokens=64, max_total_tokens=4096, **kw)  # type: ignore[arg-type]
     import re
 
     suggested = int(re.search(r"--max-total-tokens to (\d+) or more", str(e.value)).group(1))  # type: ignore[union-attr]
     swa = max(floor_page(int(floor_page(suggested, 16) * 0.5), 16), 32)
-    assert swa >= pool_need(40, 8, 0, 16, 100).num_swa_tokens
+    assert swa >= pool_need(40, 200, 0, 16, 100, prefix_cache=True).num_swa_tokens
     check_pools(num_full_tokens=floor_page(suggested, 16), num_swa_tokens=swa,
                 max_total_tokens=suggested, **kw)  # type: ignore[arg-type]  # fmt: skip

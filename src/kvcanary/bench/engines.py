@@ -25,15 +25,15 @@ def fit_pools(
     Each request needs :func:`~kvcanary.engine.kv_manager.pool_need` full slots and at most
     that many SWA slots (fewer once its context passes the window), plus a page of slack;
     a batch needs the sum, and the SWA pool at least what the scheduler asks of any
-    request alone (the window and two pages). Sized to the workload because a KV pool is
+    request alone (its SWA need). Sized to the workload because a KV pool is
     resident memory (zero-filled): the default 16384-token pools of a 0.6B model take
     1.6 GB per engine.
     """
     page = config.page_size
     num_full = num_swa = num_running = 0
     for prompt_lens, output_len in batches:
-        needs = [pool_need(n, output_len, config.chunked_prefill_size, page, window)
-                 for n in prompt_lens]  # fmt: skip
+        needs = [pool_need(n, output_len, config.chunked_prefill_size, page, window,
+                           prefix_cache=config.enable_prefix_cache) for n in prompt_lens]  # fmt: skip
         num_full = max(num_full, sum(n.num_full_tokens + page for n in needs))
         num_swa = max(num_swa, sum(min(n.num_full_tokens, n.num_swa_tokens) + page for n in needs),
                       *(n.num_swa_tokens for n in needs))  # fmt: skip

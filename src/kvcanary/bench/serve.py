@@ -161,7 +161,7 @@ def bench_serve(config: EngineConfig, spec: WorkloadSpec, *, concurrency: int, d
     check_workload(config, spec)
     engine = Engine(config)
     prompts = make_prompts(spec, engine.runner.vocab_size)
-    check_engine_pools(engine, max(map(len, prompts)), spec.output_len)
+    check_engine_pools(engine, map(len, prompts), spec.output_len)
     app = create_app(engine, max_queued_requests=concurrency)
     loop = app.state.engine_loop
     bar = tqdm(total=len(prompts) * spec.output_len, desc="tokens", unit="tok", unit_scale=True,

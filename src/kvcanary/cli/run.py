@@ -29,7 +29,7 @@ def run_workload(
     warm = warm_engine(config, progress=progress)
     engine = Engine(config)
     prompts = make_prompts(spec, engine.runner.vocab_size)
-    check_engine_pools(engine, max(map(len, prompts)), spec.output_len)
+    check_engine_pools(engine, map(len, prompts), spec.output_len)
     params = SamplingParams(max_new_tokens=spec.output_len, ignore_eos=True)
     total = sum(map(len, prompts)) + len(prompts) * spec.output_len
     bar = tqdm(total=total, desc="tokens", unit="tok", unit_scale=True, disable=not progress)

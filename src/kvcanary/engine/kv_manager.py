@@ -57,16 +57,84 @@ class PoolNeed(NamedTuple):
 
 def pool_need(
     prompt_len: int, max_new_tokens: int, chunked_prefill_size: int, page_size: int,
-    window: int | None,
+    window: int | None, *, prefix_cache: bool, prefix_len: int = 0,
 ) -> PoolNeed:  # fmt: skip
-    """The smallest pools one request of ``prompt_len`` + ``max_new_tokens`` runs in alone
-    (measured bounds: :mod:`kvcanary.engine.pool_check`)."""
+    """The smallest pools in which one request of ``prompt_len`` + ``max_new_tokens`` runs
+    to completion alone (``prefix_cache``: the engine caches prefilled pages as it goes,
+    which changes what the SWA pool must keep), starting from ``prefix_len`` tokens found
+    in the prefix cache (page aligned; 0: computed from the first token).
+
+    Full pool: every position but the last sampled token keeps its slot to the end,
+    ``ceil_page(prompt_len + max_new_tokens - 1)``. SWA pool: the peak of
+    :func:`_lone_swa_peak`, which replays the request's schedule with the scheduler's and
+    :class:`KVManager`'s arithmetic; exact, not a bound (tests/engine/test_admission.py
+    runs both sides of it)."""
     full = ceil_page(prompt_len + max_new_tokens - 1, page_size)
     if window is None:
         return PoolNeed(full, 0)
-    chunk = prompt_len if chunked_prefill_size <= 0 else min(chunked_prefill_size, prompt_len)
-    prefill = ceil_page(chunk, page_size) + (window if chunk < prompt_len else 0)
-    return PoolNeed(full, max(prefill, window + 2 * page_size))
+    swa = _lone_swa_peak(prompt_len, max_new_tokens, chunked_prefill_size, page_size, window,
+                         prefix_cache, prefix_len)  # fmt: skip
+    return PoolNeed(full, swa)
+
+
+def _lone_swa_peak(
+    prompt_len: int, max_new_tokens: int, chunked_prefill_size: int, page_size: int,
+    window: int, prefix_cache: bool, prefix_len: int,
+) -> int:  # fmt: skip
+    """SWA slots held at the fullest moment of a lone request's run: right after a forward's
+    slots are allocated, before the window eviction that follows it.
+
+    Held before a forward (``W = window``, ``P = page_size``)::
+
+        positions   0 ...... lock ....... prot ....... own ........ kv_len
+                             [ tree-locked )            [ own, held  )  + the forward's pages
+                                          [ own, freed )
+
+    ``own = max(swa_evicted_seqlen, prot)``: :meth:`KVManager.evict_window` frees own SWA
+    before ``floor_page(kv_len - W - P)`` after every forward. With the prefix cache,
+    ``prot`` (:meth:`KVManager.cache`, after each prefill chunk) is the last whole page; the
+    tree SWA-locks ``[floor_page(prot - W), prot)`` until ``kv_len - W >= prot`` and its
+    SWA outside the lock is evictable, so it counts as free (allocation evicts it on
+    failure). Without it ``prot = lock = 0``. A cached prefix starts the run at
+    ``kv_len = prot = swa_evicted_seqlen = prefix_len``, its window locked (at most: the
+    lock stops early at a tombstone).
+
+    Prefill runs in chunks of ``chunked_prefill_size`` (the last one short) while more
+    than one prompt token lacks KV; decode then adds one position a forward up to
+    ``prompt_len + max_new_tokens - 1``. Decode is evaluated at page starts only (within a
+    page the forward's page is the same and the held span only shrinks) and stops once the
+    held span is periodic: O(prompt_len / chunk + W / P) steps.
+    """
+    p, w = page_size, window
+    chunk = chunked_prefill_size if chunked_prefill_size > 0 else prompt_len
+    end_len = prompt_len + max_new_tokens - 1  # positions that get KV
+    kv = prot = evicted = prefix_len
+    lock, peak = floor_page(max(0, prefix_len - w), p), 0
+
+    def evict_window(kv: int) -> None:  # KVManager.evict_window for one request
+        nonlocal lock, evicted
+        if lock < prot and kv - w >= prot:
+            lock = prot
+        frontier = floor_page(kv - w - p, p)
+        if frontier > max(evicted, prot):
+            evicted = frontier
+
+    while kv < prompt_len - 1:
+        end = min(prompt_len, kv + chunk)
+        peak = max(peak, prot - lock + ceil_page(end, p) - max(evicted, prot))
+        kv = end
+        if prefix_cache and floor_page(kv, p) > prot:
+            prot = floor_page(kv, p)
+            lock = floor_page(max(0, prot - w), p)
+        evict_window(kv)
+    while kv < end_len:  # one decode forward, at the first position of each page
+        held = prot - lock + ceil_page(kv, p) - max(evicted, prot)
+        peak = max(peak, held + ceil_page(kv + 1, p) - ceil_page(kv, p))
+        if kv % p == 0 and lock == prot and evicted >= prot and evicted == floor_page(kv - w - p, p):
+            break  # steady: every later page start holds the same
+        kv = floor_page(kv, p) + p
+        evict_window(kv)  # (the forwards in between evict monotonically: the last one is what counts)
+    return peak
 
 
 @dataclass(frozen=True)
@@ -172,9 +240,12 @@ class KVManager:
         self.evict_cache(need + headroom - self.available())
         return self.available() - need >= headroom
 
-    def admit(self, req: Req) -> bool:
+    def admit(self, req: Req, runs_from: Callable[[int], bool] = lambda _: True) -> bool:
         """Give ``req`` a row and its cached prefix (locked) or, after a retraction with
-        host offload, its saved KV. False with nothing held when the saved KV does not fit."""
+        host offload, its saved KV. False with nothing held when the saved KV does not fit.
+        ``runs_from(prefix_len)``: whether ``req`` runs alone to the end from a cached prefix
+        that long; a longer cached prefix is not used (its chunks would start elsewhere and
+        can need more than the pools hold), the prompt is computed from the start."""
         row = self.req_to_token_pool.alloc(1)[0]
         req.req_pool_idx = row
         self.req_to_token_pool.set_tokens(row, req.all_ids())
@@ -188,6 +259,8 @@ class KVManager:
             # Match at most seq_len - 1 tokens (the last one must be computed to sample);
             # truncating a longer match instead could cut where the window is not resident.
             match = self.prefix_cache.match_prefix(req.all_ids()[: req.seq_len - 1])
+            if match.num_tokens and not runs_from(match.num_tokens):
+                match = self.prefix_cache.match_prefix([])
             prefix_len = match.num_tokens
             if prefix_len:
                 self.req_to_token[row, :prefix_len] = match.device_indices.to(torch.int32)

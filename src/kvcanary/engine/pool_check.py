@@ -1,25 +1,26 @@
-"""Start-up check: can the KV pools hold the workload's largest request running alone?
+"""Start-up check: can the KV pools hold each of the workload's requests running alone?
 
 The scheduler only finds out mid-run (a :class:`KVPoolTooSmallError` after other requests
 have finished); this says it before the first forward, naming the pool that binds and the
-flags that fix it. The bounds are the smallest pools a lone request was measured to need
-(tests/engine/test_cli_startup.py runs the workload at each bound)::
+flags that fix it. The need is :func:`~kvcanary.engine.kv_manager.pool_need`, the rule
+admission applies: the exact smallest pools in which the request runs to completion alone
+(tests/engine/test_admission.py runs it alone on both sides of that size)::
 
     full pool   ceil_page(prompt + new tokens - 1)   (the last token never gets KV)
-    SWA pool    ceil_page(chunk) + window             (a chunk attends to the window before it)
-                ceil_page(prompt)                     (the whole prompt in one chunk)
-                window + 2 pages                      (decode: the window plus eviction slack)
-
-where ``chunk = min(chunked_prefill_size, prompt)``.
+    SWA pool    the peak over the request's forwards, replayed chunk by chunk (the last
+                chunk short) and decode step by decode step: the window (and a page of
+                eviction slack) the forward attends to, the pages it allocates, and, with
+                the prefix cache, the window the tree keeps locked
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvcanary.config import EngineConfig
-from kvcanary.engine.kv_manager import pool_need
+from kvcanary.engine.kv_manager import PoolNeed, pool_need
 from kvcanary.memory.swa_allocator import SWAAllocator
 from kvcanary.model.loader import load_model_config
 from kvcanary.utils import ceil_page, floor_page
@@ -32,13 +33,16 @@ if TYPE_CHECKING:
 def check_pools(
     *, num_full_tokens: int, num_swa_tokens: int, prompt_len: int, max_new_tokens: int,
     chunked_prefill_size: int, page_size: int, window: int | None, max_total_tokens: int,
-    swa_full_tokens_ratio: float,
+    swa_full_tokens_ratio: float, prefix_cache: bool,
 ) -> None:  # fmt: skip
     """Raise ``ValueError`` naming the binding pool, its flags, and values that would fit."""
-    need = pool_need(prompt_len, max_new_tokens, chunked_prefill_size, page_size, window)
-    unpaged = pool_need(prompt_len, max_new_tokens, chunked_prefill_size, 1, window)
-    request = (f"the longest request ({prompt_len} prompt + {max_new_tokens} new tokens, "
-               f"--page-size {page_size})")  # fmt: skip
+
+    def need_with(chunk: int, page: int) -> PoolNeed:
+        return pool_need(prompt_len, max_new_tokens, chunk, page, window, prefix_cache=prefix_cache)
+
+    need, unpaged = need_with(chunked_prefill_size, page_size), need_with(chunked_prefill_size, 1)
+    request = (f"a request of {prompt_len} prompt + {max_new_tokens} new tokens "
+               f"(--page-size {page_size})")  # fmt: skip
     if num_full_tokens < need.num_full_tokens:
         raise ValueError(
             f"KV pool too small: the full pool (--max-total-tokens {max_total_tokens}) holds "
@@ -57,9 +61,13 @@ def check_pools(
         min_ratio += 0.001  # float products round down: the value shown must be enough
     if min_ratio <= 1.0:
         fixes.insert(0, f"--swa-full-tokens-ratio to {min_ratio:.3f} or more")
-    max_chunk = floor_page(num_swa_tokens - window, page_size)
-    lowers = [f"--chunked-prefill-size to {max_chunk} or less"] if (
-        max_chunk >= page_size and num_swa_tokens >= window + 2 * page_size) else []  # fmt: skip
+    # The need is not monotone in the chunk size (where the chunks end moves the window):
+    # name the largest whole-page chunk below the current one that fits.
+    chunk = prompt_len if chunked_prefill_size <= 0 else min(chunked_prefill_size, prompt_len)
+    fits = (c for c in range(floor_page(chunk - 1, page_size), 0, -page_size)
+            if need_with(c, page_size).num_swa_tokens <= num_swa_tokens)  # fmt: skip
+    max_chunk = next(fits, None)
+    lowers = [] if max_chunk is None else [f"--chunked-prefill-size to {max_chunk}"]
     if unpaged.num_swa_tokens <= num_swa_tokens:
         lowers.append("--page-size")
     lower = f", or lower {' or '.join(lowers)}" if lowers else ""
@@ -82,15 +90,25 @@ def check_workload(config: EngineConfig, spec: WorkloadSpec) -> None:
         )
 
 
-def check_engine_pools(engine: Engine, prompt_len: int, max_new_tokens: int) -> None:
-    """The engine's pools against the workload's longest request (see
-    :mod:`kvcanary.engine.pool_check`); ``ValueError`` naming the binding pool and flags."""
+def check_engine_pools(engine: Engine, prompt_lens: Iterable[int], max_new_tokens: int) -> None:
+    """The engine's pools against the workload's requests (see
+    :mod:`kvcanary.engine.pool_check`): the longest one for the full pool, the one that
+    needs the most SWA (not always the longest: where its chunks end moves the window) for
+    the SWA pool; ``ValueError`` naming the binding pool and flags."""
     alloc, c = engine.runner.allocator, engine.config
-    check_pools(
-        num_full_tokens=alloc.size_full if isinstance(alloc, SWAAllocator) else alloc.size,
-        num_swa_tokens=alloc.size_swa if isinstance(alloc, SWAAllocator) else 0,
-        prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-        chunked_prefill_size=c.chunked_prefill_size, page_size=c.page_size,
-        window=engine.runner.sliding_window, max_total_tokens=c.max_total_tokens,
-        swa_full_tokens_ratio=c.swa_full_tokens_ratio,
-    )  # fmt: skip
+    window = engine.runner.sliding_window
+    lens = sorted(set(prompt_lens))
+
+    def swa_need(prompt_len: int) -> int:
+        return pool_need(prompt_len, max_new_tokens, c.chunked_prefill_size, c.page_size, window,
+                         prefix_cache=c.enable_prefix_cache).num_swa_tokens  # fmt: skip
+
+    for prompt_len in dict.fromkeys((lens[-1], max(reversed(lens), key=swa_need))):
+        check_pools(
+            num_full_tokens=alloc.size_full if isinstance(alloc, SWAAllocator) else alloc.size,
+            num_swa_tokens=alloc.size_swa if isinstance(alloc, SWAAllocator) else 0,
+            prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+            chunked_prefill_size=c.chunked_prefill_size, page_size=c.page_size, window=window,
+            max_total_tokens=c.max_total_tokens, swa_full_tokens_ratio=c.swa_full_tokens_ratio,
+            prefix_cache=c.enable_prefix_cache,
+        )  # fmt: skip

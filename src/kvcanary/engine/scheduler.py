@@ -28,7 +28,7 @@ from kvcanary.config import EngineConfig
 from kvcanary.engine.errors import ContextLengthError, KVPoolTooSmallError, RequestTooLargeError
 from kvcanary.engine.forward_batch import ForwardBatch, ForwardMode
 from kvcanary.engine.graph_runner import GraphRunner
-from kvcanary.engine.kv_manager import KVManager, KVSpec, pool_need
+from kvcanary.engine.kv_manager import KVManager, KVSpec, PoolNeed, pool_need
 from kvcanary.engine.model_runner import ModelRunner
 from kvcanary.engine.request import Req
 from kvcanary.engine.sampling import oracle_token, record_logprobs, sample_batch
@@ -81,15 +81,25 @@ class Scheduler:
                 f"({req.params.max_new_tokens}) exceeds max_context_len={limit}",
                 prompt_len=req.seq_len, max_new_tokens=req.params.max_new_tokens, limit=limit,
             )  # fmt: skip
-        need = pool_need(req.seq_len, req.params.max_new_tokens, self.config.chunked_prefill_size,
-                         self.config.page_size, self.kv.spec.window)  # fmt: skip
+        need = self._lone_need(req)
         full, swa = self.kv.pool_sizes()
-        if need.num_full_tokens > full or need.num_swa_tokens > swa:
+        if not self._fits(need):
             raise RequestTooLargeError(
                 f"request {req.rid}: prompt ({req.seq_len}) + max_new_tokens "
                 f"({req.params.max_new_tokens}) needs {need.num_full_tokens} full / "
                 f"{need.num_swa_tokens} SWA KV tokens even alone; the pools hold {full} / {swa}"
             )
+
+    def _lone_need(self, req: Req, prefix_len: int = 0) -> PoolNeed:
+        """The pools ``req`` runs to the end in alone, from here (its sequence so far as the
+        prompt) and a cached prefix of ``prefix_len`` tokens."""
+        return pool_need(req.seq_len, req.remaining_new_tokens(), self.config.chunked_prefill_size,
+                         self.config.page_size, self.kv.spec.window,
+                         prefix_cache=self.config.enable_prefix_cache, prefix_len=prefix_len)  # fmt: skip
+
+    def _fits(self, need: PoolNeed) -> bool:
+        full, swa = self.kv.pool_sizes()
+        return need.num_full_tokens <= full and need.num_swa_tokens <= swa
 
     def adopt(self, req: Req) -> None:
         """A request whose KV is already in place (a disaggregated decode worker's, after
@@ -191,7 +201,7 @@ class Scheduler:
         need = min(req.seq_len - req.kv_len, budget)
         if self.running and not self.kv.can_admit(need, self._headroom_tokens([req])):
             return False
-        if not self.kv.admit(req):
+        if not self.kv.admit(req, lambda prefix_len: self._fits(self._lone_need(req, prefix_len))):
             return False
         if not req.admitted_once:
             req.admitted_once = True
