@@ -16,7 +16,11 @@ import torch
 from kvcanary.canary.kernels import numba_kernels as kernels_numba
 from kvcanary.canary.kernels import torch_kernels as kernels_torch
 from kvcanary.canary.plan.reference import PlanInputs
+from kvcanary.canary.plan.types import WritePlan
+from kvcanary.canary.report.ring import ViolationRing
+from kvcanary.canary.wire.constants import CanaryLaunchTag
 from kvcanary.canary.wire.real_kv import RealKvSource
+from kvcanary.canary.wire.records import as_int64_records
 
 IMPLS: dict[str, ModuleType] = {
     "numba": kernels_numba,
@@ -57,10 +61,57 @@ def make_sources(
     ]
 
 
+def make_strided_sources(
+    num_slots: int,
+    rng: random.Random,
+    *,
+    num_sources: int,
+    page_size: int,
+    element_size: int,
+    token_bytes: int,
+    read_bytes: int,
+) -> list[RealKvSource]:
+    """``num_sources`` random KV buffers laid out like vLLM's CPU K: each row a transposed
+    ``[token_bytes // element_size, page_size]`` tile of elements (a token's elements
+    ``page_size * element_size`` bytes apart); strided sources (``page_size > 1``)."""
+    num_rows = -(-num_slots // page_size)
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    return [
+        RealKvSource(
+            torch.randint(0, 256, (num_rows, page_size * token_bytes), dtype=torch.uint8,
+                          generator=gen),
+            page_size, element_size, read_bytes,
+            element_size=element_size, element_stride=page_size * element_size,
+        )  # fmt: skip
+        for _ in range(num_sources)
+    ]
+
+
+def written_fingerprints(impl: ModuleType, sources: list[RealKvSource], slots: list[int]) -> list[int]:
+    """Field 3 that ``impl``'s write kernel stores for ``slots`` (one request, from the
+    anchor, into fresh records)."""
+    n = len(slots)
+    records = torch.zeros(max(slots) + 1, 32, dtype=torch.uint8)
+
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
+
+    plan = WritePlan(t([-1]), t([0]), t([n]), t([0] * n), t(list(range(n))), t(slots), n, n)
+    impl.write(records, plan, ViolationRing(4), CanaryLaunchTag.TAIL_K_FULL,
+               real_kv_sources=sources)  # fmt: skip
+    return as_int64_records(records)[t(slots), 3].tolist()
+
+
 def store_kv(sources: list[RealKvSource], slots: list[int], rng: random.Random) -> None:
-    """Simulate attention storing fresh KV bytes for ``slots`` (the whole token stride)."""
+    """Simulate attention storing fresh KV bytes for ``slots`` (the whole token stride; a
+    strided source's read window)."""
     for s in sources:
         for slot in slots:
+            if s.strided:
+                row, cols = s.byte_offsets(slot)
+                fresh = [rng.randrange(256) for _ in cols]
+                s.tensor[row, torch.tensor(cols)] = torch.tensor(fresh, dtype=torch.uint8)
+                continue
             row, offset = divmod(slot, s.page_size)
             col = offset * s.num_bytes_per_token
             fresh = [rng.randrange(256) for _ in range(s.num_bytes_per_token)]

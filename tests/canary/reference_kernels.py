@@ -28,11 +28,11 @@ def real_kv_hash(sources: Sequence[RealKvSource], slot: int) -> int:
     """Field 3 of ``slot`` from the live KV bytes (signed int64)."""
     folds = []
     for s in sources:
-        row, offset = divmod(slot, s.page_size)
+        row, cols = s.byte_offsets(slot)
         if row >= s.tensor.shape[0]:
             raise IndexError(f"slot {slot} out of range of a real-KV source")
-        col = offset * s.num_bytes_per_token
-        folds.append(fold_real_kv_bytes(bytes(s.tensor[row, col : col + s.read_bytes].tolist())))
+        data = s.tensor[row].tolist()
+        folds.append(fold_real_kv_bytes(bytes(data[c] for c in cols)))
     return to_i64(combine_real_kv_folds(folds))
 
 

@@ -215,7 +215,7 @@ def test_block_reads_real_kv_words_that_are_column_ranges_of_wider_rows() -> Non
     import numba
     import numpy as np
 
-    from kvcanary.canary.wire.real_kv import real_kv_hashes_nb
+    from kvcanary.canary.wire.real_kv import NUM_META_COLUMNS, real_kv_hashes_nb
 
     @numba.njit
     def hashes_through_block(blk, slots, meta):  # type: ignore[no-untyped-def]
@@ -226,8 +226,8 @@ def test_block_reads_real_kv_words_that_are_column_ranges_of_wider_rows() -> Non
     wide = rng.integers(-(2**62), 2**62, size=(7, 40), dtype=np.int64)
     words = wide[:, 8:24]  # 7 blocks of 2 slots x 8 words, 40 words apart
     assert not words.flags.c_contiguous
-    meta = np.zeros((4, 3), dtype=np.int64)
-    meta[0] = (2, 8, 6)  # page size, words per token, words read per token
+    meta = np.zeros((4, NUM_META_COLUMNS), dtype=np.int64)
+    meta[0] = (2, 64, 6, 8, 8)  # page size, bytes per token, words read, contiguous
     slots = np.array([0, 1, 5, 13, 6, 12], dtype=np.int64)
     blk = np.array(fused_rows._describe_rows(words), dtype=np.int64)
     assert blk.tolist() == [words.ctypes.data, 7, 40]

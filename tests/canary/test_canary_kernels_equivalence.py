@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import reference_kernels
 import torch
-from canary_testlib import IMPLS, make_sources
+from canary_testlib import IMPLS, make_sources, make_strided_sources
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_kernels import real_kv_hash, slot_hash
@@ -44,11 +44,19 @@ def make_world(rng: random.Random, num_slots: int, num_sources: int) -> World:
     rec = as_int64_records(records)
     page_size = rng.choice([1, 2, 4])
     bytes_per_token = rng.choice([16, 32])
-    sources = make_sources(
-        num_slots, rng, num_sources=num_sources, page_size=page_size,
-        bytes_per_token=bytes_per_token, read_bytes=rng.choice([16, bytes_per_token]),
-        extra_row_bytes=rng.choice([0, 16]),
-    )  # fmt: skip
+    read_bytes = rng.choice([16, bytes_per_token])
+    if page_size > 1 and rng.random() < 0.4:  # laid out like vLLM's CPU K
+        sources = make_strided_sources(
+            num_slots, rng, num_sources=num_sources, page_size=page_size,
+            element_size=rng.choice([1, 2, 4, 8]), token_bytes=bytes_per_token,
+            read_bytes=read_bytes,
+        )  # fmt: skip
+    else:
+        sources = make_sources(
+            num_slots, rng, num_sources=num_sources, page_size=page_size,
+            bytes_per_token=bytes_per_token, read_bytes=read_bytes,
+            extra_row_bytes=rng.choice([0, 16]),
+        )  # fmt: skip
     free = list(range(1, num_slots))
     rng.shuffle(free)
     chains = []

@@ -11,10 +11,10 @@ cases:
 
 * random worlds (:mod:`test_canary_kernels_equivalence`): legit chains with corrupted
   fields and KV bytes, mutated verify entries, bogus/duplicate/skipped write slots, seeds
-  this launch stores to (remapped entries), up to 4 real-KV sources, tiny rings, the reader
-  chain on or off; and its false-prefix-hit worlds (every slot after a reader's differing
-  token named), also with 4-entry verify blocks, so the reader chain's scans and walks
-  cross blocks;
+  this launch stores to (remapped entries), up to 4 real-KV sources (contiguous, or strided
+  like vLLM's CPU K), tiny rings, the reader chain on or off; and its false-prefix-hit
+  worlds (every slot after a reader's differing token named), also with 4-entry verify
+  blocks, so the reader chain's scans and walks cross blocks;
 * engine-like runs (:class:`canary_testlib.ToyKvSystem`): prefill, chunked prefill, decode,
   padding rows, radix-shared prefixes, finished requests, FULL and SWA groups (full->SWA
   LUT, window eviction), K and V halves, real data none / partial / all, page size 1 and
@@ -39,7 +39,14 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
-from canary_testlib import IMPLS, ToyKvSystem, make_sources, store_kv
+from canary_testlib import (
+    IMPLS,
+    ToyKvSystem,
+    make_sources,
+    make_strided_sources,
+    store_kv,
+    written_fingerprints,
+)
 from test_canary_kernels_equivalence import (
     make_false_hit_world,
     make_verify_plan,
@@ -145,6 +152,23 @@ def test_false_prefix_hits_agree(monkeypatch: pytest.MonkeyPatch) -> None:
             if capacity == 512:
                 assert named == want_named, (seed, reader_chain)
     _counted("false-hit worlds", NUM_FALSE_HIT_CASES)
+
+
+def test_strided_fingerprints_are_those_of_the_gathered_bytes() -> None:
+    """Field 3 of strided sources (vLLM's CPU K layout), fp32 / bf16 / fp16 elements, page
+    size 16, partial and whole windows: the fold of the gathered bytes as a contiguous copy,
+    as the numba kernels store it."""
+    from test_canary_strided_sources import _cpu_kv, _k_copy, _k_source
+
+    slots = [1, 5, 16, 17, 40, 95]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        kv = _cpu_kv(dtype, 16, 32, seed=11)
+        for read_bytes in (16, 32 * kv.element_size()):
+            strided, copy = _k_source(kv, read_bytes), _k_copy(kv, read_bytes)
+            want = written_fingerprints(kernels_numba, [copy], slots)
+            assert written_fingerprints(kernels_triton, [strided], slots) == want, dtype
+            assert written_fingerprints(kernels_triton, [copy, strided], slots) == \
+                written_fingerprints(kernels_numba, [copy, copy], slots), dtype
 
 
 # ------------------------------------------------------------------ engine-like runs
@@ -294,11 +318,20 @@ def _make_groups(sc: Scenario, rng: random.Random) -> list[Group]:
         for half in (KvHalf.K, KvHalf.V):
             bytes_per_token = rng.choice([16, 32, 48])
             read_bytes = {"none": 0, "partial": 16, "all": bytes_per_token}[sc.real_data]
-            sources[half] = [] if not read_bytes else make_sources(
-                num_slots, rng, num_sources=rng.randint(1, 2), page_size=sc.page_size,
-                bytes_per_token=bytes_per_token, read_bytes=read_bytes,
-                extra_row_bytes=rng.choice([0, 16]),
-            )  # fmt: skip
+            if not read_bytes:
+                sources[half] = []
+            elif sc.page_size > 1 and half == KvHalf.K:  # laid out like vLLM's CPU K
+                sources[half] = make_strided_sources(
+                    num_slots, rng, num_sources=rng.randint(1, 2), page_size=sc.page_size,
+                    element_size=rng.choice([1, 2, 4, 8]), token_bytes=bytes_per_token,
+                    read_bytes=read_bytes,
+                )  # fmt: skip
+            else:
+                sources[half] = make_sources(
+                    num_slots, rng, num_sources=rng.randint(1, 2), page_size=sc.page_size,
+                    bytes_per_token=bytes_per_token, read_bytes=read_bytes,
+                    extra_row_bytes=rng.choice([0, 16]),
+                )  # fmt: skip
         groups.append(Group(kind, num_slots, window, sources))
     return groups
 

@@ -106,7 +106,7 @@ def test_loaded_bytes_changed_after_the_seal_are_reported_by_their_fingerprint()
     blocks = [3, 7, 9, 12]
     w, kv = _worker()
     assert _step(w, blocks, TOKENS, 10, 2, 0, seal=(0, 10)) == []
-    kv.view(BLOCKS, HEADS, 2, BS * DIM)[7, 0, 1] += 1.0  # V of block 7 (positions 4..7), KV head 0
+    kv.view(BLOCKS, HEADS, 2, BS * DIM)[7, 0, 0] += 1.0  # K of block 7 (positions 4..7), KV head 0
     rows = _step(w, blocks, TOKENS, 12, 1, 12)
     assert rows and {r.fail_reasons for r in rows} == {("verify_real_kv_hash",)}
     assert {r.slot_idx for r in rows} == {7 * BS + o for o in range(BS)}

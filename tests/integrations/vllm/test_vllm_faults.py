@@ -101,15 +101,29 @@ def test_block_table_entry_points_at_another_live_block(checkpoints: dict[str, P
                 "verify_chain_hash", set(range(victim * bs, (victim + 1) * bs)), caplog.text)  # fmt: skip
 
 
-def _flip_v_byte(conn: Any, group: int, block: int, offset: int) -> None:
-    """Flip the first byte of KV head 0's V row of slot ``block * bs + offset`` (the bytes
-    the K records fingerprint on vLLM's CPU layout), in the group's first layer."""
+def _flip_k_byte(conn: Any, group: int, block: int, offset: int, element: int = 0) -> None:
+    """Flip byte 1 of element ``element`` of KV head 0's K of slot ``block * bs + offset``
+    in the group's first layer (vLLM's CPU layout stores a block's K of a head transposed,
+    ``[head_size, block_size]``: the element sits at ``element * bs + offset``; -1: the
+    last element)."""
     pool = conn.worker.pools[group]
     kv = pool.layers[0]
     spec = pool.spec
-    es, bs, hs = kv.element_size(), spec.block_size, spec.head_size
+    es, bs = kv.element_size(), spec.block_size
     raw = kv.view(kv.shape[0], -1).view(__import__("torch").uint8)
-    raw[block, (hs * bs + offset * hs) * es] ^= 0xFF
+    raw[block, (element % spec.head_size * bs + offset) * es + 1] ^= 0xFF
+
+
+def test_cpu_attention_isa_is_the_one_vllm_picked(checkpoints: dict[str, Path]) -> None:
+    """The ISA the connector predicts for each group (which decides whether the canary can
+    read the group's KV layout) is the one vLLM's CPU attention set on its layers."""
+    with H.vllm_engine(checkpoints["llama"], canary=CANARY) as llm:
+        conn = H.connector(llm)
+        ctx = H.worker(llm).model_runner.compilation_config.static_forward_context
+        for spec in conn.specs:
+            assert spec.cpu_attn_isa in ("vec", "vec16"), spec  # this machine: no AMX
+            assert {getattr(ctx[n], "isa", None) for n in spec.layer_names} == {spec.cpu_attn_isa}
+            assert conn.worker.pools[spec.index].layers[0].dim() == 4  # the CPU layout
 
 
 def test_kv_byte_flipped_in_live_block(checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
@@ -119,13 +133,13 @@ def test_kv_byte_flipped_in_live_block(checkpoints: dict[str, Path], caplog: pyt
         conn = H.connector(llm)
         block = H.scheduler(llm).kv_cache_manager.get_block_ids(H.internal_id(llm, "a"))[0][1]
         before = len(conn.worker.violations)
-        # HEAD / TAIL run fused (one compiled call each): the real-KV words, one head's V
-        # rows of each block of vLLM's CPU layout, are read through their row stride.
+        # HEAD / TAIL run fused (one compiled call each): the real-KV words, one head's K
+        # tile of each block of vLLM's CPU layout, are read through their row stride.
         from kvcanary.canary.kernels.fused_rows import FusedRowLaunches
 
         sfm = conn.worker.managers[0].single_forward_managers[0]
         assert isinstance(sfm._fused, FusedRowLaunches)
-        _flip_v_byte(conn, 0, block, 7)
+        _flip_k_byte(conn, 0, block, 7, element=-1)  # K's last element (not V)
         steps, rows = _steps_to_detection(llm, conn, before)
         _record("KV byte flipped in a live block", steps, rows, {"TAIL_K_FULL"},
                 "verify_real_kv_hash", {block * H.BLOCK_SIZE + 7}, caplog.text)  # fmt: skip
@@ -150,7 +164,7 @@ def test_kv_byte_flipped_in_cached_free_block(checkpoints: dict[str, Path], capl
         ids = _finished_blocks(llm, "p", p)
         conn = H.connector(llm)
         before = len(conn.worker.violations)
-        _flip_v_byte(conn, 0, ids[1], 5)  # no request holds it: only the prefix cache
+        _flip_k_byte(conn, 0, ids[1], 5)  # no request holds it: only the prefix cache
         H.add_request(llm, "p2", p[:96] + _prompt(5, 20), 4)  # hits the 3 cached blocks
         steps, rows = _steps_to_detection(llm, conn, before)
         _record("KV byte flipped in a prefix-cached free block", steps, rows, {"TAIL_K_FULL"},

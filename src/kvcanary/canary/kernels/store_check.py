@@ -67,11 +67,23 @@ _UNALIGNED = -2  # target of a store that did not cover the forward's tokens one
 _NUMPY_DTYPES = {torch.float32: 4, torch.float64: 8}
 
 
+def _watchable(sources: Sequence[RealKvSource]) -> bool:
+    """Whether a (group, half) with these sources gets a store watch: some, none strided
+    (a host with strided sources, vLLM's CPU layout, stores through its own kernels)."""
+    return bool(sources) and not any(s.strided for s in sources)
+
+
 class StoreWatch:
     """The stores seen this forward for one (group, half): per source, the fold of the
     bytes handed over for each token, the slot they went to, the epoch of the last store."""
 
     def __init__(self, tag: int, records: torch.Tensor, sources: tuple[RealKvSource, ...]):
+        for s in sources:  # a store's rows are folded as contiguous words
+            if s.strided:
+                raise ValueError(
+                    f"store check of a strided real-KV source (element_size={s.element_size}, "
+                    f"element_stride={s.element_stride}); allowed: contiguous sources only"
+                )
         self.tag = tag
         self.records = records
         self.sources = sources
@@ -278,7 +290,7 @@ class StoreChecker:
             StoreWatch(int(launch_tag(g.kind, LaunchStage.TAIL, half)),
                        g.records(LaunchStage.TAIL, half), g.real_kv_sources(LaunchStage.TAIL, half))
             for g in groups if g.per_position
-            for half in g.halves(v_half) if g.real_kv_sources(LaunchStage.TAIL, half)
+            for half in g.halves(v_half) if _watchable(g.real_kv_sources(LaunchStage.TAIL, half))
         ]  # fmt: skip
         return StoreChecker(watches)
 

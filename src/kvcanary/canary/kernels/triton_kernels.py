@@ -90,7 +90,7 @@ _W_INPUT = tl.constexpr(int(FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_P
 # A write entry's scratch flags: its input-assert bits, plus this bit (no fail reason uses
 # bit 0 in write rows) when the chain-position assert adds a second row.
 _POSITION_ROW = tl.constexpr(1)
-_META = tl.constexpr(5)  # per-source metadata columns (see _source_args)
+_META = tl.constexpr(7)  # per-source metadata columns (see _source_args)
 # Status word bits (the wrapper raises on any).
 ERR_INDEX, ERR_PLAN_TOTAL = 1, 2
 _ERR_INDEX = tl.constexpr(ERR_INDEX)
@@ -124,20 +124,37 @@ def _chain_hash(prev_hash, token, position):
 @triton.jit
 def _fold_source(acc, bad, slots, ok, words, meta, i: tl.constexpr):
     """``acc = splitmix64(acc ^ fold of the slot's read window)`` where ``ok``; ``bad`` marks
-    ``ok`` slots past the source's rows (never read)."""
+    ``ok`` slots past the source's rows (never read). A strided source's elements are cut
+    from the words holding them and packed into words as if contiguous (:mod:`.real_kv`)."""
     page_size = tl.load(meta + i * _META + 0)
-    words_per_token = tl.load(meta + i * _META + 1)
+    token_bytes = tl.load(meta + i * _META + 1)
     read_words = tl.load(meta + i * _META + 2)
     row_stride = tl.load(meta + i * _META + 3)
     num_rows = tl.load(meta + i * _META + 4)
+    element_size = tl.load(meta + i * _META + 5)
+    element_stride = tl.load(meta + i * _META + 6)
     rows = slots // page_size
     out = ok & (rows >= num_rows)
     live = ok & (rows < num_rows)
-    first = rows * row_stride + (slots - rows * page_size) * words_per_token
+    row0 = rows * row_stride
+    start = (slots - rows * page_size) * token_bytes
     h = tl.zeros_like(acc)
-    for w in range(0, read_words):
-        word = tl.load(words + first + w, mask=live, other=0)
-        h = _splitmix64(h ^ word.to(tl.uint64, bitcast=True))
+    if element_stride == element_size:
+        first = row0 + start // 8
+        for w in range(0, read_words):
+            word = tl.load(words + first + w, mask=live, other=0)
+            h = _splitmix64(h ^ word.to(tl.uint64, bitcast=True))
+    else:
+        per_word = 8 // element_size
+        top = (64 - 8 * element_size).to(tl.uint64)
+        for w in range(0, read_words):
+            packed = tl.zeros_like(acc)
+            for k in range(0, per_word):
+                b = start + (w * per_word + k) * element_stride
+                x = tl.load(words + row0 + b // 8, mask=live, other=0).to(tl.uint64, bitcast=True)
+                x = (x << (top - ((b % 8) * 8).to(tl.uint64))) >> top
+                packed = packed | (x << (k * 8 * element_size).to(tl.uint64))
+            h = _splitmix64(h ^ packed)
     return tl.where(live, _splitmix64(acc ^ h), acc), bad | out
 
 
@@ -698,7 +715,8 @@ def _source_args(
     sources: Sequence[RealKvSource], device: torch.device
 ) -> tuple[torch.Tensor, ...]:
     """``(words0, words1, words2, words3, meta)``: unused word slots repeat ``meta``; meta
-    row i = (page_size, words_per_token, read_words, row stride in words, rows). Memoised
+    row i = (page_size, bytes per token, read_words, row stride in words, rows, element
+    size, element stride; strided where the last two differ). Memoised
     on the identity of ``sources`` (kept alive by the entry): a canary's source tuples live
     as long as it does, and building ``meta`` is a host-to-device copy."""
     hit = _source_cache.get(id(sources))
@@ -706,8 +724,9 @@ def _source_args(
         return hit[1]
     check_sources(sources)
     meta = torch.tensor(
-        [[s.page_size, s.num_bytes_per_token // 8, s.read_bytes // 8, s.words.stride(0),
-          s.words.shape[0]] for s in sources] or [[1, 0, 0, 0, 0]],
+        [[s.page_size, s.num_bytes_per_token, s.read_bytes // 8, s.words.stride(0),
+          s.words.shape[0], s.element_size, s.element_stride] for s in sources]
+        or [[1, 0, 0, 0, 0, 8, 8]],
         dtype=torch.int64,
     ).to(device)  # fmt: skip
     words = [s.words for s in sources]

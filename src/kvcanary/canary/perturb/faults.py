@@ -36,7 +36,8 @@ class Injection:
 
 
 def flip_byte(group: CanaryBufferGroup, slot: int, rng: random.Random, name: str) -> dict[str, int] | None:
-    """XOR 0xFF into byte 0 of ``slot``'s tile in a random K-half real-KV source of ``group``
+    """XOR 0xFF into byte 0 of ``slot``'s read window (a strided source's: of its first
+    element, at the token's start too) in a random K-half real-KV source of ``group``
     (``slot`` in the group's own index space)."""
     sources = group.real_kv_sources_k
     if not sources or slot <= 0:

@@ -8,6 +8,17 @@ Addressing of slot ``s`` in a source (``tensor`` is a uint8 view of a live pool 
     tensor[row]: | token 0 bytes | token 1 bytes | ... | token ps-1 bytes | (ignored tail) |
                    ^ read_bytes of each token are fingerprinted
 
+A *strided* source (``element_stride != element_size``) holds a token's elements apart, as
+a transposed ``[elements, tokens]`` tile does (vLLM's CPU K layout): token ``t`` starts at
+byte ``t * num_bytes_per_token`` of its row, its element ``j`` at ``+ j * element_stride``::
+
+    tensor[row]: | e0 t0 | e0 t1 | ... | e0 tps-1 | e1 t0 | e1 t1 | ... |   (element_size each)
+                   ^ token 0: read_bytes // element_size elements, element_stride apart
+
+Its fingerprint is the fold of those elements' bytes laid out contiguously (gathered and
+packed little-endian into words), so a strided source and a contiguous copy of the gathered
+bytes fingerprint alike.
+
 A source must be a *view* of the live pool, never a copy, or the fingerprint checks stale bytes.
 Row width, row stride and view offset are multiples of 16 bytes, so the bytes can be read as
 little-endian int64 words (:attr:`RealKvSource.words`).
@@ -54,12 +65,18 @@ if sys.byteorder != "little":  # records and word folds are little-endian on the
 
 @dataclass(frozen=True, slots=True)
 class RealKvSource:
-    """One live KV buffer folded into field 3. Byte counts are positive multiples of 16."""
+    """One live KV buffer folded into field 3 (module doc). Contiguous by default
+    (``element_stride == element_size``): byte counts are positive multiples of 16, and a
+    page's tokens fit its row. Strided: ``num_bytes_per_token`` (the token stride) and
+    ``element_stride`` are multiples of ``element_size``, ``read_bytes`` a positive multiple
+    of 16, and the last byte of the last slot of a row is inside the row."""
 
     tensor: torch.Tensor  # uint8 [num_rows, row_bytes], unit stride along dim 1
     page_size: int
-    num_bytes_per_token: int
+    num_bytes_per_token: int  # the token stride
     read_bytes: int  # effective bytes per slot, see :func:`resolve_read_bytes`
+    element_size: int = 8  # bytes of one element (1, 2, 4, 8)
+    element_stride: int = 8  # bytes between a token's consecutive elements
 
     def __post_init__(self) -> None:
         t = self.tensor
@@ -70,12 +87,16 @@ class RealKvSource:
             )
         if self.page_size < 1:
             raise ValueError(f"real-KV source page_size={self.page_size}; allowed: >= 1")
-        for name, value in (
-            ("num_bytes_per_token", self.num_bytes_per_token),
-            ("read_bytes", self.read_bytes),
-            ("row stride (bytes)", t.stride(0)),
-            ("row width (bytes)", t.shape[1]),
-        ):
+        if self.element_size not in _ELEMENT_SIZES:
+            raise ValueError(
+                f"real-KV source element_size={self.element_size}; allowed: "
+                f"{', '.join(map(str, _ELEMENT_SIZES))}"
+            )
+        aligned = [("read_bytes", self.read_bytes), ("row stride (bytes)", t.stride(0)),
+                   ("row width (bytes)", t.shape[1])]  # fmt: skip
+        if not self.strided:
+            aligned.insert(0, ("num_bytes_per_token", self.num_bytes_per_token))
+        for name, value in aligned:
             if value <= 0 or value % REAL_KV_BYTE_ALIGNMENT:
                 raise ValueError(
                     f"real-KV source {name}={value}; allowed: positive multiples of "
@@ -86,6 +107,9 @@ class RealKvSource:
                 f"real-KV source view starts at byte {t.storage_offset()} of its storage; "
                 f"allowed: multiples of {REAL_KV_BYTE_ALIGNMENT}"
             )
+        if self.strided:
+            self._check_strided()
+            return
         if self.read_bytes > self.num_bytes_per_token:
             raise ValueError(
                 f"real-KV source read_bytes={self.read_bytes} exceeds "
@@ -97,6 +121,44 @@ class RealKvSource:
                 f"{self.page_size * self.num_bytes_per_token}"
             )
 
+    def _check_strided(self) -> None:
+        es = self.element_size
+        for name, value in (("num_bytes_per_token", self.num_bytes_per_token),
+                            ("element_stride", self.element_stride)):  # fmt: skip
+            if value <= 0 or value % es:
+                raise ValueError(
+                    f"strided real-KV source {name}={value}; allowed: positive multiples of "
+                    f"element_size={es}"
+                )
+        end = self.slot_end_bytes
+        if end > self.tensor.shape[1]:
+            raise ValueError(
+                f"strided real-KV source reads up to byte {end} of a row (the last slot's "
+                f"last element); allowed: at most the row width {self.tensor.shape[1]}"
+            )
+
+    @property
+    def strided(self) -> bool:
+        """Whether a token's elements lie apart (else its read window is contiguous)."""
+        return self.element_stride != self.element_size
+
+    @property
+    def slot_end_bytes(self) -> int:
+        """One past the last byte of a row the last slot of the row reads (strided)."""
+        num_elements = self.read_bytes // self.element_size
+        return ((self.page_size - 1) * self.num_bytes_per_token
+                + (num_elements - 1) * self.element_stride + self.element_size)  # fmt: skip
+
+    def byte_offsets(self, slot: int) -> tuple[int, list[int]]:
+        """``(row, columns)``: the bytes of ``slot``'s read window in fold order."""
+        row, offset = divmod(slot, self.page_size)
+        start = offset * self.num_bytes_per_token
+        if not self.strided:
+            return row, list(range(start, start + self.read_bytes))
+        es = self.element_size
+        return row, [start + j * self.element_stride + b
+                     for j in range(self.read_bytes // es) for b in range(es)]  # fmt: skip
+
     @property
     def num_slots(self) -> int:
         return self.tensor.shape[0] * self.page_size
@@ -105,6 +167,9 @@ class RealKvSource:
     def words(self) -> torch.Tensor:
         """int64 ``[num_rows, row_bytes // 8]`` view of the same bytes (little-endian words)."""
         return self.tensor.view(torch.int64)
+
+
+_ELEMENT_SIZES = (1, 2, 4, 8)
 
 
 def resolve_read_bytes(mode: RealKvHashMode, num_bytes_per_token: int) -> int:
@@ -127,13 +192,28 @@ def real_kv_hashes_t(sources: Sequence[RealKvSource], slots: torch.Tensor) -> to
     acc = torch.zeros(slots.shape[0], dtype=torch.int64, device=slots.device)
     for source in sources:
         rows = torch.div(slots, source.page_size, rounding_mode="floor")
-        first_word = (slots - rows * source.page_size) * (source.num_bytes_per_token // 8)
-        cols = first_word[:, None] + torch.arange(source.read_bytes // 8, device=slots.device)
-        acc = splitmix64_t(acc ^ fold_real_kv_words_t(source.words[rows[:, None], cols]))
+        if source.strided:
+            words = _gathered_words_t(source, rows, slots - rows * source.page_size)
+        else:
+            first_word = (slots - rows * source.page_size) * (source.num_bytes_per_token // 8)
+            cols = first_word[:, None] + torch.arange(source.read_bytes // 8, device=slots.device)
+            words = source.words[rows[:, None], cols]
+        acc = splitmix64_t(acc ^ fold_real_kv_words_t(words))
     return acc
 
 
+def _gathered_words_t(source: RealKvSource, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """int64 ``[len(rows), read_bytes // 8]``: a strided source's read windows (token
+    ``offsets`` of ``rows``), their elements gathered contiguously."""
+    device, es = rows.device, source.element_size
+    elements = torch.arange(source.read_bytes // es, device=device) * source.element_stride
+    within = (elements[:, None] + torch.arange(es, device=device)).reshape(-1)
+    cols = (offsets * source.num_bytes_per_token)[:, None] + within
+    return source.tensor[rows[:, None], cols].view(torch.int64)
+
+
 _NO_SOURCE = np.zeros((1, 2), dtype=np.int64)
+NUM_META_COLUMNS = 5  # numba_source_args's meta
 
 NumbaSourceArgs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]
 
@@ -141,15 +221,17 @@ NumbaSourceArgs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarr
 def numba_source_args(sources: Sequence[RealKvSource]) -> NumbaSourceArgs:
     """``(words0, words1, words2, words3, meta, num_sources)`` for the numba kernels.
 
-    Unused array slots hold a dummy; ``meta[i] = (page_size, words_per_token, read_words)``.
-    The arrays share memory with the (CPU) source tensors.
+    Unused array slots hold a dummy; ``meta[i] = (page_size, num_bytes_per_token,
+    read_words, element_size, element_stride)`` (bytes but ``read_words``; strided where the
+    last two differ). The arrays share memory with the (CPU) source tensors.
     """
     check_sources(sources)
     arrays = [s.words.numpy() for s in sources]
     arrays += [_NO_SOURCE] * (MAX_REAL_KV_SOURCES - len(arrays))
-    meta = np.zeros((MAX_REAL_KV_SOURCES, 3), dtype=np.int64)
+    meta = np.zeros((MAX_REAL_KV_SOURCES, NUM_META_COLUMNS), dtype=np.int64)
     for i, s in enumerate(sources):
-        meta[i] = (s.page_size, s.num_bytes_per_token // 8, s.read_bytes // 8)
+        meta[i] = (s.page_size, s.num_bytes_per_token, s.read_bytes // 8, s.element_size,
+                   s.element_stride)  # fmt: skip
     return arrays[0], arrays[1], arrays[2], arrays[3], meta, len(sources)
 
 
@@ -227,14 +309,62 @@ def _fold_into(acc, slots, h, b0, m):
 
 
 @numba.njit(cache=True)
-def _fold_source(acc, slots, words, page_size, words_per_token, read_words):
-    """``acc[i] = splitmix64(acc[i] ^ fold of slot i's read window)`` for slots >= 0."""
+def _fold_source(acc, slots, words, meta_row):
+    """``acc[i] = splitmix64(acc[i] ^ fold of slot i's read window)`` for slots >= 0
+    (``meta_row``: the source's row of :func:`numba_source_args`'s meta)."""
     n = slots.shape[0]
     hi = np.int64(-1)
     for i in range(n):
         hi = max(hi, slots[i])
+    page_size, token_bytes, read_words = meta_row[0], meta_row[1], meta_row[2]
+    element_size, element_stride = meta_row[3], meta_row[4]
     _check_range(hi, words, page_size)
-    _fold_into(acc, slots, fold_windows_nb(slots, words, page_size, words_per_token, read_words), 0, n)
+    if element_stride == element_size:
+        h = fold_windows_nb(slots, words, page_size, token_bytes // 8, read_words)
+    else:
+        h = fold_strided_nb(slots, words, page_size, token_bytes, read_words, element_size,
+                            element_stride)  # fmt: skip
+    _fold_into(acc, slots, h, 0, n)
+
+
+@numba.njit(cache=True)
+def fold_strided_nb(slots, words, page_size, token_bytes, read_words, element_size,
+                    element_stride):  # fmt: skip
+    """uint64 ``[len(slots)]``: the fold of each slot's strided read window (module doc:
+    ``read_words * 8 // element_size`` elements from byte ``(slot % page_size) *
+    token_bytes`` of row ``slot // page_size``, ``element_stride`` apart), packed
+    little-endian into words as if contiguous. A negative slot reads slot 0's; unchecked.
+
+    Word by word across all the slots (like :func:`fold_windows_nb`'s short windows): each
+    element is cut from the int64 word holding it (elements never straddle words: offsets
+    are multiples of the element size, rows start on 16 bytes)."""
+    n = slots.shape[0]
+    h = np.zeros(n, dtype=np.uint64)
+    rows = np.empty(n, dtype=np.int64)
+    starts = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        slot = max(slots[i], 0)
+        rows[i] = slot // page_size
+        starts[i] = (slot % page_size) * token_bytes
+    per_word = 8 // element_size
+    bits = np.uint64(8 * element_size)
+    top = np.uint64(64) - bits
+    word = np.empty(n, dtype=np.uint64)
+    for w in range(read_words):
+        for i in range(n):
+            word[i] = 0
+        for k in range(per_word):
+            offset = (w * per_word + k) * element_stride
+            place = np.uint64(k) * bits
+            for i in range(n):
+                b = starts[i] + offset
+                x = np.uint64(words[rows[i], b >> 3])
+                # the element's bits to the top (drops those above it), then down to `place`
+                x = (x << (top - np.uint64((b & 7) * 8))) >> top
+                word[i] |= x << place
+        for i in range(n):
+            h[i] = splitmix64_nb(h[i] ^ word[i])
+    return h
 
 
 @numba.njit(cache=True)
@@ -329,11 +459,11 @@ def real_kv_hashes_nb(slots, words0, words1, words2, words3, meta, num_sources):
     """
     acc = np.zeros(slots.shape[0], dtype=np.int64)
     if num_sources > 0:
-        _fold_source(acc, slots, words0, meta[0, 0], meta[0, 1], meta[0, 2])
+        _fold_source(acc, slots, words0, meta[0])
     if num_sources > 1:
-        _fold_source(acc, slots, words1, meta[1, 0], meta[1, 1], meta[1, 2])
+        _fold_source(acc, slots, words1, meta[1])
     if num_sources > 2:
-        _fold_source(acc, slots, words2, meta[2, 0], meta[2, 1], meta[2, 2])
+        _fold_source(acc, slots, words2, meta[2])
     if num_sources > 3:
-        _fold_source(acc, slots, words3, meta[3, 0], meta[3, 1], meta[3, 2])
+        _fold_source(acc, slots, words3, meta[3])
     return acc

@@ -92,7 +92,28 @@ class ExternalLoad:
     failed_from: int
 
 
-def group_specs(kv_cache_config: KVCacheConfig) -> list[GroupSpec]:
+def cpu_attn_isa(vllm_config: VllmConfig | None, block_size: int, head_size: int) -> str:
+    """The ISA vLLM's CPU attention picks for a group (it decides how the group's KV is
+    laid out: vllm/v1/attention/backends/cpu_attn.py, ``_get_attn_isa``, given what its
+    metadata builder gives it); "" off the CPU platform, "unknown" where it cannot be told
+    (no config, or a vLLM without that function)."""
+    if vllm_config is None:
+        return "unknown"
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return ""
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(vllm_config.model_config.dtype, block_size, head_size,
+                                 vllm_config.cache_config.cache_dtype))  # fmt: skip
+    except (ImportError, AttributeError, TypeError, NotImplementedError):
+        return "unknown"
+
+
+def group_specs(kv_cache_config: KVCacheConfig,
+                vllm_config: VllmConfig | None = None) -> list[GroupSpec]:  # fmt: skip
     """The canary's view of vLLM's KV cache groups (attention groups only)."""
     specs = []
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -105,9 +126,11 @@ def group_specs(kv_cache_config: KVCacheConfig) -> list[GroupSpec]:
         window = getattr(spec, "sliding_window", None)
         if type(spec).__name__ not in ("SlidingWindowSpec",):
             window = None  # a full-attention spec may carry the model's window (non-HMA)
-        specs.append(GroupSpec(i, tuple(group.layer_names), int(spec.block_size),
-                               int(spec.num_kv_heads), int(spec.head_size),
-                               None if window is None else int(window)))  # fmt: skip
+        block_size, head_size = int(spec.block_size), int(spec.head_size)
+        specs.append(GroupSpec(i, tuple(group.layer_names), block_size,
+                               int(spec.num_kv_heads), head_size,
+                               None if window is None else int(window),
+                               cpu_attn_isa(vllm_config, block_size, head_size)))  # fmt: skip
     return specs
 
 
@@ -119,7 +142,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.options = parse_options(extra)
-        self.specs = group_specs(kv_cache_config) if kv_cache_config is not None else []
+        self.specs = group_specs(kv_cache_config, vllm_config) if kv_cache_config is not None else []
         if self.options.canary.mode == "abort" and len(self.specs) > 1:
             # vllm/v1/core/sched/scheduler.py, Scheduler._handle_invalid_blocks: block-level
             # load errors raise RuntimeError when the model has several KV cache groups.

@@ -24,6 +24,10 @@ class GroupSpec:
     num_kv_heads: int
     head_size: int
     sliding_window: int | None = None  # None: full attention
+    # The ISA vLLM's CPU attention lays this group's KV out for (vLLM's
+    # cpu_attn._get_attn_isa; "unknown" where it could not be told): on vLLM's CPU layout
+    # the canary fingerprints KV bytes only under the layouts it knows (.pool module doc).
+    cpu_attn_isa: str = "vec"
 
     @property
     def kind(self) -> PoolKind:

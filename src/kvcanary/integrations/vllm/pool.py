@@ -10,9 +10,17 @@ request's next verify.
 Real KV (record field 3) of a layer tensor:
 
     CPU layout  [num_blocks, kv_heads, block_size, 2 * head_size]: per (block, head) K is
-                stored transposed [head_size, block_size], then V [block_size, head_size];
-                only V rows are contiguous per token, so the K records fingerprint V of KV
-                head 0, the V records (v_half) V of the last KV head.
+                stored transposed [head_size, block_size], then V [block_size, head_size]:
+
+                    block row: | head 0: K^T                     | V            | head 1 ...
+                               | d0: t0 t1 .. tbs-1 | d1: t0 .. | t0: d0 .. dhs-1 | ...
+
+                the K records fingerprint K of KV head 0 (a strided source: a token's
+                head_size elements block_size elements apart), the V records (v_half) V of
+                the last KV head (contiguous). vLLM's CPU attention lays KV out this way
+                for its ISAs "vec" and "vec16" with a float KV cache (GroupSpec.cpu_attn_isa);
+                under others (AMX packs bf16 K in pairs of elements across 16-token groups,
+                and V too; an fp8 cache) the canary keeps records only (a warning says so).
     NHD layout  [2, num_blocks, block_size, kv_heads, head_size] (GPU flash-attention):
                 K records fingerprint the token's K row (all heads), V records its V row.
     other       records only (a warning says so).
@@ -78,6 +86,13 @@ class VllmGroupPool:
         return [], [], []
 
 
+# vLLM's CPU attention ISAs that store K as [head_size, block_size] and V as [block_size,
+# head_size] per (block, head) (csrc/cpu/cpu_attn_vec.hpp, reshape_and_cache; vec16
+# inherits it), for these KV cache dtypes (an fp8 cache is stored by another routine).
+_PLAIN_CPU_ISAS = ("vec", "vec16")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def layer_sources(kv: torch.Tensor, spec: GroupSpec, mode: RealKvHashMode,
                   ) -> tuple[RealKvSource | None, RealKvSource | None]:  # fmt: skip
     """(K-records source, V-records source) of one layer tensor (module doc), or Nones."""
@@ -85,15 +100,21 @@ def layer_sources(kv: torch.Tensor, spec: GroupSpec, mode: RealKvHashMode,
         return None, None
     es, bs, hs, heads = kv.element_size(), spec.block_size, spec.head_size, spec.num_kv_heads
     if kv.dim() == 4 and tuple(kv.shape[1:]) == (heads, bs, 2 * hs):  # CPU layout
-        nb = kv.shape[0]
+        if spec.cpu_attn_isa not in _PLAIN_CPU_ISAS or kv.dtype not in _FLOAT_DTYPES:
+            logger.warning(
+                "kv-canary (vLLM): group %d's KV is laid out for vLLM's CPU attention ISA %r "
+                "(KV cache dtype %s), not the layout the canary can fingerprint (ISA vec or "
+                "vec16, float KV); records only (no real-KV check)",
+                spec.index, spec.cpu_attn_isa, kv.dtype,
+            )  # fmt: skip
+            return None, None
+        nb, read = kv.shape[0], resolve_read_bytes(mode, hs * es)
         rows = kv.view(nb, -1).view(torch.uint8)
-
-        def v_rows(head: int) -> RealKvSource:
-            off = (head * bs * 2 * hs + hs * bs) * es
-            view = rows[:, off : off + bs * hs * es]
-            return RealKvSource(view, bs, hs * es, resolve_read_bytes(mode, hs * es))
-
-        return v_rows(0), v_rows(heads - 1)
+        k_view = rows[:, : hs * bs * es]  # head 0's K^T: element d of token t at (d*bs + t)*es
+        k = RealKvSource(k_view, bs, es, read, element_size=es, element_stride=bs * es)
+        off = ((heads - 1) * bs * 2 * hs + hs * bs) * es  # the last head's V
+        v = RealKvSource(rows[:, off : off + bs * hs * es], bs, hs * es, read)
+        return k, v
     if kv.dim() == 5 and kv.shape[0] == 2 and tuple(kv.shape[2:]) == (bs, heads, hs):  # NHD
         nb, per_token = kv.shape[1], heads * hs * es
 
