@@ -85,7 +85,7 @@ def test_abort_mode_recompute_repairs_the_request(
         H.add_request(llm, "a", prompt, 30)
         for _ in range(5):
             H.step(llm)
-        conn = _flip_first_v_byte(llm, "a")
+        conn = _flip_first_k_byte(llm, "a")
         outputs = []
         while llm.llm_engine.has_unfinished_requests():
             outputs += H.step(llm)
@@ -106,7 +106,7 @@ def test_abort_mode_fail_policy_fails_only_the_request(checkpoints: dict[str, Pa
             H.add_request(llm, rid, _prompt(seed, 90), 30)
         for _ in range(3):
             H.step(llm)
-        _flip_first_v_byte(llm, "a")
+        _flip_first_k_byte(llm, "a")
         finished = {}
         while llm.llm_engine.has_unfinished_requests():
             for o in H.step(llm):
@@ -129,13 +129,14 @@ def test_abort_mode_is_refused_for_several_kv_cache_groups(checkpoints: dict[str
     assert any("one KV cache group" in x for x in chain), chain
 
 
-def _flip_first_v_byte(llm: Any, rid: str) -> Any:
-    """Flip the first V byte of the first slot of request ``rid``'s second block (layer 0 of
-    the first KV cache group) in vLLM's own cache tensor; returns the connector."""
+def _flip_first_k_byte(llm: Any, rid: str) -> Any:
+    """Flip the first K byte of the first slot of request ``rid``'s second block (layer 0 of
+    the first KV cache group, KV head 0: K is stored transposed, so element 0 of slot 0 is
+    the block's first byte) in vLLM's own cache tensor; returns the connector."""
     conn = H.connector(llm)
     block = H.scheduler(llm).kv_cache_manager.get_block_ids(H.internal_id(llm, rid))[0][1]
     pool = conn.worker.pools[0]
-    kv, spec = pool.layers[0], pool.spec
+    kv = pool.layers[0]
     raw = kv.view(kv.shape[0], -1).view(torch.uint8)
-    raw[block, spec.head_size * spec.block_size * kv.element_size()] ^= 0xFF  # slot 0 V
+    raw[block, 0] ^= 0xFF  # slot 0, K element 0 of KV head 0
     return conn
