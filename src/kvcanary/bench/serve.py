@@ -121,6 +121,18 @@ async def _load(url: str, prompts: list[list[int]], output_len: int, concurrency
         return results, time.perf_counter() - t0
 
 
+def warm_up(url: str, prompt: list[int]) -> None:
+    """One untimed request (kernel compilation, first allocations); BenchServeError when
+    it fails."""
+    try:
+        warm = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2},
+                          timeout=WARMUP_TIMEOUT_S)  # fmt: skip
+    except httpx.HTTPError as e:
+        raise BenchServeError(f"the warm-up request failed: {type(e).__name__}: {e}") from None
+    if warm.status_code != 200:
+        raise BenchServeError(f"the warm-up request failed: HTTP {warm.status_code}: {warm.text[:300]}")
+
+
 def _memory_report(engine: Engine) -> dict[str, Any]:
     """Run in the engine loop's thread once the load is over (see the module doc)."""
     running, waiting = engine.queue_lengths()
@@ -169,13 +181,7 @@ def bench_serve(config: EngineConfig, spec: WorkloadSpec, *, concurrency: int, d
     with background_server(app) as url:
         # One request first, untimed: one-off costs (kernel compilation, first allocations)
         # would otherwise land in the first requests' TTFT.
-        try:
-            warm = httpx.post(url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": 2},
-                              timeout=WARMUP_TIMEOUT_S)  # fmt: skip
-        except httpx.HTTPError as e:
-            raise BenchServeError(f"the warm-up request failed: {type(e).__name__}: {e}") from None
-        if warm.status_code != 200:
-            raise BenchServeError(f"the warm-up request failed: HTTP {warm.status_code}: {warm.text[:300]}")
+        warm_up(url, prompts[0])
         results, wall_s = asyncio.run(_load(url, prompts, spec.output_len, concurrency, deadline_s, bar))
         bar.close()
         memory = _wait_idle_then(loop, engine)
@@ -226,8 +232,13 @@ def _wait_idle_then(loop: Any, engine: Engine, timeout_s: float = 30.0) -> dict[
     return {**report, "engine_loop_error": error}
 
 
-def bench_ok(summary: dict[str, Any]) -> bool:
-    return (summary["errors"] == 0 and not summary["engine_loop_error"] and summary["integrity_check"] == "pass"
+def memory_ok(summary: dict[str, Any]) -> bool:
+    """The after-load checks of :func:`_wait_idle_then`'s report all passed."""
+    return (not summary["engine_loop_error"] and summary["integrity_check"] == "pass"
             and summary["leaked_full_slots"] == summary["leaked_swa_slots"] == 0
             and summary["leaked_req_rows"] == 0 and summary["canary_violations"] == 0
             and summary["unfinished_after_load"] == 0)  # fmt: skip
+
+
+def bench_ok(summary: dict[str, Any]) -> bool:
+    return summary["errors"] == 0 and memory_ok(summary)

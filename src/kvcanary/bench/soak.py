@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from kvcanary.bench.serve import WARMUP_TIMEOUT_S, BenchServeError, _percentile, _wait_idle_then
+from kvcanary.bench.serve import _percentile, _wait_idle_then, memory_ok, warm_up
 from kvcanary.config import EngineConfig
 from kvcanary.engine.engine import Engine
 from kvcanary.server.app import create_app
@@ -94,20 +94,20 @@ class _RssSampler:
     interval_s: float
     samples: list[tuple[float, float]] = field(default_factory=list)  # (t since start, MiB)
     _stop: threading.Event = field(default_factory=threading.Event)
-    _t0: float = 0.0
+    t0: float = 0.0  # monotonic start
 
     def start(self) -> None:
-        self._t0 = time.monotonic()
+        self.t0 = time.monotonic()
         threading.Thread(target=self._run, name="kvcanary-soak-rss", daemon=True).start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.monotonic() - self._t0, rss_mib()))
+            self.samples.append((time.monotonic() - self.t0, rss_mib()))
             self._stop.wait(self.interval_s)
 
     def stop(self) -> None:
         self._stop.set()
-        self.samples.append((time.monotonic() - self._t0, rss_mib()))
+        self.samples.append((time.monotonic() - self.t0, rss_mib()))
 
 
 def rss_mib() -> float:
@@ -294,14 +294,8 @@ def bench_soak(config: EngineConfig, cfg: SoakConfig, *, progress: bool = True) 
     loop = app.state.engine_loop
     bar = tqdm(desc="soak requests", unit="req", disable=not progress)
     with background_server(app) as url:
-        try:  # one request first: kernel compilation is not part of the soak
-            warm = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2},
-                              timeout=WARMUP_TIMEOUT_S)  # fmt: skip
-        except httpx.HTTPError as e:
-            raise BenchServeError(f"the warm-up request failed: {type(e).__name__}: {e}") from None
-        if warm.status_code != 200:
-            raise BenchServeError(f"the warm-up request failed: HTTP {warm.status_code}: {warm.text[:300]}")
-        t_load = time.monotonic() - rss._t0
+        warm_up(url, [5, 6, 7])  # kernel compilation is not part of the soak
+        t_load = time.monotonic() - rss.t0
         outcomes = asyncio.run(_load(cfg, url, vocab, context_len, bar))
         bar.close()
         memory = _wait_idle_then(loop, engine, timeout_s=cfg.request_timeout_s)
@@ -347,9 +341,5 @@ def _summary(config: EngineConfig, cfg: SoakConfig, outcomes: list[Outcome], abo
 
 
 def soak_ok(summary: dict[str, Any]) -> bool:
-    return (summary["errors"] == 0 and not summary["engine_loop_error"]
-            and summary["integrity_check"] == "pass"
-            and summary["leaked_full_slots"] == summary["leaked_swa_slots"] == 0
-            and summary["leaked_req_rows"] == 0 and summary["canary_violations"] == 0
-            and summary["unfinished_after_load"] == 0
-            and summary["rss_growth_after_warmup_mib"] <= summary["max_rss_growth_mib"])  # fmt: skip
+    return (summary["errors"] == 0 and memory_ok(summary)
+            and summary["rss_growth_after_warmup_mib"] <= summary["max_rss_growth_mib"])
