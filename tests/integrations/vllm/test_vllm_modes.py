@@ -70,29 +70,43 @@ def test_raise_mode_fails_the_step(checkpoints: dict[str, Path]) -> None:
                    for x in chain), chain  # fmt: skip
 
 
-def test_abort_mode_recompute_repairs_the_request(
-    checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture
-) -> None:
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_abort_mode_recompute_repairs_the_request(checkpoints: dict[str, Path]) -> None:
     """abort + kv_load_failure_policy=recompute: the violating block goes to vLLM as a KV
     load error; vLLM drops the step's output of the request holding it and recomputes from
     that block, so the final output equals a clean run's."""
     prompt = _prompt(13, 100)
     with H.vllm_engine(checkpoints["llama"]) as llm:
         (clean,) = H.generate(llm, [prompt], 30)
-    caplog.set_level(logging.WARNING)
-    with H.vllm_engine(checkpoints["llama"], canary={"mode": "abort", "real_data": "all"},
-                       policy="recompute") as llm:  # fmt: skip
-        H.add_request(llm, "a", prompt, 30)
-        for _ in range(5):
-            H.step(llm)
-        conn = _flip_first_k_byte(llm, "a")
-        outputs = []
-        while llm.llm_engine.has_unfinished_requests():
-            outputs += H.step(llm)
-        conn.worker.flush()
-        rows = conn.worker.violations
+    # vLLM's own handler on the "vllm" logger, which does not propagate once vLLM has
+    # configured logging: caplog (root) would see its lines only by the order tests ran in.
+    scheduler_log = _Lines()
+    logging.getLogger("vllm").addHandler(scheduler_log)
+    try:
+        with H.vllm_engine(checkpoints["llama"], canary={"mode": "abort", "real_data": "all"},
+                           policy="recompute") as llm:  # fmt: skip
+            H.add_request(llm, "a", prompt, 30)
+            for _ in range(5):
+                H.step(llm)
+            conn = _flip_first_k_byte(llm, "a")
+            outputs = []
+            while llm.llm_engine.has_unfinished_requests():
+                outputs += H.step(llm)
+            conn.worker.flush()
+            rows = conn.worker.violations
+    finally:
+        logging.getLogger("vllm").removeHandler(scheduler_log)
     assert rows and all(r.launch_tag == "TAIL_K_FULL" for r in rows)
-    assert "Recovered from KV load failure" in caplog.text
+    recovered = [x for x in scheduler_log.lines if "Recovered from KV load failure" in x]
+    assert recovered, scheduler_log.lines
     (final,) = [o for o in outputs if o.finished]
     assert list(final.outputs[0].token_ids) == clean
 
