@@ -50,6 +50,11 @@ def test_metrics_count_a_detected_remap(tmp_path: Path) -> None:
     assert m[("kvcanary_verify_entries_total", (("launch_tag", "HEAD_K_FULL"),))] > 0
     assert m[("kvcanary_swa_divergence", (("signal", "swa_out_of_window_tokens"),))] >= 1
     assert ("kvcanary_sweep_passes_total", ()) in m
+    # constant labels (the vLLM connector's rank): on every sample, the values unchanged
+    labelled = tmp_path / "rank1.prom"
+    write_metrics_file(engine.canary, labelled, {"rank": "1"})
+    assert _samples(labelled) == {(name, tuple(sorted((*labels, ("rank", "1"))))): v
+                                  for (name, labels), v in m.items()}  # fmt: skip
 
 
 def test_run_writes_metrics_file_and_rejects_a_missing_directory(tmp_path: Path) -> None:

@@ -169,6 +169,20 @@ def test_violation_messages() -> None:
     assert lines[-1].endswith("ring_overflow=True step_when_pumped=9")
 
 
+def test_violation_message_context_follows_the_frozen_line() -> None:
+    """A host's fields (the vLLM connector's rank) come after the frozen line's, which
+    parsers read as before."""
+    write = parse_violation_line(ISSUE_33656)
+    assert write is not None
+    plain, ranked = (format_violation_message(write, total_violations=1, ring_overflow=False,
+                                              step_when_pumped=7, context=context)
+                     for context in ("", " rank=1"))  # fmt: skip
+    first, rest = ranked.split("\n", 1)
+    assert first == format_violation_line(write) + " rank=1"
+    assert rest == plain.split("\n", 1)[1]
+    assert parse_violation_line(first) == write
+
+
 def test_ring_is_fill_once_with_monotonic_counter() -> None:
     ring = ViolationRing(3)
     assert ring.rows.shape == (3, 8)

@@ -11,6 +11,9 @@ One collector per canary; a server registers it in its registry, ``kvcanary run
     kvcanary_verify_entries{launch_tag}            verify entries per launch tag
     kvcanary_sweep_passes                          completed radix sweeps
     kvcanary_swa_divergence{signal}                peak swa_full_idx_divergence / swa_out_of_window_tokens
+
+``labels``: constant labels on every sample (the vLLM connector's ``rank`` under tensor
+parallelism: one collector per worker process, each with its own rank).
 """
 
 from __future__ import annotations
@@ -30,55 +33,55 @@ SWA_SIGNALS = ("swa_full_idx_divergence", "swa_out_of_window_tokens")
 
 
 class CanaryCollector(Collector):
-    def __init__(self, canary: Any | None):
+    def __init__(self, canary: Any | None, labels: dict[str, str] | None = None):
         self.canary = canary
+        self.labels = dict(labels or {})
 
     def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily(
-            "kvcanary_canary_enabled", "1 when a KV canary is installed", value=int(self.canary is not None)
-        )
+        names, values = list(self.labels), list(self.labels.values())
+
+        def family(kind: type, name: str, doc: str, labels: tuple[str, ...] = (),
+                   rows: Any = None, value: float | None = None) -> Metric:  # fmt: skip
+            """One family with the constant labels first; ``rows``: (label values, value)."""
+            out = kind(name, doc, labels=[*names, *labels])
+            for label_values, v in [((), value)] if rows is None else rows:
+                out.add_metric([*values, *label_values], v)
+            return out
+
+        yield family(GaugeMetricFamily, "kvcanary_canary_enabled",
+                     "1 when a KV canary is installed", value=int(self.canary is not None))  # fmt: skip
         if self.canary is None:
             return
         st = self.canary.stats()
         by_tag_reason = Counter(
             (row.launch_tag, reason) for row in self.canary.reporter.rows for reason in row.fail_reasons
         )
-        violations = CounterMetricFamily(
-            "kvcanary_violations", "Reported canary violation rows by launch tag and fail reason",
-            labels=["launch_tag", "fail_reason"],
-        )  # fmt: skip
-        for (tag, reason), n in sorted(by_tag_reason.items()):
-            violations.add_metric([tag, reason], n)
-        yield violations
-        yield CounterMetricFamily(
-            "kvcanary_violations_recorded", "Violation rows recorded, including any past the ring capacity",
-            value=st["violations"],
-        )  # fmt: skip
-        yield CounterMetricFamily(
-            "kvcanary_protected_tokens", "Canary verify entries plus records written", value=st["protected_tokens"]
-        )
-        verify = CounterMetricFamily(
-            "kvcanary_verify_entries", "Canary verify entries by launch tag", labels=["launch_tag"]
-        )
-        for tag, n in sorted(st["verify_entries_by_tag"].items()):
-            verify.add_metric([tag], n)
-        yield verify
-        yield CounterMetricFamily("kvcanary_sweep_passes", "Completed radix sweeps", value=st["sweep_passes"])
-        divergence = GaugeMetricFamily(
-            "kvcanary_swa_divergence", "Peak SWA divergence signals (0 when the reporter is off)",
-            labels=["signal"],
-        )  # fmt: skip
-        for signal in SWA_SIGNALS:
-            divergence.add_metric([signal], st["swa_divergence"].get(signal, 0))
-        yield divergence
+        yield family(CounterMetricFamily, "kvcanary_violations",
+                     "Reported canary violation rows by launch tag and fail reason",
+                     ("launch_tag", "fail_reason"), sorted(by_tag_reason.items()))  # fmt: skip
+        yield family(CounterMetricFamily, "kvcanary_violations_recorded",
+                     "Violation rows recorded, including any past the ring capacity",
+                     value=st["violations"])  # fmt: skip
+        yield family(CounterMetricFamily, "kvcanary_protected_tokens",
+                     "Canary verify entries plus records written", value=st["protected_tokens"])  # fmt: skip
+        yield family(CounterMetricFamily, "kvcanary_verify_entries",
+                     "Canary verify entries by launch tag", ("launch_tag",),
+                     [((tag,), n) for tag, n in sorted(st["verify_entries_by_tag"].items())])  # fmt: skip
+        yield family(CounterMetricFamily, "kvcanary_sweep_passes", "Completed radix sweeps",
+                     value=st["sweep_passes"])  # fmt: skip
+        yield family(GaugeMetricFamily, "kvcanary_swa_divergence",
+                     "Peak SWA divergence signals (0 when the reporter is off)", ("signal",),
+                     [((signal,), st["swa_divergence"].get(signal, 0)) for signal in SWA_SIGNALS])  # fmt: skip
 
 
-def make_registry(canary: Any | None) -> CollectorRegistry:
+def make_registry(canary: Any | None, labels: dict[str, str] | None = None) -> CollectorRegistry:
     registry = CollectorRegistry()
-    registry.register(CanaryCollector(canary))
+    registry.register(CanaryCollector(canary, labels))
     return registry
 
 
-def write_metrics_file(canary: Any | None, path: str | Path) -> None:
+def write_metrics_file(canary: Any | None, path: str | Path,
+                       labels: dict[str, str] | None = None) -> None:  # fmt: skip
     """Write the text exposition (temp file + rename)."""
-    write_file_atomically(path, generate_latest(make_registry(canary)), flag="--metrics-file")
+    write_file_atomically(path, generate_latest(make_registry(canary, labels)),
+                          flag="--metrics-file")  # fmt: skip

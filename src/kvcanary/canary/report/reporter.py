@@ -63,9 +63,13 @@ class ImplicatedSlots(NamedTuple):
 
 
 class ViolationReporter:
+    """``context``: `` key=value`` fields appended to each report's first line (the vLLM
+    connector's `` rank=R`` on a worker of several); empty: the frozen line as is."""
+
     def __init__(self, mode: str, compression_ratios: dict[PoolKind, int],
                  state_rings: dict[PoolKind, StateRing] | None = None):  # fmt: skip
         self.mode = mode
+        self.context = ""
         self.compression_ratios = compression_ratios
         self.state_rings = state_rings or {}
         self.rows: list[CanaryViolationRow] = []
@@ -81,7 +85,11 @@ class ViolationReporter:
             return
         messages = [
             format_violation_message(
-                r, total_violations=total, ring_overflow=total > capacity, step_when_pumped=step
+                r,
+                total_violations=total,
+                ring_overflow=total > capacity,
+                step_when_pumped=step,
+                context=self.context,
             )
             for r in records
         ]

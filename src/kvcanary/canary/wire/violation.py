@@ -87,12 +87,19 @@ def _canary_kind(tag: int) -> str:
 
 
 def format_violation_message(
-    r: ViolationRecord, *, total_violations: int, ring_overflow: bool, step_when_pumped: int
+    r: ViolationRecord,
+    *,
+    total_violations: int,
+    ring_overflow: bool,
+    step_when_pumped: int,
+    context: str = "",
 ) -> str:
-    """The full multi-line report SGLang logs per violation (first line = the frozen line)."""
+    """The full multi-line report SGLang logs per violation (first line = the frozen line,
+    then ``context``: more `` key=value`` fields a host appends, e.g. the vLLM connector's
+    `` rank=1``; parsers ignore keys they do not know)."""
     tag = launch_tag_name(r.launch_tag)
     lines = [
-        format_violation_line(r),
+        format_violation_line(r) + context,
         f"KV cache canary violation detected (kernel_kind={tag}, slot_idx={r.slot_idx}, "
         f"position={r.position})",
         f"canary_kind:       {_canary_kind(r.launch_tag)}",
