@@ -60,7 +60,7 @@ from vllm.forward_context import get_forward_context
 
 from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 from kvcanary.integrations.vllm.namespace import namespace, salt_of, salted
-from kvcanary.integrations.vllm.options import parse_options
+from kvcanary.integrations.vllm.options import parse_options, rank_summary_path
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -153,6 +153,10 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 "layers); use mode 'log' or 'raise'"
             )
         self.worker: VllmCanaryWorker | None = None
+        # This worker's rank among the engine's workers (vLLM's global worker rank: the TP
+        # rank without pipeline parallelism) and their number; set at register_kv_caches.
+        self.rank, self.world_size = 0, 1
+        self.summary_path = self.options.summary_path  # this rank's (rank_summary_path)
         self.warmup: WorkerWarmup | None = None  # the kernels' compile at start-up
         # The group whose slots identify a batch row's request (as VllmCanaryWorker's).
         self._key_group = next((s.index for s in self.specs if s.sliding_window is None), 0)
@@ -203,8 +207,19 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         )  # fmt: skip
         self.warmup = warm
         self.worker = VllmCanaryWorker(self.options.canary, self.specs, kv_caches)
+        parallel = self._vllm_config.parallel_config
+        self.rank, self.world_size = int(parallel.rank), int(parallel.world_size)
+        labels = None
+        if self.world_size > 1:  # name the rank in reports, summary files and samples
+            labels = {"rank": str(self.rank)}
+            for manager in self.worker.managers:
+                manager.reporter.context = f" rank={self.rank}"
+            if self.options.summary_path:
+                self.summary_path = rank_summary_path(self.options.summary_path, self.rank,
+                                                      self.world_size)  # fmt: skip
         logger.info(
-            "kv-canary (vLLM): installed on %d KV cache group(s) %s, %d blocks, config=%s",
+            "kv-canary (vLLM): installed%s on %d KV cache group(s) %s, %d blocks, config=%s",
+            f" (rank {self.rank} of {self.world_size})" if self.world_size > 1 else "",
             len(self.specs),
             [(s.kind.name, s.block_size, s.sliding_window, len(s.layer_names)) for s in self.specs],
             self.worker.num_blocks, self.options.canary,
@@ -215,7 +230,8 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         from kvcanary.integrations.vllm.worker import MetricsView
 
         self._metrics = MetricsView(self.worker)
-        collector = CanaryCollector(self._metrics)
+        self._metric_labels = labels
+        collector = CanaryCollector(self._metrics, labels)
         try:  # this process's default registry (an in-process engine's /metrics)
             REGISTRY.register(collector)
             self._registered: Any = collector
@@ -261,7 +277,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.after_forward()
             self.seconds["tail"] += time.perf_counter() - t0
         finally:
-            if self.options.summary_path and self.worker.num_steps % max(
+            if self.summary_path and self.worker.num_steps % max(
                 1, self.options.canary.stats_interval or 100
             ) == 0:  # fmt: skip
                 self.write_summary()
@@ -272,7 +288,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.flush()
-            if self.options.summary_path:
+            if self.summary_path:
                 self.write_summary()
             if getattr(self, "_registered", None) is not None:
                 from prometheus_client import REGISTRY
@@ -287,6 +303,8 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         stats = self.worker.stats()
         return {
             "installed": True,
+            "rank": self.rank,
+            "world_size": self.world_size,
             "groups": [{"index": s.index, "kind": s.kind.name, "block_size": s.block_size,
                         "sliding_window": s.sliding_window, "layers": list(s.layer_names)}
                        for s in self.specs],  # fmt: skip
@@ -295,7 +313,8 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         }
 
     def write_summary(self) -> None:
-        path = self.options.summary_path
+        """This rank's summary at :attr:`summary_path`, its Prometheus text at ``+ ".prom"``."""
+        path = self.summary_path
         if not path:
             return
         tmp = f"{path}.tmp"
@@ -305,7 +324,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:  # the Prometheus text exposition beside it
             from kvcanary.canary.report.metrics import write_metrics_file
 
-            write_metrics_file(self._metrics, f"{path}.prom")
+            write_metrics_file(self._metrics, f"{path}.prom", self._metric_labels)
 
     # ================================================================ scheduler side
     def on_new_request(self, request: Request) -> None:

@@ -10,7 +10,10 @@ Keys (all optional; the values of ``kvcanary run``'s ``--kv-canary*`` flags)::
     v_half               false (default) | true            a second, independent record set
     verify_tokens        true (default) | false            stored token vs the request's ids
     ring_capacity, verify_capacity, stats_interval, health_check_interval  as in kvcanary
-    summary_path         write a JSON summary there at shutdown (and at each stats line)
+    summary_path         write a JSON summary there at shutdown (and at each stats line);
+                         with several workers (tensor / pipeline parallel) rank 0 writes
+                         PATH and rank r > 0 PATH with ``.rank<r>`` before the extension
+                         (:func:`rank_summary_path`)
     tenant_isolation     false (default) | true            seed each request's records with
                          its cache namespace (LoRA adapter, cache_salt): KV shared across
                          namespaces is a violation (:mod:`.namespace`)
@@ -21,6 +24,7 @@ imports vLLM.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,3 +104,17 @@ def parse_options(extra: dict[str, Any] | None) -> VllmCanaryOptions:
         )
     return VllmCanaryOptions(CanaryConfig(**kwargs), None if summary is None else str(summary),
                              tenants)  # fmt: skip
+
+
+def rank_summary_path(path: str, rank: int, world_size: int) -> str:
+    """Where worker ``rank`` of ``world_size`` writes ``summary_path`` ``path`` (its
+    Prometheus text beside it, at ``+ ".prom"``): ``path`` itself for rank 0 (a single
+    worker's path is unchanged), else ``.rank<r>`` before the extension::
+
+        /tmp/kv-canary.json  rank 1 -> /tmp/kv-canary.rank1.json (.prom: ...rank1.json.prom)
+        /tmp/kv-canary       rank 1 -> /tmp/kv-canary.rank1
+    """
+    if rank == 0 or world_size <= 1:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.rank{rank}{ext}"
