@@ -157,6 +157,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         # rank without pipeline parallelism) and their number; set at register_kv_caches.
         self.rank, self.world_size = 0, 1
         self.summary_path = self.options.summary_path  # this rank's (rank_summary_path)
+        self._num_written = 0  # violation rows in the last summary written
         self.warmup: WorkerWarmup | None = None  # the kernels' compile at start-up
         # The group whose slots identify a batch row's request (as VllmCanaryWorker's).
         self._key_group = next((s.index for s in self.specs if s.sliding_window is None), 0)
@@ -277,9 +278,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.after_forward()
             self.seconds["tail"] += time.perf_counter() - t0
         finally:
-            if self.summary_path and self.worker.num_steps % max(
-                1, self.options.canary.stats_interval or 100
-            ) == 0:  # fmt: skip
+            if self.summary_path and self._summary_due():
                 self.write_summary()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -317,6 +316,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         path = self.summary_path
         if not path:
             return
+        self._num_written = self._num_reported()
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(self.summary(), f, indent=1, default=str)
@@ -325,6 +325,19 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             from kvcanary.canary.report.metrics import write_metrics_file
 
             write_metrics_file(self._metrics, f"{path}.prom", self._metric_labels)
+
+    def _summary_due(self) -> bool:
+        """Every ``stats_interval`` steps (100 when 0), and in a step that reported
+        violations: vLLM's multiprocess shutdown may kill a worker (5 s after SIGTERM to
+        the engine core) before its shutdown hook writes."""
+        if self.worker is None:
+            return False
+        interval = max(1, self.options.canary.stats_interval or 100)
+        return self.worker.num_steps % interval == 0 or self._num_reported() != self._num_written
+
+    def _num_reported(self) -> int:
+        """Violation rows reported so far (every group)."""
+        return 0 if self.worker is None else sum(len(m.reporter.rows) for m in self.worker.managers)
 
     # ================================================================ scheduler side
     def on_new_request(self, request: Request) -> None:
