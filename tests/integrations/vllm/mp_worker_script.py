@@ -3,7 +3,8 @@ processes), run by test_vllm_multiprocess.py as a child process::
 
     python mp_worker_script.py CKPT OUT --tp N --fault-rank R
 
-1. clean: a shared-prefix workload through ``LLM.generate``; every rank's canary counters
+1. clean: a shared-prefix workload through ``LLM.generate``, first on an engine without
+   the canary, then on the canary's (outputs compared); every rank's canary counters
    (``collective_rpc``) after it;
 2. fault: request ``faultsrc`` (100 prompt tokens) decodes; its block ids are read from
    the workers' own block table while it runs; once it finished (its blocks free, in the
@@ -12,7 +13,7 @@ processes), run by test_vllm_multiprocess.py as a child process::
    output token, reads that block exactly once (a prefix hit);
 3. every rank's counters again; the engine shuts down.
 
-``OUT/result.json``: the counters, the block and slot flipped. Needs
+``OUT/result.json``: whether the outputs matched, the counters, the block and slot flipped. Needs
 ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (functions
 sent to the workers); the ``__main__`` guard is vLLM's multiprocess requirement.
 """
@@ -92,9 +93,11 @@ def main() -> None:
     kw: dict[str, Any] = {"tensor_parallel_size": args.tp}
     if args.tp > 1:
         kw["distributed_executor_backend"] = "mp"
+    prompts = H.shared_prefix_prompts(11, 12, prefix_len=70, tail=(40, 120))
+    with H.vllm_engine(Path(args.ckpt), **kw) as llm:
+        expected = H.generate(llm, prompts, max_tokens=48)
     with H.vllm_engine(Path(args.ckpt), canary=options, **kw) as llm:
-        prompts = H.shared_prefix_prompts(11, 12, prefix_len=70, tail=(40, 120))
-        H.generate(llm, prompts, max_tokens=48)
+        result["outputs_identical"] = H.generate(llm, prompts, max_tokens=48) == expected
         result["clean"] = llm.collective_rpc(canary_counters)
 
         rng = random.Random(12)

@@ -5,7 +5,8 @@ processes, as ``vllm serve`` runs), with one worker and with two tensor-parallel
 Each case runs mp_worker_script.py in a child process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``
 there, whatever this process runs with): a clean workload, then one K byte flipped in the
 KV cache tensor of one worker only, read once by a prefix hit. Checked: the clean phase
-verifies >= 10^5 slots on every rank and reports nothing; the fault is reported once, by
+gives vLLM's outputs without the canary, verifies >= 10^5 slots on every rank and reports
+nothing; the fault is reported once, by
 the faulted rank only, named by rank (log line, its summary file, its Prometheus text)
 when there are several workers; a single worker's files and line keep their format.
 """
@@ -65,6 +66,7 @@ def test_fault_on_one_rank_is_reported_once_by_that_rank(
     fault = result["fault"]
     ranks = range(tp)
 
+    assert result["outputs_identical"]  # vLLM's outputs with the canary as without
     # every worker knows its rank; the clean phase: silent, >= 10^5 verified slots per rank
     for phase in ("clean", "before_hit", "final"):
         assert [c["rank"] for c in result[phase]] == [c["worker_rank"] for c in result[phase]]
