@@ -15,12 +15,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from kvcanary.canary.kernels import fused_rows
 from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 from kvcanary.integrations.vllm.options import parse_options
+from kvcanary.integrations.vllm.steps import group_rows_nb
 from kvcanary.integrations.vllm.worker import VllmCanaryWorker
 
 BS, BLOCKS, HEADS, DIM = 4, 64, 1, 8
@@ -241,3 +243,34 @@ def test_warm_worker_compiles_every_kernel_the_worker_calls(extra: dict[str, Any
             f"t.warm_worker_scenario({extra!r})")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_full_group_rows_kept_across_steps_equal_a_rebuild() -> None:
+    """``group_rows_nb`` keeps a full group's rows across steps and rewrites only the blocks
+    whose block-table entry changed; over random steps (sequences growing and restarting,
+    old entries repointed, null blocks, rows changing hands between requests) every row
+    equals one rebuilt from that step's block table, at every position the planner reads."""
+    rng = np.random.default_rng(7)
+    bs, num_rows, width = 4, 6, 64
+    table = np.zeros((num_rows, width), dtype=np.int64)
+    seen = np.full((num_rows, width // bs + 1), -1, dtype=np.int64)
+    seqs = rng.integers(1, 30, size=num_rows)
+    blocks = rng.integers(0, 50, size=(num_rows, width // bs))
+    rewritten = 0
+    for _ in range(300):
+        seqs = np.where(rng.random(num_rows) < 0.1, rng.integers(1, 30, size=num_rows),
+                        np.minimum(seqs + 1, width))  # fmt: skip
+        changed = rng.random(blocks.shape) < 0.03
+        blocks = np.where(changed, rng.integers(0, 50, size=blocks.shape), blocks)
+        batch = rng.permutation(num_rows)[: rng.integers(1, num_rows + 1)]  # rows, any order
+        bt = blocks[batch].astype(np.int32)
+        seq = seqs[batch].astype(np.int64)
+        before = table.copy()
+        group_rows_nb(bt, np.zeros(0, dtype=np.int64), seq, seq - 1, bs, 0, table,
+                      batch.astype(np.int64), 0, seen)  # fmt: skip
+        rewritten += int((table != before).sum())
+        for r, row in enumerate(batch):
+            p = np.arange(seq[r])
+            b = bt[r, p // bs].astype(np.int64)
+            assert (table[row, : seq[r]] == np.where(b != 0, b * bs + p % bs, 0)).all()
+    assert rewritten > 0  # (the steps changed rows: the comparison saw rewrites)

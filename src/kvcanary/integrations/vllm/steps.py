@@ -1,6 +1,6 @@
 """Each vLLM step's attention metadata as the canary's forward batches: the req->token
 tables all groups share (:class:`StepTables`), their per-group views and hosts, and the
-compiled passes that rebuild them from vLLM's block tables every step.
+compiled passes that bring them up to date with vLLM's block tables every step.
 
 Sliding groups: vLLM frees the blocks that leave a window without telling the worker (its
 block table keeps the stale ids), so rows keep only positions ``>= K - W + 1`` (K: tokens
@@ -26,7 +26,7 @@ class StepTables:
     each live request keeps one row (1 and up; row 0 = padding) from the first step it runs
     until it finishes. Its token ids go into the host store (``tokens`` / ``lens``, numpy)
     as the scheduler sends them (:meth:`.worker.VllmCanaryWorker.on_meta`); its req->token rows are
-    refilled from the block tables every step it runs. On the CPU the mirror the canary
+    brought up to date with the block tables every step it runs (:func:`group_rows_nb`). On the CPU the mirror the canary
     reads (``token_ids`` / ``token_lens``) is the store itself; on another device the rows
     of a step's batch are copied there. Grown on demand (token ids kept)."""
 
@@ -38,6 +38,9 @@ class StepTables:
         self.tokens = np.full((1, 1), -1, dtype=np.int64)
         self.lens = np.zeros(1, dtype=np.int64)
         self.token_ids, self.token_lens = self._mirror()
+        # Per group, the block ids each row's req->token row holds (group_rows_nb), made on
+        # first use and dropped with the tables they describe.
+        self._seen: list[np.ndarray | None] = [None] * num_groups
 
     def _r2t_host(self) -> list[np.ndarray]:
         """The req->token tables as numpy views (on the CPU; empty elsewhere)."""
@@ -58,12 +61,23 @@ class StepTables:
         for g in range(len(self.r2t)):
             self.r2t[g] = torch.zeros(rows, cols, dtype=torch.int64, device=self.device)
         self.r2t_host = self._r2t_host()
+        self._seen = [None] * len(self.r2t)
         tokens = np.full((rows, cols), -1, dtype=np.int64)
         tokens[:have_rows, :have_cols] = self.tokens
         lens = np.zeros(rows, dtype=np.int64)
         lens[:have_rows] = self.lens
         self.tokens, self.lens = tokens, lens
         self.token_ids, self.token_lens = self._mirror()
+
+    def seen(self, group: int, block_size: int) -> np.ndarray:
+        """Group ``group``'s block ids per row and block index that its host req->token
+        row holds (-1: none; :func:`group_rows_nb`)."""
+        seen = self._seen[group]
+        if seen is None:
+            rows, cols = self.r2t_host[group].shape
+            seen = self._seen[group] = np.full((rows, cols // block_size + 1), -1,
+                                               dtype=np.int64)  # fmt: skip
+        return seen
 
     def publish(self, rows: np.ndarray) -> None:
         """The mirror rows ``rows`` as the store holds them (off the CPU: copied over)."""
@@ -198,17 +212,37 @@ def input_ids_nb(tokens, lens, rows, prefix, ql, num_tokens):
 
 
 @numba.njit(cache=True)
-def group_rows_nb(bt, slot_mapping, seq, prefix, bs, window, table, rows, num_tokens):
+def group_rows_nb(bt, slot_mapping, seq, prefix, bs, window, table, rows, num_tokens, seen):
     """:meth:`.worker.VllmCanaryWorker._group_rows` on the CPU (batch row r -> table row
-    ``rows[r]``; only positions < seq[r] are written, the planner reads no further)."""
+    ``rows[r]``; only positions < seq[r] are read by the planner).
+
+    A full group's row keeps what earlier steps wrote: ``seen[row, i]`` is the block id
+    whose slots row ``row`` holds at block index ``i`` (-1: none yet), so each step
+    compares every block-table entry the sequence covers with it and rewrites only the
+    blocks that changed (a decode step: none, or the one new block). The entries are pure
+    functions of (block id, index), so the row equals a full rebuild's, whichever request
+    held the row before (nothing else writes a full group's host rows; the tables and
+    ``seen`` are replaced together when they grow). A sliding group's
+    rows are rebuilt (their window's start moves every step)."""
     nb = bt.shape[1]
+    width = table.shape[1]
     for r in range(seq.shape[0]):
-        lo = max(0, prefix[r] - window + 1) if window > 0 else 0
         row = rows[r]
-        for p in range(seq[r]):
-            bi = p // bs
-            b = bt[r, bi] if bi < nb else 0
-            table[row, p] = b * bs + p % bs if (b != 0 and p >= lo) else 0
+        if window > 0:
+            lo = max(0, prefix[r] - window + 1)
+            for p in range(seq[r]):
+                bi = p // bs
+                b = bt[r, bi] if bi < nb else 0
+                table[row, p] = b * bs + p % bs if (b != 0 and p >= lo) else 0
+            continue
+        for bi in range((seq[r] + bs - 1) // bs):
+            b = np.int64(bt[r, bi]) if bi < nb else 0
+            if seen[row, bi] == b:
+                continue
+            seen[row, bi] = b
+            base = b * bs
+            for p in range(bi * bs, min((bi + 1) * bs, width)):
+                table[row, p] = base + p - bi * bs if b != 0 else 0
     out = np.empty(min(num_tokens, slot_mapping.shape[0]), dtype=np.int64)
     for t in range(out.shape[0]):
         s = slot_mapping[t]

@@ -11,7 +11,7 @@ What crosses (host contract: :mod:`kvcanary.canary.host`)::
     slot = block_id * block_size + offset            the group's slot index space; block 0
                                                      (vLLM's null block) -> slot 0 (none)
     attn_metadata[first layer of g]                  ForwardBatchView of group g:
-      block_table, seq_lens, query_start_loc,          req->token rows rebuilt every step
+      block_table, seq_lens, query_start_loc,          req->token rows kept up to date
       slot_mapping                                      from the block table attention reads
     connector metadata (scheduler side)              token ids (input ids, token mirror) and
                                                      the request of each batch row
@@ -419,7 +419,8 @@ class VllmCanaryWorker:
         if self.device.type == "cpu":  # one compiled pass (the per-step path on CPU)
             return torch.from_numpy(group_rows_nb(
                 md.block_table.numpy(), md.slot_mapping.numpy(), seq, prefix, bs, window,
-                tables.r2t_host[spec.index], rows, num_tokens))  # fmt: skip
+                tables.r2t_host[spec.index], rows, num_tokens,
+                tables.seen(spec.index, bs)))  # fmt: skip
         table = tables.r2t[spec.index]
         row_idx = torch.from_numpy(rows).to(self.device)
         bt = md.block_table[:n].long()
