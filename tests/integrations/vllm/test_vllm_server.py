@@ -41,6 +41,9 @@ MODEL = "tiny-llama"
 OPTIONS = {"mode": "log", "real_data": "partial", "stats_interval": 4}
 START_TIMEOUT_S = 600  # engine start-up plus the canary's first kernel compile (cold cache)
 HERE = Path(__file__).resolve().parent
+# vLLM's sampling extensions: every answer runs to max_tokens, and BOS / EOS, should the
+# random model pick them, stay in the text (one word per token: the counts below)
+EXTRA = {"ignore_eos": True, "skip_special_tokens": False}
 
 
 @dataclass
@@ -155,7 +158,7 @@ def _prefix(n: int) -> str:
 def test_clean_traffic(server: Server) -> None:
     client = server.client()
     prefix = _prefix(80)  # two and a half blocks: later requests hit the first two cached
-    extra = {"ignore_eos": True}
+    extra = EXTRA
 
     out = client.completions.create(model=MODEL, prompt=f"{prefix} t5 t6", max_tokens=12,
                                     temperature=0, extra_body=extra)  # fmt: skip
@@ -216,7 +219,7 @@ def test_kv_fault_reaches_the_user(server: Server) -> None:
     client = server.client()
     stream = client.completions.create(model=MODEL, prompt=_prefix(40), max_tokens=200,
                                        temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})  # fmt: skip
+                                       extra_body=EXTRA)  # fmt: skip
     it = iter(stream)
     received = [next(it) for _ in range(3)]
     r = httpx.post(f"{server.url}/collective_rpc", timeout=60,
