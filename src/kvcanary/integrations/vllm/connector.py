@@ -61,6 +61,7 @@ from vllm.forward_context import get_forward_context
 from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 from kvcanary.integrations.vllm.namespace import namespace, salt_of, salted
 from kvcanary.integrations.vllm.options import parse_options
+from kvcanary.integrations.vllm.stats import KVCanaryPromMetrics, KVCanaryStats, StatsCursor
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -154,6 +155,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self.worker: VllmCanaryWorker | None = None
         self.warmup: WorkerWarmup | None = None  # the kernels' compile at start-up
+        self._stats = StatsCursor(self.options.canary.stats_interval or 100)  # vLLM /metrics
         # The group whose slots identify a batch row's request (as VllmCanaryWorker's).
         self._key_group = next((s.index for s in self.specs if s.sliding_window is None), 0)
         self._head_done = False
@@ -268,6 +270,21 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self.worker is None else self.worker.take_invalid_blocks()
+
+    def get_kv_connector_stats(self) -> KVCanaryStats | None:
+        """The canary's counts since the last report, on their way to vLLM's ``/metrics``
+        (:mod:`.stats`)."""
+        return None if self.worker is None else self._stats.take(self.worker)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVCanaryStats:
+        return KVCanaryStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                           ) -> KVCanaryPromMetrics:  # fmt: skip
+        return KVCanaryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:
