@@ -47,10 +47,15 @@ class FakeVllm:
 
     def step(self, order: list[str], finished: tuple[str, ...] = (),
              block_table_fault: tuple[int, int, int] | None = None,
-             loaded: dict[str, int] | None = None) -> None:  # fmt: skip
+             loaded: dict[str, int] | None = None, pending: tuple[str, ...] = (),
+             input_ids: list[int] | None = None) -> None:  # fmt: skip
         """One step of the requests ``order`` (batch rows in that order): each runs its
         unsent tokens (a prompt, or the token sampled last step); ``loaded[rid]``: the
-        first tokens of a new request another connector loaded (cleared, then sealed)."""
+        first tokens of a new request another connector loaded (cleared, then sealed);
+        ``pending``: requests whose newest token is sent as not known yet (-1, as vLLM's
+        async scheduling plans a decode step), and sent known in their next step;
+        ``input_ids``: the ids the forward takes (the worker's ``forward_input_ids``),
+        the requests' own tokens when not given."""
         meta, qsl, seq, slots = StepMeta(finished=list(finished)), [0], [], []
         for rid, n in (loaded or {}).items():
             self.computed[rid] = n
@@ -67,8 +72,11 @@ class FakeVllm:
                 self.blocks[rid].append(self.next_block)
                 self.next_block += 1
             first = self.blocks[rid][k // BS] * BS + k % BS
-            meta.add(rid, k, new, self.sent[rid], toks[self.sent[rid]:], first)
-            self.sent[rid] = len(toks)
+            send = toks[self.sent[rid] :]
+            if rid in pending:
+                send = send[:-1] + [-1]
+            meta.add(rid, k, new, self.sent[rid], send, first)
+            self.sent[rid] = len(toks) - (rid in pending)
             qsl.append(qsl[-1] + new)
             seq.append(len(toks))
             slots += [self.blocks[rid][p // BS] * BS + p % BS for p in range(k, len(toks))]
@@ -82,6 +90,10 @@ class FakeVllm:
         md = SimpleNamespace(query_start_loc=torch.tensor(qsl, dtype=torch.int32),
                              seq_lens=torch.tensor(seq, dtype=torch.int32), block_table=table,
                              slot_mapping=torch.tensor(slots, dtype=torch.int64))  # fmt: skip
+        forward = [t for rid in order for t in self.tokens[rid][self.computed[rid] :]]
+        if self.worker.forward_input_ids is not None:
+            ids = self.worker.forward_input_ids
+            ids[: len(forward)] = torch.tensor(input_ids or forward, dtype=ids.dtype)
         self.worker.on_meta(meta)
         self.worker.before_forward([md])
         self.worker.after_forward()
@@ -225,6 +237,8 @@ def warm_worker_scenario(extra: dict[str, Any]) -> None:
     fake.step(["r1", "r0", "r2"])
     for _ in range(BS + 1):
         fake.step(["r2", "r0", "r1"])
+    for _ in range(2):  # async scheduling: tokens planned unknown, known a step later
+        fake.step(["r1", "r2"], pending=("r1", "r2"))
     fake.step(["r2", "r1"], finished=("r0",))
     fake.add("r3", list(range(70, 70 + BS + 3)))  # its first BS + 1 tokens loaded elsewhere
     fake.step(["r3"], loaded={"r3": BS + 1})

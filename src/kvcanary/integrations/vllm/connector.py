@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -180,14 +181,9 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._num_metas = 0
         self._partial_hits_warned = False
         self._token_check = self.options.canary.verify_tokens
-        if role == KVConnectorRole.SCHEDULER and getattr(
-            vllm_config.scheduler_config, "async_scheduling", False
-        ) and self._token_check:  # fmt: skip
-            logger.warning(
-                "kv-canary (vLLM): async scheduling is on, so a decode step's input token "
-                "is not known to the scheduler when the step is planned; records of such "
-                "tokens carry token -1 and the token check skips them"
-            )
+        # Async scheduling: a decode step is planned before its input token is known
+        # (docs/VLLM.md, "Tokens").
+        self._async = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -205,6 +201,8 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         )  # fmt: skip
         self.warmup = warm
         self.worker = VllmCanaryWorker(self.options.canary, self.specs, kv_caches)
+        if self._async and self._token_check:
+            self._attach_forward_input_ids()
         logger.info(
             "kv-canary (vLLM): installed on %d KV cache group(s) %s, %d blocks, config=%s",
             len(self.specs),
@@ -223,6 +221,36 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             self._registered: Any = collector
         except ValueError:  # a previous engine of this process registered the same names
             self._registered = None
+
+    def _attach_forward_input_ids(self) -> None:
+        """Async scheduling: give the worker the buffer vLLM's model runner feeds its
+        forward's input ids from (``GPUModelRunner.input_ids``, a persistent buffer; the
+        async path writes the previous step's sampled ids into it on the device), so the
+        records of positions planned without a token carry the token the forward used, and
+        the scheduler's token, when it arrives, is checked against it. The connector API
+        does not hand it over: it is found on the call stack of ``register_kv_caches``
+        (the model runner's ``initialize_kv_cache``). Not with tenant isolation (records
+        carry salted token ids); not found: those records carry -1 until the token arrives,
+        then the scheduler's (a warning says so)."""
+        assert self.worker is not None
+        if self._salts is not None:
+            return
+        frame = sys._getframe(1)
+        for _ in range(12):
+            if frame is None:
+                break
+            runner = frame.f_locals.get("self")
+            buf = getattr(getattr(runner, "input_ids", None), "gpu", None)
+            is_runner = hasattr(runner, "execute_model")
+            if is_runner and isinstance(buf, torch.Tensor) and buf.dim() == 1:
+                self.worker.forward_input_ids = buf
+                return
+            frame = frame.f_back
+        logger.warning(
+            "kv-canary (vLLM): async scheduling is on and the model runner's input ids were "
+            "not found; records of tokens planned before they are known carry the "
+            "scheduler's token once it arrives (the forward's own input is not checked)"
+        )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import torch
 
-from kvcanary.canary.wire.hashing import ANCHOR_HASH_I64, chain_hash_nb
+from kvcanary.canary.wire.hashing import ANCHOR_HASH_I64, chain_hash_nb, chain_hash_t
 from kvcanary.integrations.vllm.pool import VllmGroupPool
 
 
@@ -178,22 +178,116 @@ def batch_nb(qsl, seq_lens, key_slots, keys, key_rows, tokens, lens):
 
 
 @numba.njit(cache=True)
-def meta_nb(rows, first_slots, starts, counts, tokens, store, lens):
+def meta_nb(rows, first_slots, starts, counts, computed, tokens, store, lens):
     """:meth:`.worker.VllmCanaryWorker.on_meta`'s columns: each request's token ids into its row of
     the token store (``store``, lengths ``lens``: the known prefix grows); returns (the
-    first slots that are allocated, sorted; their requests' rows)."""
-    at = 0
+    first slots that are allocated, sorted; their requests' rows; the *arrivals* ``[3, m]``:
+    row, position and token id of each position the store held as not known yet (-1, sent
+    so under async scheduling) that is known now and that this step reads (below the
+    request's ``computed`` count): the positions whose records :func:`settle_nb` settles)."""
+    at = m = 0
+    arrivals = np.empty((3, tokens.shape[0]), dtype=np.int64)
     for i in range(rows.shape[0]):
-        row, start, count = rows[i], starts[i], counts[i]
+        row, start, count, k = rows[i], starts[i], counts[i], computed[i]
+        have = lens[row]
         for j in range(count):
-            store[row, start + j] = tokens[at + j]
+            p, t = start + j, tokens[at + j]
+            if p < have and p < k and t != -1 and store[row, p] == -1:
+                arrivals[0, m], arrivals[1, m], arrivals[2, m] = row, p, t
+                m += 1
+            store[row, p] = t
         at += count
-        if start + count > lens[row]:
+        if start + count > have:
             lens[row] = start + count
     keep = first_slots >= 0
     keys, key_rows = first_slots[keep], rows[keep]
     order = np.argsort(keys, kind="mergesort")  # (stable: the first of equal slots first)
-    return keys[order], key_rows[order]
+    return keys[order], key_rows[order], arrivals[:, :m]
+
+
+@numba.njit(cache=True)
+def settle_nb(rec, table, arrivals, lens):
+    """Settle the records ``rec`` (int64 view of a record buffer) of the positions whose
+    token ids arrived (``arrivals``, :func:`meta_nb`'s, in position order per row), at
+    their slots in ``table`` (a group's req->token table, as the request's last step left
+    it). A record is settled only while it is still the one written for that position with
+    the token not known: position p and token -1. Its token becomes the arrived one, and
+    the chain hashes after it are made again from it, slot by slot, as long as each
+    successor is the record chained from it (its position, and its stored chain hash the
+    one the record before it made): any other record, and a record written with a token
+    (the forward's input id), is left as it is, so a token that differs from the arrived
+    one is reported by the next verify of that slot. Returns the records settled."""
+    num = 0
+    width = table.shape[1]
+    for i in range(arrivals.shape[1]):
+        row, p, t = arrivals[0, i], arrivals[1, i], arrivals[2, i]
+        if p >= width:
+            continue
+        s = table[row, p]
+        if s <= 0 or rec[s, 1] != p or rec[s, 0] != -1:
+            continue
+        old = np.int64(chain_hash_nb(rec[s, 2], np.int64(-1), p))
+        new = np.int64(chain_hash_nb(rec[s, 2], t, p))
+        rec[s, 0] = t
+        num += 1
+        q = p + 1
+        while q < min(lens[row], width):
+            s2 = table[row, q]
+            if s2 <= 0 or rec[s2, 1] != q or rec[s2, 2] != old:
+                break
+            token = rec[s2, 0]
+            rec[s2, 2] = new
+            old = np.int64(chain_hash_nb(old, token, q))
+            new = np.int64(chain_hash_nb(new, token, q))
+            q += 1
+    return num
+
+
+def settle_t(rec: torch.Tensor, table: torch.Tensor, arrivals: torch.Tensor,
+             lens: torch.Tensor) -> int:  # fmt: skip
+    """:func:`settle_nb` in torch ops (a device's records and table; ``arrivals`` and
+    ``lens`` on that device): the arrivals of every row at once, the k-th of each row in
+    round k (a row's later arrival chains from its earlier one), each round walking the
+    successors of all its arrivals together, one slot a pass."""
+    if arrivals.shape[1] == 0:
+        return 0
+    dev = rec.device
+    row, p, t = arrivals[0], arrivals[1], arrivals[2]
+    # k-th arrival of its row (arrivals come in row runs, positions ascending)
+    idx = torch.arange(row.shape[0], device=dev)
+    starts = torch.ones_like(row, dtype=torch.bool)
+    starts[1:] = row[1:] != row[:-1]
+    run_start = torch.cummax(torch.where(starts, idx, 0), 0).values
+    rank = idx - run_start
+    width = table.shape[1]
+    num = 0
+    minus1 = torch.full_like(t, -1)
+    for k in range(int(rank.max()) + 1):
+        sel = (rank == k) & (p < width)
+        r_k, p_k, t_k = row[sel], p[sel], t[sel]
+        s = table[r_k, p_k]
+        ok = (s > 0) & (rec[s, 1] == p_k) & (rec[s, 0] == -1)
+        r_k, p_k, t_k, s = r_k[ok], p_k[ok], t_k[ok], s[ok]
+        if s.numel() == 0:
+            continue
+        prev = rec[s, 2]
+        old = chain_hash_t(prev, minus1[: s.numel()], p_k)
+        new = chain_hash_t(prev, t_k, p_k)
+        rec[s, 0] = t_k
+        num += int(s.numel())
+        q, end = p_k + 1, torch.clamp(lens[r_k], max=width)
+        while True:
+            live = q < end
+            s2 = table[r_k, torch.clamp(q, max=width - 1)]
+            live &= (s2 > 0) & (rec[s2, 1] == q) & (rec[s2, 2] == old)
+            if not bool(live.any()):
+                break
+            r_k, q, end, old, new, s2 = (x[live] for x in (r_k, q, end, old, new, s2))
+            token = rec[s2, 0]
+            rec[s2, 2] = new
+            old, new = chain_hash_t(old, token, q), chain_hash_t(new, token, q)
+            q = q + 1
+    return num
 
 
 @numba.njit(cache=True)

@@ -52,6 +52,8 @@ from kvcanary.integrations.vllm.steps import (
     group_rows_nb,
     input_ids_nb,
     meta_nb,
+    settle_nb,
+    settle_t,
 )
 
 logger = logging.getLogger("kvcanary.canary")
@@ -127,6 +129,14 @@ class VllmCanaryWorker:
         self._seal_pending = False  # this step's metadata has seals not written yet
         self.num_sealed = 0  # positions sealed (per group written, summed)
         self.num_cleared = 0  # slots whose records were cleared
+        # Async scheduling (docs/VLLM.md, "Tokens"): positions planned before their token
+        # was known whose token arrived since, and the records settled with it.
+        self.num_arrived = 0
+        self.num_settled = 0
+        # The buffer the model runner's forward takes its input ids from (int, [>= tokens
+        # of a step], on the device), when the connector found it: the records of positions
+        # planned without a token carry the id the forward used (.connector).
+        self.forward_input_ids: torch.Tensor | None = None
 
     # -------------------------------------------------------------- scheduler input
     def on_meta(self, meta: StepMeta) -> None:
@@ -143,11 +153,38 @@ class VllmCanaryWorker:
         end = max(map(operator.add, meta.token_starts, meta.token_counts), default=0)
         if end > tables.tokens.shape[1]:
             tables.ensure(self._num_rows, end)
-        self._by_slot = meta_nb(
+        keys, key_rows, arrivals = meta_nb(
             np.array(rows, dtype=np.int64), np.array(meta.first_slots, dtype=np.int64),
             np.array(meta.token_starts, dtype=np.int64), np.array(meta.token_counts, dtype=np.int64),
-            np.array(meta.tokens, dtype=np.int64), tables.tokens, tables.lens,
+            np.array(meta.num_computed, dtype=np.int64), np.array(meta.tokens, dtype=np.int64),
+            tables.tokens, tables.lens,
         )  # fmt: skip
+        self._by_slot = (keys, key_rows)
+        if arrivals.shape[1]:
+            self._settle(arrivals)
+
+    def _settle(self, arrivals: np.ndarray) -> None:
+        """Async scheduling: the records of positions whose token arrived in this step's
+        metadata, settled (:func:`.steps.settle_nb`) in every group's HEAD and TAIL
+        buffers, before anything reads them; their mirror entries already hold it."""
+        self.num_arrived += arrivals.shape[1]
+        tables = self.tables
+        if self.device.type != "cpu":
+            dev_arrivals = torch.from_numpy(arrivals).to(self.device)
+            tables.publish(np.unique(arrivals[0]))
+        for spec in self.specs:
+            records = self.records[spec.block_size]
+            for buf in (records.k_head, records.k_tail, records.v_head, records.v_tail):
+                if buf is None:
+                    continue
+                if self.device.type == "cpu":
+                    num = settle_nb(buf.view(torch.int64).numpy(), tables.r2t_host[spec.index],
+                                    arrivals, tables.lens)  # fmt: skip
+                else:
+                    num = settle_t(buf.view(torch.int64), tables.r2t[spec.index], dev_arrivals,
+                                   tables.token_lens)  # fmt: skip
+                if buf is records.k_head:
+                    self.num_settled += num
 
     def _row(self, rid: str) -> int:
         """Request ``rid``'s row of the tables (a fresh one the first time)."""
@@ -193,6 +230,11 @@ class VllmCanaryWorker:
         n, num_tokens, dev = ql.shape[0], positions.shape[0], self.device
         if unmatched:  # rows no first slot matched (rare): the slow path
             input_ids = self._unmatched_rows(rows, prefix, ql, num_tokens, input_ids)
+        fwd = self.forward_input_ids
+        if fwd is not None and num_tokens:  # ids not known yet: the ones the forward used
+            pending = input_ids == -1
+            if pending.any():
+                input_ids[pending] = _host(fwd[:num_tokens])[pending]
         tables.ensure(self._num_rows, max_seq)
         outs = [self._group_rows(spec, md, n, num_tokens, prefix, seq, max_seq, rows)
                 for spec, md in zip(self.specs, metadata, strict=True)]  # fmt: skip
@@ -445,7 +487,8 @@ class VllmCanaryWorker:
                            "violations_reported", "verify_overflow_steps")}  # fmt: skip
         return {**total, "steps": self.num_steps,
                 "dependent_passes": self.num_dependent_passes, "sealed": self.num_sealed,
-                "cleared": self.num_cleared, "groups": per_group}  # fmt: skip
+                "cleared": self.num_cleared, "async_arrived": self.num_arrived,
+                "async_settled": self.num_settled, "groups": per_group}  # fmt: skip
 
     @property
     def violations(self) -> list[Any]:
