@@ -238,12 +238,14 @@ class VllmCanaryWorker:
         tables.ensure(self._num_rows, max_seq)
         outs = [self._group_rows(spec, md, n, num_tokens, prefix, seq, max_seq, rows)
                 for spec, md in zip(self.specs, metadata, strict=True)]  # fmt: skip
-        if dev.type == "cpu" and not may_depend:  # the usual step: numpy, no tensors made
-            batches = [StepBatch(None, (rows, prefix, ql, input_ids, positions, out.numpy()))
-                       for out in outs]  # fmt: skip
-            self._head(batches)
-            self._open = [batches]
-            return
+        if dev.type == "cpu":
+            if not may_depend:  # the usual step: numpy, no tensors made
+                batches = [StepBatch(None, (rows, prefix, ql, input_ids, positions, out))
+                           for out in outs]  # fmt: skip
+                self._head(batches)
+                self._open = [batches]
+                return
+            outs = [torch.from_numpy(out) for out in outs]
         tables.publish(rows)
         row_idx, prefix_t, ql_t, positions_t, ids_t = (
             _tensor(a, dev) for a in (rows, prefix, ql, positions, input_ids))  # fmt: skip
@@ -450,19 +452,19 @@ class VllmCanaryWorker:
 
     def _group_rows(self, spec: GroupSpec, md: Any, n: int, num_tokens: int,
                     prefix: np.ndarray, seq: np.ndarray, max_seq: int,
-                    rows: np.ndarray) -> torch.Tensor:  # fmt: skip
+                    rows: np.ndarray) -> Any:  # fmt: skip
         """The batch rows' req->token rows of the group (batch row r -> table row
         ``rows[r]``) from the block table attention reads: position p ->
         ``block_table[r, p // bs] * bs + p % bs``, 0 for the null block, past the sequence
         and (sliding groups) before ``K - W + 1``; returns the step's slots of the group
-        (``slot_mapping``, -1 for padding and the null block)."""
+        (``slot_mapping``, -1 for padding and the null block): numpy on the CPU, else a
+        tensor on the device."""
         bs, tables = spec.block_size, self.tables
         window = spec.sliding_window or 0
         if self.device.type == "cpu":  # one compiled pass (the per-step path on CPU)
-            return torch.from_numpy(group_rows_nb(
+            return group_rows_nb(
                 md.block_table.numpy(), md.slot_mapping.numpy(), seq, prefix, bs, window,
-                tables.r2t_host[spec.index], rows, num_tokens,
-                tables.seen(spec.index, bs)))  # fmt: skip
+                tables.r2t_host[spec.index], rows, num_tokens, tables.seen(spec.index, bs))  # fmt: skip
         table = tables.r2t[spec.index]
         row_idx = torch.from_numpy(rows).to(self.device)
         bt = md.block_table[:n].long()
@@ -542,7 +544,7 @@ def _levels(deps: list[set[int]], max_level: int = 8) -> list[int]:
 
 def _host(t: torch.Tensor) -> np.ndarray:
     """``t`` as host numpy (a view on the CPU)."""
-    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+    return t.numpy() if t.is_cpu else t.cpu().numpy()
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
