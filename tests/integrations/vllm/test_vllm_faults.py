@@ -101,19 +101,6 @@ def test_block_table_entry_points_at_another_live_block(checkpoints: dict[str, P
                 "verify_chain_hash", set(range(victim * bs, (victim + 1) * bs)), caplog.text)  # fmt: skip
 
 
-def _flip_k_byte(conn: Any, group: int, block: int, offset: int, element: int = 0) -> None:
-    """Flip byte 1 of element ``element`` of KV head 0's K of slot ``block * bs + offset``
-    in the group's first layer (vLLM's CPU layout stores a block's K of a head transposed,
-    ``[head_size, block_size]``: the element sits at ``element * bs + offset``; -1: the
-    last element)."""
-    pool = conn.worker.pools[group]
-    kv = pool.layers[0]
-    spec = pool.spec
-    es, bs = kv.element_size(), spec.block_size
-    raw = kv.view(kv.shape[0], -1).view(__import__("torch").uint8)
-    raw[block, (element % spec.head_size * bs + offset) * es + 1] ^= 0xFF
-
-
 def test_cpu_attention_isa_is_the_one_vllm_picked(checkpoints: dict[str, Path]) -> None:
     """The ISA the connector predicts for each group (which decides whether the canary can
     read the group's KV layout) is the one vLLM's CPU attention set on its layers."""
@@ -139,7 +126,7 @@ def test_kv_byte_flipped_in_live_block(checkpoints: dict[str, Path], caplog: pyt
 
         sfm = conn.worker.managers[0].single_forward_managers[0]
         assert isinstance(sfm._fused, FusedRowLaunches)
-        _flip_k_byte(conn, 0, block, 7, element=-1)  # K's last element (not V)
+        H.flip_k_byte(conn, 0, block, 7, element=-1)  # K's last element (not V)
         steps, rows = _steps_to_detection(llm, conn, before)
         _record("KV byte flipped in a live block", steps, rows, {"TAIL_K_FULL"},
                 "verify_real_kv_hash", {block * H.BLOCK_SIZE + 7}, caplog.text)  # fmt: skip
@@ -164,7 +151,7 @@ def test_kv_byte_flipped_in_cached_free_block(checkpoints: dict[str, Path], capl
         ids = _finished_blocks(llm, "p", p)
         conn = H.connector(llm)
         before = len(conn.worker.violations)
-        _flip_k_byte(conn, 0, ids[1], 5)  # no request holds it: only the prefix cache
+        H.flip_k_byte(conn, 0, ids[1], 5)  # no request holds it: only the prefix cache
         H.add_request(llm, "p2", p[:96] + _prompt(5, 20), 4)  # hits the 3 cached blocks
         steps, rows = _steps_to_detection(llm, conn, before)
         _record("KV byte flipped in a prefix-cached free block", steps, rows, {"TAIL_K_FULL"},

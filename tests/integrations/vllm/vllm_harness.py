@@ -29,6 +29,40 @@ def make_checkpoint(root: Path, family: str) -> Path:
     return make_tiny_hf_checkpoint(root, family, head_dim=HEAD_DIM)
 
 
+def add_tokenizer(ckpt: Path) -> None:
+    """Write a word-level tokenizer into the checkpoint ``ckpt`` (vLLM's server needs one;
+    the offline engines skip it): token id ``i`` is the word ``t{i}``, id 0 ``<unk>`` (any
+    other word), BOS / EOS the fixture's; a chat template of ``role: content`` lines."""
+    from hf_fixtures import BOS_ID, EOS_ID, VOCAB_SIZE
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(1, VOCAB_SIZE)}
+    vocab.update({"<unk>": 0, "<s>": BOS_ID, "</s>": EOS_ID})
+    del vocab[f"t{BOS_ID}"], vocab[f"t{EOS_ID}"]
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")  # fmt: skip
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", chat_template=template).save_pretrained(ckpt)  # fmt: skip
+
+
+def flip_k_byte(conn: Any, group: int, block: int, offset: int, element: int = 0) -> None:
+    """Flip byte 1 of element ``element`` of KV head 0's K of slot ``block * bs + offset``
+    in the group's first layer (vLLM's CPU layout stores a block's K of a head transposed,
+    ``[head_size, block_size]``: the element sits at ``element * bs + offset``; -1: the
+    last element). The tensor is vLLM's own KV cache (the one the connector registered)."""
+    import torch
+
+    pool = conn.worker.pools[group]
+    kv = pool.layers[0]
+    spec = pool.spec
+    es, bs = kv.element_size(), spec.block_size
+    raw = kv.view(kv.shape[0], -1).view(torch.uint8)
+    raw[block, (element % spec.head_size * bs + offset) * es + 1] ^= 0xFF
+
+
 def canary_transfer_config(*, policy: str | None = None, **options: Any) -> dict[str, Any]:
     """The ``kv_transfer_config`` naming the canary (its options in the extra config;
     ``policy``: vLLM's ``kv_load_failure_policy``, what abort mode leads to)."""

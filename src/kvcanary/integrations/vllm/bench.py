@@ -67,12 +67,25 @@ def _serve(args: dict[str, Any], conn: Any) -> None:
     llm = LLM(**kw)
     prompts = [{"prompt_token_ids": p} for p in args["prompts"]]
 
-    def gen(max_tokens: int) -> tuple[float, list[list[int]]]:
+    def hook_seconds() -> dict[str, float]:
+        """The canary's hook seconds so far (worker and scheduler sides)."""
+        if args["canary"] is None:
+            return {}
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        return {**get_kv_transfer_group().seconds, **sched.seconds}
+
+    def gen(max_tokens: int) -> tuple[float, list[list[int]], dict[str, float]]:
+        """One pass: its seconds, outputs and the canary's hook seconds in it."""
         llm.reset_prefix_cache()  # every pass computes its prompts
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        before = hook_seconds()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
-        return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+        seconds = time.perf_counter() - t0
+        hooks = {k: v - before.get(k, 0.0) for k, v in hook_seconds().items()}
+        return seconds, [list(o.outputs[0].token_ids) for o in outs], hooks
 
     gen(4)  # warm-up (numba loads / compiles its kernels, allocator warm)
     if args["canary"] is not None:  # count the canary's time from here on
@@ -186,13 +199,16 @@ def bench_vllm(a: argparse.Namespace) -> dict[str, Any]:
         assert parent.recv() == "ready"
         pipes[name] = parent
     times: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "full": []} for n in pipes}
+    hooks: dict[str, list[dict[str, float]]] = {"prefill": [], "full": []}  # canary, per pass
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(a.rounds):  # alternate, so interference from other jobs hits both
         for kind in ("prefill", "full"):
             for name, pipe in pipes.items():
                 pipe.send(kind)
-                seconds, outs = pipe.recv()
+                seconds, outs, pass_hooks = pipe.recv()
                 times[name][kind].append(seconds)
+                if name == "canary":
+                    hooks[kind].append(pass_hooks)
                 if kind == "full":
                     outputs.setdefault(name, outs)
                     if outs != outputs[name]:
@@ -236,19 +252,36 @@ def bench_vllm(a: argparse.Namespace) -> dict[str, Any]:
         # outputs_identical means little on this machine.
         result["control_outputs_identical"] = bool(outputs["plain"]) and (
             outputs["plain"] == outputs["control"])  # fmt: skip
-    # Where the time goes, measured inside one run (interference-proof): the canary's own
-    # milliseconds per step against the plain engine's best milliseconds per decode step.
-    plain_step_ms = 1e3 * (min(times["plain"]["full"]) - min(times["plain"]["prefill"])) / max(
-        a.output_len - 1, 1)
-    canary_ms = sum(stats["canary"].get("ms_per_step", {}).values())
-    result["per_step"] = {"plain_decode_step_ms": round(plain_step_ms, 3),
-                          "canary_ms": stats["canary"].get("ms_per_step", {}),
-                          "canary_total_ms": round(canary_ms, 3),
-                          "canary_vs_plain_decode_step_pct": round(100 * canary_ms / plain_step_ms, 1)}
+    result["per_step"] = hook_shares(times, hooks, a.output_len)
     result["seconds"] = {n: {k: [round(x, 4) for x in v] for k, v in t.items()}
                          for n, t in times.items()}  # fmt: skip
     tmp.cleanup()
     return result
+
+
+def hook_shares(times: dict[str, dict[str, list[float]]],
+                hooks: dict[str, list[dict[str, float]]], output_len: int) -> dict[str, Any]:  # fmt: skip
+    """Where the time goes, measured inside the canary engine's own passes: each hook's
+    best (minimum over the passes: interference only adds) seconds in a prefill pass and
+    in a full pass; a decode step's share = (full - prefill) / decode steps, against the
+    plain engine's best milliseconds per decode step; the prefill pass's share against the
+    plain engine's best prefill pass."""
+    steps = max(output_len - 1, 1)
+    plain_step_ms = 1e3 * (min(times["plain"]["full"]) - min(times["plain"]["prefill"])) / steps
+    best = {kind: {k: min(p.get(k, 0.0) for p in passes) for k in passes[0]} if passes else {}
+            for kind, passes in hooks.items()}  # fmt: skip
+    decode = {k: max(v - best["prefill"].get(k, 0.0), 0.0) * 1e3 / steps
+              for k, v in best["full"].items()}  # fmt: skip
+    prefill_ms = 1e3 * sum(best["prefill"].values())
+    decode_ms = sum(decode.values())
+    plain_prefill_ms = 1e3 * min(times["plain"]["prefill"])
+    return {"plain_decode_step_ms": round(plain_step_ms, 3),
+            "canary_decode_ms": {k: round(v, 4) for k, v in sorted(decode.items())},
+            "canary_decode_total_ms": round(decode_ms, 3),
+            "canary_vs_plain_decode_step_pct": round(100 * decode_ms / plain_step_ms, 1),
+            "plain_prefill_pass_ms": round(plain_prefill_ms, 3),
+            "canary_prefill_pass_ms": round(prefill_ms, 3),
+            "canary_vs_plain_prefill_pct": round(100 * prefill_ms / plain_prefill_ms, 1)}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ from vllm.forward_context import get_forward_context
 from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 from kvcanary.integrations.vllm.namespace import namespace, salt_of, salted
 from kvcanary.integrations.vllm.options import parse_options, rank_summary_path
+from kvcanary.integrations.vllm.stats import KVCanaryPromMetrics, KVCanaryStats, StatsCursor
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -159,6 +161,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self.summary_path = self.options.summary_path  # this rank's (rank_summary_path)
         self._num_written = 0  # violation rows in the last summary written
         self.warmup: WorkerWarmup | None = None  # the kernels' compile at start-up
+        self._stats = StatsCursor(self.options.canary.stats_interval or 100)  # vLLM /metrics
         # The group whose slots identify a batch row's request (as VllmCanaryWorker's).
         self._key_group = next((s.index for s in self.specs if s.sliding_window is None), 0)
         self._head_done = False
@@ -183,14 +186,9 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._num_metas = 0
         self._partial_hits_warned = False
         self._token_check = self.options.canary.verify_tokens
-        if role == KVConnectorRole.SCHEDULER and getattr(
-            vllm_config.scheduler_config, "async_scheduling", False
-        ) and self._token_check:  # fmt: skip
-            logger.warning(
-                "kv-canary (vLLM): async scheduling is on, so a decode step's input token "
-                "is not known to the scheduler when the step is planned; records of such "
-                "tokens carry token -1 and the token check skips them"
-            )
+        # Async scheduling: a decode step is planned before its input token is known
+        # (docs/VLLM.md, "Tokens").
+        self._async = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -208,6 +206,8 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         )  # fmt: skip
         self.warmup = warm
         self.worker = VllmCanaryWorker(self.options.canary, self.specs, kv_caches)
+        if self._async and self._token_check:
+            self._attach_forward_input_ids()
         parallel = self._vllm_config.parallel_config
         self.rank, self.world_size = int(parallel.rank), int(parallel.world_size)
         labels = None
@@ -238,6 +238,36 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             self._registered: Any = collector
         except ValueError:  # a previous engine of this process registered the same names
             self._registered = None
+
+    def _attach_forward_input_ids(self) -> None:
+        """Async scheduling: give the worker the buffer vLLM's model runner feeds its
+        forward's input ids from (``GPUModelRunner.input_ids``, a persistent buffer; the
+        async path writes the previous step's sampled ids into it on the device), so the
+        records of positions planned without a token carry the token the forward used, and
+        the scheduler's token, when it arrives, is checked against it. The connector API
+        does not hand it over: it is found on the call stack of ``register_kv_caches``
+        (the model runner's ``initialize_kv_cache``). Not with tenant isolation (records
+        carry salted token ids); not found: those records carry -1 until the token arrives,
+        then the scheduler's (a warning says so)."""
+        assert self.worker is not None
+        if self._salts is not None:
+            return
+        frame = sys._getframe(1)
+        for _ in range(12):
+            if frame is None:
+                break
+            runner = frame.f_locals.get("self")
+            buf = getattr(getattr(runner, "input_ids", None), "gpu", None)
+            is_runner = hasattr(runner, "execute_model")
+            if is_runner and isinstance(buf, torch.Tensor) and buf.dim() == 1:
+                self.worker.forward_input_ids = buf
+                return
+            frame = frame.f_back
+        logger.warning(
+            "kv-canary (vLLM): async scheduling is on and the model runner's input ids were "
+            "not found; records of tokens planned before they are known carry the "
+            "scheduler's token once it arrives (the forward's own input is not checked)"
+        )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -284,6 +314,21 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self.worker is None else self.worker.take_invalid_blocks()
 
+    def get_kv_connector_stats(self) -> KVCanaryStats | None:
+        """The canary's counts since the last report, on their way to vLLM's ``/metrics``
+        (:mod:`.stats`)."""
+        return None if self.worker is None else self._stats.take(self.worker)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVCanaryStats:
+        return KVCanaryStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                           ) -> KVCanaryPromMetrics:  # fmt: skip
+        return KVCanaryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.flush()
@@ -328,8 +373,9 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _summary_due(self) -> bool:
         """Every ``stats_interval`` steps (100 when 0), and in a step that reported
-        violations: vLLM's multiprocess shutdown may kill a worker (5 s after SIGTERM to
-        the engine core) before its shutdown hook writes."""
+        violations: vLLM's multiprocess shutdown may kill a worker before its shutdown
+        hook writes (at once under ``vllm serve``'s default ``--shutdown-timeout 0``, after
+        5 s for an offline ``LLM``'s engine core)."""
         if self.worker is None:
             return False
         interval = max(1, self.options.canary.stats_interval or 100)

@@ -1,6 +1,6 @@
 """Each vLLM step's attention metadata as the canary's forward batches: the req->token
 tables all groups share (:class:`StepTables`), their per-group views and hosts, and the
-compiled passes that rebuild them from vLLM's block tables every step.
+compiled passes that bring them up to date with vLLM's block tables every step.
 
 Sliding groups: vLLM frees the blocks that leave a window without telling the worker (its
 block table keeps the stale ids), so rows keep only positions ``>= K - W + 1`` (K: tokens
@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import torch
 
-from kvcanary.canary.wire.hashing import ANCHOR_HASH_I64, chain_hash_nb
+from kvcanary.canary.wire.hashing import ANCHOR_HASH_I64, chain_hash_nb, chain_hash_t
 from kvcanary.integrations.vllm.pool import VllmGroupPool
 
 
@@ -26,7 +26,7 @@ class StepTables:
     each live request keeps one row (1 and up; row 0 = padding) from the first step it runs
     until it finishes. Its token ids go into the host store (``tokens`` / ``lens``, numpy)
     as the scheduler sends them (:meth:`.worker.VllmCanaryWorker.on_meta`); its req->token rows are
-    refilled from the block tables every step it runs. On the CPU the mirror the canary
+    brought up to date with the block tables every step it runs (:func:`group_rows_nb`). On the CPU the mirror the canary
     reads (``token_ids`` / ``token_lens``) is the store itself; on another device the rows
     of a step's batch are copied there. Grown on demand (token ids kept)."""
 
@@ -38,6 +38,9 @@ class StepTables:
         self.tokens = np.full((1, 1), -1, dtype=np.int64)
         self.lens = np.zeros(1, dtype=np.int64)
         self.token_ids, self.token_lens = self._mirror()
+        # Per group, the block ids each row's req->token row holds (group_rows_nb), made on
+        # first use and dropped with the tables they describe.
+        self._seen: list[np.ndarray | None] = [None] * num_groups
 
     def _r2t_host(self) -> list[np.ndarray]:
         """The req->token tables as numpy views (on the CPU; empty elsewhere)."""
@@ -58,12 +61,23 @@ class StepTables:
         for g in range(len(self.r2t)):
             self.r2t[g] = torch.zeros(rows, cols, dtype=torch.int64, device=self.device)
         self.r2t_host = self._r2t_host()
+        self._seen = [None] * len(self.r2t)
         tokens = np.full((rows, cols), -1, dtype=np.int64)
         tokens[:have_rows, :have_cols] = self.tokens
         lens = np.zeros(rows, dtype=np.int64)
         lens[:have_rows] = self.lens
         self.tokens, self.lens = tokens, lens
         self.token_ids, self.token_lens = self._mirror()
+
+    def seen(self, group: int, block_size: int) -> np.ndarray:
+        """Group ``group``'s block ids per row and block index that its host req->token
+        row holds (-1: none; :func:`group_rows_nb`)."""
+        seen = self._seen[group]
+        if seen is None:
+            rows, cols = self.r2t_host[group].shape
+            seen = self._seen[group] = np.full((rows, cols // block_size + 1), -1,
+                                               dtype=np.int64)  # fmt: skip
+        return seen
 
     def publish(self, rows: np.ndarray) -> None:
         """The mirror rows ``rows`` as the store holds them (off the CPU: copied over)."""
@@ -164,22 +178,116 @@ def batch_nb(qsl, seq_lens, key_slots, keys, key_rows, tokens, lens):
 
 
 @numba.njit(cache=True)
-def meta_nb(rows, first_slots, starts, counts, tokens, store, lens):
+def meta_nb(rows, first_slots, starts, counts, computed, tokens, store, lens):
     """:meth:`.worker.VllmCanaryWorker.on_meta`'s columns: each request's token ids into its row of
     the token store (``store``, lengths ``lens``: the known prefix grows); returns (the
-    first slots that are allocated, sorted; their requests' rows)."""
-    at = 0
+    first slots that are allocated, sorted; their requests' rows; the *arrivals* ``[3, m]``:
+    row, position and token id of each position the store held as not known yet (-1, sent
+    so under async scheduling) that is known now and that this step reads (below the
+    request's ``computed`` count): the positions whose records :func:`settle_nb` settles)."""
+    at = m = 0
+    arrivals = np.empty((3, tokens.shape[0]), dtype=np.int64)
     for i in range(rows.shape[0]):
-        row, start, count = rows[i], starts[i], counts[i]
+        row, start, count, k = rows[i], starts[i], counts[i], computed[i]
+        have = lens[row]
         for j in range(count):
-            store[row, start + j] = tokens[at + j]
+            p, t = start + j, tokens[at + j]
+            if p < have and p < k and t != -1 and store[row, p] == -1:
+                arrivals[0, m], arrivals[1, m], arrivals[2, m] = row, p, t
+                m += 1
+            store[row, p] = t
         at += count
-        if start + count > lens[row]:
+        if start + count > have:
             lens[row] = start + count
     keep = first_slots >= 0
     keys, key_rows = first_slots[keep], rows[keep]
     order = np.argsort(keys, kind="mergesort")  # (stable: the first of equal slots first)
-    return keys[order], key_rows[order]
+    return keys[order], key_rows[order], arrivals[:, :m]
+
+
+@numba.njit(cache=True)
+def settle_nb(rec, table, arrivals, lens):
+    """Settle the records ``rec`` (int64 view of a record buffer) of the positions whose
+    token ids arrived (``arrivals``, :func:`meta_nb`'s, in position order per row), at
+    their slots in ``table`` (a group's req->token table, as the request's last step left
+    it). A record is settled only while it is still the one written for that position with
+    the token not known: position p and token -1. Its token becomes the arrived one, and
+    the chain hashes after it are made again from it, slot by slot, as long as each
+    successor is the record chained from it (its position, and its stored chain hash the
+    one the record before it made): any other record, and a record written with a token
+    (the forward's input id), is left as it is, so a token that differs from the arrived
+    one is reported by the next verify of that slot. Returns the records settled."""
+    num = 0
+    width = table.shape[1]
+    for i in range(arrivals.shape[1]):
+        row, p, t = arrivals[0, i], arrivals[1, i], arrivals[2, i]
+        if p >= width:
+            continue
+        s = table[row, p]
+        if s <= 0 or rec[s, 1] != p or rec[s, 0] != -1:
+            continue
+        old = np.int64(chain_hash_nb(rec[s, 2], np.int64(-1), p))
+        new = np.int64(chain_hash_nb(rec[s, 2], t, p))
+        rec[s, 0] = t
+        num += 1
+        q = p + 1
+        while q < min(lens[row], width):
+            s2 = table[row, q]
+            if s2 <= 0 or rec[s2, 1] != q or rec[s2, 2] != old:
+                break
+            token = rec[s2, 0]
+            rec[s2, 2] = new
+            old = np.int64(chain_hash_nb(old, token, q))
+            new = np.int64(chain_hash_nb(new, token, q))
+            q += 1
+    return num
+
+
+def settle_t(rec: torch.Tensor, table: torch.Tensor, arrivals: torch.Tensor,
+             lens: torch.Tensor) -> int:  # fmt: skip
+    """:func:`settle_nb` in torch ops (a device's records and table; ``arrivals`` and
+    ``lens`` on that device): the arrivals of every row at once, the k-th of each row in
+    round k (a row's later arrival chains from its earlier one), each round walking the
+    successors of all its arrivals together, one slot a pass."""
+    if arrivals.shape[1] == 0:
+        return 0
+    dev = rec.device
+    row, p, t = arrivals[0], arrivals[1], arrivals[2]
+    # k-th arrival of its row (arrivals come in row runs, positions ascending)
+    idx = torch.arange(row.shape[0], device=dev)
+    starts = torch.ones_like(row, dtype=torch.bool)
+    starts[1:] = row[1:] != row[:-1]
+    run_start = torch.cummax(torch.where(starts, idx, 0), 0).values
+    rank = idx - run_start
+    width = table.shape[1]
+    num = 0
+    minus1 = torch.full_like(t, -1)
+    for k in range(int(rank.max()) + 1):
+        sel = (rank == k) & (p < width)
+        r_k, p_k, t_k = row[sel], p[sel], t[sel]
+        s = table[r_k, p_k]
+        ok = (s > 0) & (rec[s, 1] == p_k) & (rec[s, 0] == -1)
+        r_k, p_k, t_k, s = r_k[ok], p_k[ok], t_k[ok], s[ok]
+        if s.numel() == 0:
+            continue
+        prev = rec[s, 2]
+        old = chain_hash_t(prev, minus1[: s.numel()], p_k)
+        new = chain_hash_t(prev, t_k, p_k)
+        rec[s, 0] = t_k
+        num += int(s.numel())
+        q, end = p_k + 1, torch.clamp(lens[r_k], max=width)
+        while True:
+            live = q < end
+            s2 = table[r_k, torch.clamp(q, max=width - 1)]
+            live &= (s2 > 0) & (rec[s2, 1] == q) & (rec[s2, 2] == old)
+            if not bool(live.any()):
+                break
+            r_k, q, end, old, new, s2 = (x[live] for x in (r_k, q, end, old, new, s2))
+            token = rec[s2, 0]
+            rec[s2, 2] = new
+            old, new = chain_hash_t(old, token, q), chain_hash_t(new, token, q)
+            q = q + 1
+    return num
 
 
 @numba.njit(cache=True)
@@ -198,17 +306,37 @@ def input_ids_nb(tokens, lens, rows, prefix, ql, num_tokens):
 
 
 @numba.njit(cache=True)
-def group_rows_nb(bt, slot_mapping, seq, prefix, bs, window, table, rows, num_tokens):
+def group_rows_nb(bt, slot_mapping, seq, prefix, bs, window, table, rows, num_tokens, seen):
     """:meth:`.worker.VllmCanaryWorker._group_rows` on the CPU (batch row r -> table row
-    ``rows[r]``; only positions < seq[r] are written, the planner reads no further)."""
+    ``rows[r]``; only positions < seq[r] are read by the planner).
+
+    A full group's row keeps what earlier steps wrote: ``seen[row, i]`` is the block id
+    whose slots row ``row`` holds at block index ``i`` (-1: none yet), so each step
+    compares every block-table entry the sequence covers with it and rewrites only the
+    blocks that changed (a decode step: none, or the one new block). The entries are pure
+    functions of (block id, index), so the row equals a full rebuild's, whichever request
+    held the row before (nothing else writes a full group's host rows; the tables and
+    ``seen`` are replaced together when they grow). A sliding group's
+    rows are rebuilt (their window's start moves every step)."""
     nb = bt.shape[1]
+    width = table.shape[1]
     for r in range(seq.shape[0]):
-        lo = max(0, prefix[r] - window + 1) if window > 0 else 0
         row = rows[r]
-        for p in range(seq[r]):
-            bi = p // bs
-            b = bt[r, bi] if bi < nb else 0
-            table[row, p] = b * bs + p % bs if (b != 0 and p >= lo) else 0
+        if window > 0:
+            lo = max(0, prefix[r] - window + 1)
+            for p in range(seq[r]):
+                bi = p // bs
+                b = bt[r, bi] if bi < nb else 0
+                table[row, p] = b * bs + p % bs if (b != 0 and p >= lo) else 0
+            continue
+        for bi in range((seq[r] + bs - 1) // bs):
+            b = np.int64(bt[r, bi]) if bi < nb else 0
+            if seen[row, bi] == b:
+                continue
+            seen[row, bi] = b
+            base = b * bs
+            for p in range(bi * bs, min((bi + 1) * bs, width)):
+                table[row, p] = base + p - bi * bs if b != 0 else 0
     out = np.empty(min(num_tokens, slot_mapping.shape[0]), dtype=np.int64)
     for t in range(out.shape[0]):
         s = slot_mapping[t]

@@ -6,7 +6,8 @@ tensors (so every kernel sees the same array types: dtypes, layouts) and the sam
 options takes a few synthetic steps as vLLM's scheduler and attention metadata would hand
 them in (the dtypes of vLLM's CPU and GPU attention metadata): a prompt prefilled in two
 chunks, a second request on the first one's prefix blocks, the two decoding together across
-a block boundary, then one finishing and a third taking its row, and a fourth starting on
+a block boundary (and as async scheduling plans them: tokens not known yet, then
+arriving), then one finishing and a third taking its row, and a fourth starting on
 tokens another connector loaded (its slots cleared, then sealed). Numba compiles (or loads
 from its on-disk cache) every kernel those steps call, the serial and threaded variants
 both; the real worker then starts with nothing left to compile.
@@ -71,9 +72,11 @@ class _Synthetic:
         self.add(rid, prompt)
         self.loaded[rid] = self.computed[rid] = loaded
 
-    def step(self, work: dict[str, int], finished: Sequence[str] = ()
+    def step(self, work: dict[str, int], finished: Sequence[str] = (), pending: Sequence[str] = ()
              ) -> tuple[StepMeta, list[SimpleNamespace]]:  # fmt: skip
-        """The metadata of one step computing ``work[rid]`` tokens of each request."""
+        """The metadata of one step computing ``work[rid]`` tokens of each request;
+        ``pending``: requests whose last token is sent as not known yet (-1, async
+        scheduling), and again, known, in their next step."""
         meta = StepMeta(finished=list(finished))
         qsl, seq = [0], []
         slots: list[list[int]] = [[] for _ in self.specs]
@@ -84,14 +87,17 @@ class _Synthetic:
                 self.blocks[rid].append(self.next_block)
                 self.next_block += 1
             first = self.blocks[rid][k // bs_key] * bs_key + k % bs_key
-            meta.add(rid, k, n, self.sent[rid], toks[self.sent[rid] :], first)
+            send = toks[self.sent[rid] :]
+            if rid in pending:
+                send = send[:-1] + [-1]
+            meta.add(rid, k, n, self.sent[rid], send, first)
             if rid in self.loaded:
                 loaded = self.loaded.pop(rid)
                 held = [[self.blocks[rid][p // s.block_size] * s.block_size + p % s.block_size
                          for p in range(loaded)] for s in self.specs]  # fmt: skip
                 meta.seal(rid, 0, loaded, held)
                 meta.invalid_slots = [list(h) for h in held]
-            self.sent[rid] = len(toks)
+            self.sent[rid] = len(toks) - (rid in pending)
             qsl.append(qsl[-1] + n)
             seq.append(k + n)
             for g, spec in enumerate(self.specs):
@@ -148,6 +154,8 @@ def warm_worker(config: CanaryConfig, specs: Sequence[GroupSpec],
         _run(worker, fake.step({"b": 3, "a": 1}))  # a prefix hit beside a decode
         for _ in range(bs + 1):  # batched decode, across a block boundary
             _run(worker, fake.step({"a": 1, "b": 1}))
+        for _ in range(2):  # async scheduling: tokens planned unknown, known a step later
+            _run(worker, fake.step({"a": 1, "b": 1}, pending=("a", "b")))
         fake.add("c", [5] * (bs + 2))
         _run(worker, fake.step({"c": bs + 2, "b": 1}, finished=("a",)))  # a's row reused
         fake.load("d", [3] * (bs + 2), bs + 1)

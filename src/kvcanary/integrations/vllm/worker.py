@@ -11,7 +11,7 @@ What crosses (host contract: :mod:`kvcanary.canary.host`)::
     slot = block_id * block_size + offset            the group's slot index space; block 0
                                                      (vLLM's null block) -> slot 0 (none)
     attn_metadata[first layer of g]                  ForwardBatchView of group g:
-      block_table, seq_lens, query_start_loc,          req->token rows rebuilt every step
+      block_table, seq_lens, query_start_loc,          req->token rows kept up to date
       slot_mapping                                      from the block table attention reads
     connector metadata (scheduler side)              token ids (input ids, token mirror) and
                                                      the request of each batch row
@@ -52,6 +52,8 @@ from kvcanary.integrations.vllm.steps import (
     group_rows_nb,
     input_ids_nb,
     meta_nb,
+    settle_nb,
+    settle_t,
 )
 
 logger = logging.getLogger("kvcanary.canary")
@@ -127,6 +129,14 @@ class VllmCanaryWorker:
         self._seal_pending = False  # this step's metadata has seals not written yet
         self.num_sealed = 0  # positions sealed (per group written, summed)
         self.num_cleared = 0  # slots whose records were cleared
+        # Async scheduling (docs/VLLM.md, "Tokens"): positions planned before their token
+        # was known whose token arrived since, and the records settled with it.
+        self.num_arrived = 0
+        self.num_settled = 0
+        # The buffer the model runner's forward takes its input ids from (int, [>= tokens
+        # of a step], on the device), when the connector found it: the records of positions
+        # planned without a token carry the id the forward used (.connector).
+        self.forward_input_ids: torch.Tensor | None = None
 
     # -------------------------------------------------------------- scheduler input
     def on_meta(self, meta: StepMeta) -> None:
@@ -143,11 +153,38 @@ class VllmCanaryWorker:
         end = max(map(operator.add, meta.token_starts, meta.token_counts), default=0)
         if end > tables.tokens.shape[1]:
             tables.ensure(self._num_rows, end)
-        self._by_slot = meta_nb(
+        keys, key_rows, arrivals = meta_nb(
             np.array(rows, dtype=np.int64), np.array(meta.first_slots, dtype=np.int64),
             np.array(meta.token_starts, dtype=np.int64), np.array(meta.token_counts, dtype=np.int64),
-            np.array(meta.tokens, dtype=np.int64), tables.tokens, tables.lens,
+            np.array(meta.num_computed, dtype=np.int64), np.array(meta.tokens, dtype=np.int64),
+            tables.tokens, tables.lens,
         )  # fmt: skip
+        self._by_slot = (keys, key_rows)
+        if arrivals.shape[1]:
+            self._settle(arrivals)
+
+    def _settle(self, arrivals: np.ndarray) -> None:
+        """Async scheduling: the records of positions whose token arrived in this step's
+        metadata, settled (:func:`.steps.settle_nb`) in every group's HEAD and TAIL
+        buffers, before anything reads them; their mirror entries already hold it."""
+        self.num_arrived += arrivals.shape[1]
+        tables = self.tables
+        if self.device.type != "cpu":
+            dev_arrivals = torch.from_numpy(arrivals).to(self.device)
+            tables.publish(np.unique(arrivals[0]))
+        for spec in self.specs:
+            records = self.records[spec.block_size]
+            for buf in (records.k_head, records.k_tail, records.v_head, records.v_tail):
+                if buf is None:
+                    continue
+                if self.device.type == "cpu":
+                    num = settle_nb(buf.view(torch.int64).numpy(), tables.r2t_host[spec.index],
+                                    arrivals, tables.lens)  # fmt: skip
+                else:
+                    num = settle_t(buf.view(torch.int64), tables.r2t[spec.index], dev_arrivals,
+                                   tables.token_lens)  # fmt: skip
+                if buf is records.k_head:
+                    self.num_settled += num
 
     def _row(self, rid: str) -> int:
         """Request ``rid``'s row of the tables (a fresh one the first time)."""
@@ -193,15 +230,22 @@ class VllmCanaryWorker:
         n, num_tokens, dev = ql.shape[0], positions.shape[0], self.device
         if unmatched:  # rows no first slot matched (rare): the slow path
             input_ids = self._unmatched_rows(rows, prefix, ql, num_tokens, input_ids)
+        fwd = self.forward_input_ids
+        if fwd is not None and num_tokens:  # ids not known yet: the ones the forward used
+            pending = input_ids == -1
+            if pending.any():
+                input_ids[pending] = _host(fwd[:num_tokens])[pending]
         tables.ensure(self._num_rows, max_seq)
         outs = [self._group_rows(spec, md, n, num_tokens, prefix, seq, max_seq, rows)
                 for spec, md in zip(self.specs, metadata, strict=True)]  # fmt: skip
-        if dev.type == "cpu" and not may_depend:  # the usual step: numpy, no tensors made
-            batches = [StepBatch(None, (rows, prefix, ql, input_ids, positions, out.numpy()))
-                       for out in outs]  # fmt: skip
-            self._head(batches)
-            self._open = [batches]
-            return
+        if dev.type == "cpu":
+            if not may_depend:  # the usual step: numpy, no tensors made
+                batches = [StepBatch(None, (rows, prefix, ql, input_ids, positions, out))
+                           for out in outs]  # fmt: skip
+                self._head(batches)
+                self._open = [batches]
+                return
+            outs = [torch.from_numpy(out) for out in outs]
         tables.publish(rows)
         row_idx, prefix_t, ql_t, positions_t, ids_t = (
             _tensor(a, dev) for a in (rows, prefix, ql, positions, input_ids))  # fmt: skip
@@ -408,18 +452,19 @@ class VllmCanaryWorker:
 
     def _group_rows(self, spec: GroupSpec, md: Any, n: int, num_tokens: int,
                     prefix: np.ndarray, seq: np.ndarray, max_seq: int,
-                    rows: np.ndarray) -> torch.Tensor:  # fmt: skip
+                    rows: np.ndarray) -> Any:  # fmt: skip
         """The batch rows' req->token rows of the group (batch row r -> table row
         ``rows[r]``) from the block table attention reads: position p ->
         ``block_table[r, p // bs] * bs + p % bs``, 0 for the null block, past the sequence
         and (sliding groups) before ``K - W + 1``; returns the step's slots of the group
-        (``slot_mapping``, -1 for padding and the null block)."""
+        (``slot_mapping``, -1 for padding and the null block): numpy on the CPU, else a
+        tensor on the device."""
         bs, tables = spec.block_size, self.tables
         window = spec.sliding_window or 0
         if self.device.type == "cpu":  # one compiled pass (the per-step path on CPU)
-            return torch.from_numpy(group_rows_nb(
+            return group_rows_nb(
                 md.block_table.numpy(), md.slot_mapping.numpy(), seq, prefix, bs, window,
-                tables.r2t_host[spec.index], rows, num_tokens))  # fmt: skip
+                tables.r2t_host[spec.index], rows, num_tokens, tables.seen(spec.index, bs))  # fmt: skip
         table = tables.r2t[spec.index]
         row_idx = torch.from_numpy(rows).to(self.device)
         bt = md.block_table[:n].long()
@@ -444,7 +489,8 @@ class VllmCanaryWorker:
                            "violations_reported", "verify_overflow_steps")}  # fmt: skip
         return {**total, "steps": self.num_steps,
                 "dependent_passes": self.num_dependent_passes, "sealed": self.num_sealed,
-                "cleared": self.num_cleared, "groups": per_group}  # fmt: skip
+                "cleared": self.num_cleared, "async_arrived": self.num_arrived,
+                "async_settled": self.num_settled, "groups": per_group}  # fmt: skip
 
     @property
     def violations(self) -> list[Any]:
@@ -498,7 +544,7 @@ def _levels(deps: list[set[int]], max_level: int = 8) -> list[int]:
 
 def _host(t: torch.Tensor) -> np.ndarray:
     """``t`` as host numpy (a view on the CPU)."""
-    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+    return t.numpy() if t.is_cpu else t.cpu().numpy()
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
