@@ -182,3 +182,28 @@ def test_settle_scenarios_cover_settles_breaks_and_skips() -> None:
         settled += num
         skipped += arrivals.shape[1] - num
     assert settled > 10 and skipped > 0
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_a_finished_requests_last_planned_token_is_settled_with_its_finish(final: bool) -> None:
+    """A request that finishes while its last computed position's token was sent as not
+    known: its finish carries that token, the record is settled, and a later request that
+    hits its blocks reads it clean. Without it (``final`` False, what the connector sent
+    before) the record keeps token -1 and the prefix hit is reported: a false report."""
+    v = FakeVllm()
+    _async_run(v, 3)  # a computed 12 positions (3 full blocks), the last one planned as -1
+    assert v.computed["a"] == 12 and v.sent["a"] == 11
+    v.step(["b"], finished=("a",), final=final)
+    v.add("c", v.tokens["a"][:12] + [777])  # a prefix hit on a's three blocks
+    v.blocks["c"], v.computed["c"] = list(v.blocks["a"][:3]), 12
+    v.step(["c"])
+    slot = v.blocks["a"][11 // BS] * BS + 11 % BS
+    rows = v.violations()
+    if final:
+        assert rows == []
+        assert _records(v, "a", range(12)) == _chained(v.tokens["a"][:12])
+        assert v.worker.stats()["async_settled"] > 2 * 2  # the running steps' and a's last
+    else:
+        assert {(r.slot_idx, r.position) for r in rows if "verify_token" in r.fail_reasons} == {
+            (slot, 11)
+        }

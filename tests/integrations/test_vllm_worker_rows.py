@@ -48,15 +48,19 @@ class FakeVllm:
     def step(self, order: list[str], finished: tuple[str, ...] = (),
              block_table_fault: tuple[int, int, int] | None = None,
              loaded: dict[str, int] | None = None, pending: tuple[str, ...] = (),
-             input_ids: list[int] | None = None) -> None:  # fmt: skip
+             input_ids: list[int] | None = None, final: bool = True) -> None:  # fmt: skip
         """One step of the requests ``order`` (batch rows in that order): each runs its
         unsent tokens (a prompt, or the token sampled last step); ``loaded[rid]``: the
         first tokens of a new request another connector loaded (cleared, then sealed);
         ``pending``: requests whose newest token is sent as not known yet (-1, as vLLM's
         async scheduling plans a decode step), and sent known in their next step;
         ``input_ids``: the ids the forward takes (the worker's ``forward_input_ids``),
-        the requests' own tokens when not given."""
+        the requests' own tokens when not given; ``final``: a finished request's tokens
+        still sent as not known go with its finish (as the connector sends them)."""
         meta, qsl, seq, slots = StepMeta(finished=list(finished)), [0], [], []
+        for rid in finished if final else ():
+            if self.sent.get(rid, 0) < self.computed.get(rid, 0):
+                meta.final(rid, self.sent[rid], self.tokens[rid][self.sent[rid] : self.computed[rid]])
         for rid, n in (loaded or {}).items():
             self.computed[rid] = n
             while len(self.blocks[rid]) * BS < n:

@@ -10,9 +10,10 @@ the batch queue of two, and the model runner's async input path (the sampled ids
 previous step copied into its input-id buffer, ``GPUModelRunner._prepare_input_ids``).
 
 * clean: the outputs are those of a synchronous engine, nothing is reported, the token of
-  every position planned without one arrives a step later, and the records of those
-  positions then hold the tokens the requests produced (the forward's input ids); with the
-  model runner's input ids not found, the records are settled with the scheduler's tokens.
+  every position planned without one arrives a step later (or with its request's finish),
+  and the records of those positions then hold the tokens the requests produced (the
+  forward's input ids); with the model runner's input ids not found, the records are
+  settled with the scheduler's tokens.
 * fault: the forward of one decode step takes another input id than the one the scheduler
   records as sampled (injected into the model runner's input-id buffer): reported as
   ``verify_token`` at that position's slot once the scheduler's token arrives.
@@ -108,10 +109,11 @@ def test_async_clean_run_checks_every_async_planned_token(
             assert stats["async_settled"] == stats["async_arrived"]
         for i, p in enumerate(prompts):
             rid = f"r{i}"
-            # Position len(p) + j holds output j; every one that arrived is in the records
-            # (none is -1), so every later read of it checked the token.
-            got = _record_tokens(conn, blocks[rid], range(len(p), len(p) + OUT - 3))
-            assert got == outputs[rid][: OUT - 3], rid
+            # Position len(p) + j holds output j, up to the last one fed back: those that
+            # arrived while the request ran and those that arrived with its finish (none is
+            # -1), so every later read of them, a prefix hit's too, checks the token.
+            got = _record_tokens(conn, blocks[rid], range(len(p), len(p) + OUT - 1))
+            assert got == outputs[rid][: OUT - 1], rid
 
 
 def test_a_wrong_input_id_in_an_async_planned_slot_is_reported_as_verify_token(

@@ -172,6 +172,9 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, Request] = {}
         self._sent: dict[str, int] = {}
         self._finished: list[str] = []
+        # Finished requests' token ids of positions sent as not known (async scheduling):
+        # (request id, first position, token ids), for the next metadata.
+        self._final: list[tuple[str, int, list[int]]] = []
         # Tenant isolation (.namespace): each live request's salt, made when first seen.
         self._salts: dict[str, int] | None = {} if self.options.tenant_isolation else None
         # External loads (module doc): the local hit each request's last lookup reported,
@@ -441,6 +444,9 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             self._sent.pop(r.req_id, None)
         step = StepMeta(finished=list(so.finished_req_ids) + self._finished)
         self._finished = []
+        for rid, start, tokens in self._final:
+            step.final(rid, start, tokens)
+        self._final = []
         for rid in so.finished_req_ids:
             self._sent.pop(rid, None)
         manager = self._kv_cache_manager
@@ -565,15 +571,24 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
-        self._forget(request.request_id)
+        self._forget(request)
         return False, None
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
                                     ) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
-        self._forget(request.request_id)
+        self._forget(request)
         return False, None
 
-    def _forget(self, rid: str) -> None:
+    def _forget(self, request: Request) -> None:
+        rid = request.request_id
+        start = self._sent.get(rid)
+        if start is not None:  # positions it computed with the token not known yet
+            known = request.all_token_ids
+            end = min(request.num_computed_tokens, len(known))
+            if end > start:
+                tokens = list(known[start:end])
+                salt = None if self._salts is None else self._salts.get(rid)
+                self._final.append((rid, start, tokens if salt is None else salted(tokens, salt)))
         self._requests.pop(rid, None)
         self._sent.pop(rid, None)
         self._lookups.pop(rid, None)

@@ -50,6 +50,11 @@ class StepMeta:
                        scheduler yet, async scheduling)
         first_slots    the key group's slot of position num_computed (-1: unallocated)
         finished       requests finished since the previous step
+        final_*        async scheduling: per finished request the token ids of positions
+                       it computed that were sent as not known (-1) and are known at its
+                       finish (final_req_ids, final_starts, final_computed: positions
+                       [final_starts[i], final_computed[i]); final_tokens, in request
+                       order), settled before its row is given up
 
     KV another connector loaded (external tokens: a KV offload tier, P/D disaggregation;
     :mod:`.connector`, "external loads"), empty unless one did::
@@ -72,6 +77,10 @@ class StepMeta:
     tokens: list[int] = field(default_factory=list)
     first_slots: list[int] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    final_req_ids: list[str] = field(default_factory=list)
+    final_starts: list[int] = field(default_factory=list)
+    final_computed: list[int] = field(default_factory=list)
+    final_tokens: list[int] = field(default_factory=list)
     seal_req_ids: list[str] = field(default_factory=list)
     seal_starts: list[int] = field(default_factory=list)
     seal_ends: list[int] = field(default_factory=list)
@@ -88,6 +97,14 @@ class StepMeta:
         self.token_counts.append(len(tokens))
         self.tokens.extend(tokens)
         self.first_slots.append(first_slot)
+
+    def final(self, req_id: str, start: int, tokens: list[int]) -> None:
+        """Finished request ``req_id``'s token ids of positions ``[start, start +
+        len(tokens))``, which it computed with the token not known yet."""
+        self.final_req_ids.append(req_id)
+        self.final_starts.append(start)
+        self.final_computed.append(start + len(tokens))
+        self.final_tokens.extend(tokens)
 
     def seal(self, req_id: str, start: int, end: int, slots: list[list[int]]) -> None:
         """Seal request ``req_id``'s positions ``[start, end)``: ``slots[g]``, their slots in

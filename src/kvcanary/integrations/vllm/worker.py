@@ -140,6 +140,8 @@ class VllmCanaryWorker:
 
     # -------------------------------------------------------------- scheduler input
     def on_meta(self, meta: StepMeta) -> None:
+        if meta.final_req_ids:  # their rows still hold them
+            self._settle_final(meta)
         for rid in meta.finished:
             row = self._rows.pop(rid, None)
             if row is not None:
@@ -160,6 +162,29 @@ class VllmCanaryWorker:
             tables.tokens, tables.lens,
         )  # fmt: skip
         self._by_slot = (keys, key_rows)
+        if arrivals.shape[1]:
+            self._settle(arrivals)
+
+    def _settle_final(self, meta: StepMeta) -> None:
+        """Async scheduling: finished requests' token ids of positions they computed with
+        the token not known yet, into their rows and settled (as arrivals in a running
+        request's metadata are), so a later prefix hit on those slots reads the request's
+        own tokens."""
+        known = [(i, self._rows[rid]) for i, rid in enumerate(meta.final_req_ids)
+                 if rid in self._rows]  # fmt: skip
+        if not known:
+            return
+        counts = np.subtract(meta.final_computed, meta.final_starts)
+        at = np.concatenate(([0], np.cumsum(counts)))
+        idx = [i for i, _ in known]
+        tokens = np.concatenate([meta.final_tokens[at[i]:at[i + 1]] for i in idx]).astype(np.int64)
+        rows = np.array([row for _, row in known], dtype=np.int64)
+        _, _, arrivals = meta_nb(
+            rows, np.full(len(idx), -1, dtype=np.int64),
+            np.array(meta.final_starts, dtype=np.int64)[idx], counts.astype(np.int64)[idx],
+            np.array(meta.final_computed, dtype=np.int64)[idx], tokens,
+            self.tables.tokens, self.tables.lens,
+        )  # fmt: skip
         if arrivals.shape[1]:
             self._settle(arrivals)
 
