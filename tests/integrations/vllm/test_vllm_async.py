@@ -96,6 +96,13 @@ def test_async_clean_run_checks_every_async_planned_token(
         if not forward_ids:
             conn.worker.forward_input_ids = None
         outputs, blocks = _run(llm, prompts)
+        # The tokens of the requests' last positions went with their finish into the next
+        # metadata the scheduler side builds (before any later step can read those slots):
+        # an empty step's, handed to the worker as vLLM's next step would.
+        from vllm.v1.core.sched.output import SchedulerOutput
+
+        meta = H.scheduler(llm).connector.build_connector_meta(SchedulerOutput.make_empty())
+        conn.bind_connector_metadata(meta)
         conn.worker.flush()
         stats = conn.worker.stats()
         assert outputs == sync_outputs
