@@ -46,6 +46,7 @@ import logging
 import os
 import sys
 import time
+import types
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -255,7 +256,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         if self._salts is not None:
             return
-        frame = sys._getframe(1)
+        frame: types.FrameType | None = sys._getframe(1)
         for _ in range(12):
             if frame is None:
                 break
@@ -444,8 +445,8 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             self._sent.pop(r.req_id, None)
         step = StepMeta(finished=list(so.finished_req_ids) + self._finished)
         self._finished = []
-        for rid, start, tokens in self._final:
-            step.final(rid, start, tokens)
+        for rid, start, final in self._final:
+            step.final(rid, start, final)
         self._final = []
         for rid in so.finished_req_ids:
             self._sent.pop(rid, None)

@@ -29,7 +29,7 @@ Data (counts since the last report; ``launch_tag`` / ``fail_reason`` as in the l
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -63,6 +63,8 @@ def _add(into: dict[str, Any], other: dict[str, Any]) -> None:
 @dataclass
 class KVCanaryStats(KVConnectorStats):
     """The canary's counts since the last report (module doc: the keys of ``data``)."""
+
+    data: dict[str, Any] = field(default_factory=dict)  # (vLLM's field, typed for mypy)
 
     def __post_init__(self) -> None:
         self.data = {**_empty(), **self.data}
