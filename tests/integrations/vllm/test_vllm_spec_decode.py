@@ -172,6 +172,19 @@ def test_committed_token_other_than_accepted_draft_fails_verify_token(
     assert (hits[0].stored_token, hits[0].expected_token) == (draft, other)
 
 
+def _start_up_error(ckpt: Path, spec: dict[str, Any]) -> list[str]:
+    """The messages of the exception chain an engine with the canary and ``spec`` fails
+    its start-up with."""
+    with pytest.raises(Exception) as info, H.vllm_engine(ckpt, canary=CANARY,
+                                                         speculative_config=spec):  # fmt: skip
+        pass
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(str(e))
+        e = e.__cause__ or e.__context__
+    return chain
+
+
 def test_other_speculative_methods_are_refused(tmp_path: Path) -> None:
     """A drafter model (``draft_model``: a 1-layer tiny Llama beside the target) is refused
     at start-up with one line naming the option and what is allowed."""
@@ -181,13 +194,26 @@ def test_other_speculative_methods_are_refused(tmp_path: Path) -> None:
     draft = make_tiny_hf_checkpoint(tmp_path / "draft", "llama", head_dim=H.HEAD_DIM,
                                     num_hidden_layers=1)  # fmt: skip
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
-    with pytest.raises(Exception) as info, H.vllm_engine(target, canary=CANARY,
-                                                         speculative_config=spec):  # fmt: skip
-        pass
-    chain, e = [], info.value
-    while e is not None:
-        chain.append(str(e))
-        e = e.__cause__ or e.__context__
+    chain = _start_up_error(target, spec)
     want = ("speculative_config method 'draft_model' is not covered; the canary covers "
             "speculative decoding with method 'ngram' only")  # fmt: skip
+    assert any(want in s for s in chain), chain
+
+
+def test_ngram_under_async_scheduling_is_refused(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ngram`` with async scheduling turned on after vLLM's config checks (the CPU
+    platform hook, as test_vllm_async.py does): refused at start-up."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def with_async(cls: Any, vllm_config: Any) -> None:
+        original(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(with_async))
+    chain = _start_up_error(checkpoints["llama"], SPEC)
+    want = "speculative_config method 'ngram' with async_scheduling=True is not covered"
     assert any(want in s for s in chain), chain
