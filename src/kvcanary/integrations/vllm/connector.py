@@ -137,6 +137,32 @@ def group_specs(kv_cache_config: KVCacheConfig,
     return specs
 
 
+def check_speculative(vllm_config: VllmConfig) -> None:
+    """Refuse the speculative decoding the canary does not cover (docs/VLLM.md,
+    "Speculative decoding"): only vLLM's n-gram proposer (``method`` "ngram": drafts are
+    token ids, no forward of their own), with synchronous scheduling. A drafter model
+    (``draft_model``, EAGLE, MTP, ...) runs forwards of its own into the KV cache, which
+    the canary's per-step view does not model; under async scheduling the model runner
+    corrects a request's computed count for rejected drafts after the scheduler planned the
+    step (``correct_spec_decode_token_counts``), so the metadata's counts are not the
+    forward's. One line, naming the option and what is allowed."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return
+    method = getattr(spec, "method", None)
+    if method != "ngram":
+        raise NotImplementedError(
+            f"kv-canary (vLLM): speculative_config method {method!r} is not covered; the "
+            "canary covers speculative decoding with method 'ngram' only (drafters that "
+            "run a model write KV the canary does not track)"
+        )
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        raise NotImplementedError(
+            "kv-canary (vLLM): speculative_config method 'ngram' with async_scheduling=True "
+            "is not covered; use async_scheduling=False (vLLM's default for 'ngram')"
+        )
+
+
 class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     """The canary as a KV connector: it loads and saves nothing, it checks."""
 
@@ -145,6 +171,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.options = parse_options(extra)
+        check_speculative(vllm_config)
         self.specs = group_specs(kv_cache_config, vllm_config) if kv_cache_config is not None else []
         if self.options.canary.mode == "abort" and len(self.specs) > 1:
             # vllm/v1/core/sched/scheduler.py, Scheduler._handle_invalid_blocks: block-level
@@ -455,6 +482,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         g = self._key_group
         bs = self.specs[g].block_size if self.specs else 1
         requests, sent = self._requests, self._sent
+        drafts_of = so.scheduled_spec_decode_tokens  # speculative decoding (ngram)
         for rid, num_scheduled in so.num_scheduled_tokens.items():
             request = requests.get(rid)
             k = computed.get(rid, 0 if request is None else request.num_computed_tokens)
@@ -465,8 +493,8 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 known = request.all_token_ids
                 have = len(known)
                 tokens = list(known[start:end])
-                if end > have:  # not known to the scheduler yet (async scheduling)
-                    tokens += [-1] * (end - max(start, have))
+                if end > have:  # beyond the request's committed token ids
+                    tokens += self._uncommitted(drafts_of.get(rid), max(start, have), end)
                 sent[rid] = min(end, have)
                 if self._salts is not None:  # tenant isolation (.namespace)
                     salt = self._salts.get(rid)
@@ -483,6 +511,19 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             step.add(rid, k, num_scheduled, start, tokens, b * bs + k % bs if b else -1)
         self._external_loads(so, step, computed)
         return KVCanaryConnectorMetadata(step)
+
+    @staticmethod
+    def _uncommitted(drafts: list[int] | None, first: int, end: int) -> list[int]:
+        """The token ids of positions ``[first, end)`` that the request has not committed:
+        the draft tokens speculative decoding scheduled (``drafts``, the step's last
+        ``len(drafts)`` positions), -1 for any other position (not known to the scheduler
+        yet: async scheduling). A draft's record carries its token; an accepted draft's
+        committed token, sent in a later step, is checked against it, and a rejected
+        draft's position is computed again (its record rewritten) before any read."""
+        if not drafts:
+            return [-1] * (end - first)
+        d0 = end - len(drafts)  # the first draft's position
+        return [-1] * max(0, d0 - first) + list(drafts[max(0, first - d0) :])
 
     def _external_loads(self, so: SchedulerOutput, step: StepMeta,
                         computed: dict[str, int]) -> None:  # fmt: skip

@@ -46,8 +46,9 @@ class StepMeta:
         num_scheduled  tokens this step computes
         token_starts   request i's token ids are those of positions
         token_counts     [token_starts[i], token_starts[i] + token_counts[i])
-        tokens         every request's token ids, in request order (-1: not known to the
-                       scheduler yet, async scheduling)
+        tokens         every request's token ids, in request order (speculative
+                       decoding: a draft's token id at its position; -1: not known to
+                       the scheduler yet, async scheduling)
         first_slots    the key group's slot of position num_computed (-1: unallocated)
         finished       requests finished since the previous step
         final_*        async scheduling: per finished request the token ids of positions
