@@ -62,3 +62,24 @@ def test_worker_reports_sum_and_reach_the_counters() -> None:
                  {"model_name": "m", "engine": "1", "launch_tag": "TAIL_K_FULL",
                   "fail_reason": "verify_real_kv_hash"}) == 3  # fmt: skip
     assert value("vllm:kvcanary_violations_recorded_total", {"model_name": "m", "engine": "1"}) == 7
+
+
+def test_summary_is_rewritten_when_violation_rows_double() -> None:
+    """The summary file's write policy under a fault read every step (one more row each
+    step, ``stats_interval`` far away): the first row at once, then each time the rows
+    reach twice those written, so the whole file is rewritten O(log n) times, not n."""
+    reported = [0]
+    fake = SimpleNamespace(
+        worker=SimpleNamespace(num_steps=0),
+        options=SimpleNamespace(canary=SimpleNamespace(stats_interval=1000)),
+        _num_written=0, _num_reported=lambda: reported[0],
+    )  # fmt: skip
+    writes = []
+    for step in range(1, 200):
+        fake.worker.num_steps = step
+        assert KVCanaryConnector._summary_due(fake) is False  # nothing new since the last
+        reported[0] += 1
+        if KVCanaryConnector._summary_due(fake):
+            fake._num_written = reported[0]  # (what write_summary records)
+            writes.append(step)
+    assert writes == [1, 2, 4, 8, 16, 32, 64, 128]

@@ -403,14 +403,17 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             write_metrics_file(self._metrics, f"{path}.prom", self._metric_labels)
 
     def _summary_due(self) -> bool:
-        """Every ``stats_interval`` steps (100 when 0), and in a step that reported
-        violations: vLLM's multiprocess shutdown may kill a worker before its shutdown
-        hook writes (at once under ``vllm serve``'s default ``--shutdown-timeout 0``, after
-        5 s for an offline ``LLM``'s engine core)."""
+        """Every ``stats_interval`` steps (100 when 0), and in a step whose violation rows
+        at least double those the file holds (the first row at once): vLLM's multiprocess
+        shutdown may kill a worker before its shutdown hook writes (at once under ``vllm
+        serve``'s default ``--shutdown-timeout 0``, after 5 s for an offline ``LLM``'s
+        engine core). (Doubling, not every new row: a fault read every step would rewrite
+        the whole, growing, file every step.)"""
         if self.worker is None:
             return False
         interval = max(1, self.options.canary.stats_interval or 100)
-        return self.worker.num_steps % interval == 0 or self._num_reported() != self._num_written
+        reported = self._num_reported()
+        return self.worker.num_steps % interval == 0 or reported >= max(1, 2 * self._num_written)
 
     def _num_reported(self) -> int:
         """Violation rows reported so far (every group)."""
