@@ -21,11 +21,12 @@ the tests compare that with where and when the canary reported it.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+from log_lines import log_lines
 
 from kvcanary import Engine
 
@@ -139,15 +140,5 @@ class ReadOracle:
 @contextmanager
 def canary_log() -> Iterator[list[str]]:
     """The canary's log lines (logger ``kvcanary.canary``, warnings and up) while inside."""
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    logger, handler = logging.getLogger("kvcanary.canary"), Keep(logging.WARNING)
-    logger.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
+    with log_lines("kvcanary.canary") as handler:
+        yield handler.lines

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from typing import Any
 
 import pytest
 import torch
+from log_lines import LogLines, log_lines
 from sglang.srt.managers.schedule_batch import ReqKvInfo, ScheduleBatch
 from sglang.srt.mem_cache import common as sglang_common
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
@@ -281,26 +281,9 @@ def first_read_difference(run: ReplaySWAServing, clean: ReplaySWAServing) -> int
     return None
 
 
-class _LogText(logging.Handler):
+def canary_log() -> contextlib.AbstractContextManager[LogLines]:
     """The canary's violation log lines (what ``kvcanary explain`` reads)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@contextlib.contextmanager
-def canary_log() -> Iterator[_LogText]:
-    handler = _LogText()
-    logger = logging.getLogger("kvcanary.canary")
-    logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
+    return log_lines("kvcanary.canary")
 
 
 # ---------------------------------------------------------------------- results table

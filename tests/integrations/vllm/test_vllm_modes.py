@@ -3,7 +3,6 @@ name, options, the refusal of abort mode where vLLM cannot honour it)."""
 
 from __future__ import annotations
 
-import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import vllm_harness as H
+from log_lines import log_lines
 
 from kvcanary.canary.errors import KVCanaryViolation
 from kvcanary.integrations.vllm.options import parse_options
@@ -62,21 +62,9 @@ def test_raise_mode_fails_the_step(checkpoints: dict[str, Path]) -> None:
         _corrupt_table(llm, "b", "a")
         with pytest.raises(Exception) as info:
             H.step(llm)
-        chain, e = [], info.value
-        while e is not None:
-            chain.append(e)
-            e = e.__cause__ or e.__context__
+        chain = H.error_chain(info.value)
         assert any(isinstance(x, KVCanaryViolation) or "kv_canary violation" in str(x)
                    for x in chain), chain  # fmt: skip
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def test_abort_mode_recompute_repairs_the_request(checkpoints: dict[str, Path]) -> None:
@@ -86,24 +74,20 @@ def test_abort_mode_recompute_repairs_the_request(checkpoints: dict[str, Path]) 
     prompt = _prompt(13, 100)
     with H.vllm_engine(checkpoints["llama"]) as llm:
         (clean,) = H.generate(llm, [prompt], 30)
-    # vLLM's own handler on the "vllm" logger, which does not propagate once vLLM has
-    # configured logging: caplog (root) would see its lines only by the order tests ran in.
-    scheduler_log = _Lines()
-    logging.getLogger("vllm").addHandler(scheduler_log)
-    try:
-        with H.vllm_engine(checkpoints["llama"], canary={"mode": "abort", "real_data": "all"},
-                           policy="recompute") as llm:  # fmt: skip
-            H.add_request(llm, "a", prompt, 30)
-            for _ in range(5):
-                H.step(llm)
-            conn = _flip_first_k_byte(llm, "a")
-            outputs = []
-            while llm.llm_engine.has_unfinished_requests():
-                outputs += H.step(llm)
-            conn.worker.flush()
-            rows = conn.worker.violations
-    finally:
-        logging.getLogger("vllm").removeHandler(scheduler_log)
+    # A handler on the "vllm" logger, which does not propagate once vLLM has configured
+    # logging: caplog (root) would see its lines only by the order tests ran in.
+    with log_lines("vllm") as scheduler_log, H.vllm_engine(
+            checkpoints["llama"], canary={"mode": "abort", "real_data": "all"},
+            policy="recompute") as llm:  # fmt: skip
+        H.add_request(llm, "a", prompt, 30)
+        for _ in range(5):
+            H.step(llm)
+        conn = _flip_first_k_byte(llm, "a")
+        outputs = []
+        while llm.llm_engine.has_unfinished_requests():
+            outputs += H.step(llm)
+        conn.worker.flush()
+        rows = conn.worker.violations
     assert rows and all(r.launch_tag == "TAIL_K_FULL" for r in rows)
     recovered = [x for x in scheduler_log.lines if "Recovered from KV load failure" in x]
     assert recovered, scheduler_log.lines
@@ -136,10 +120,7 @@ def test_abort_mode_is_refused_for_several_kv_cache_groups(checkpoints: dict[str
     with pytest.raises(Exception) as info, H.vllm_engine(checkpoints["gemma3"],
                                                          canary={"mode": "abort"}):  # fmt: skip
         pass
-    chain, e = [], info.value
-    while e is not None:
-        chain.append(str(e))
-        e = e.__cause__ or e.__context__
+    chain = [str(e) for e in H.error_chain(info.value)]
     assert any("one KV cache group" in x for x in chain), chain
 
 

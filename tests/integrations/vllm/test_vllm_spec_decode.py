@@ -112,6 +112,18 @@ def _slot(llm: Any, request: Any, position: int) -> tuple[int, int]:
     return block_ids[position // H.BLOCK_SIZE], position % H.BLOCK_SIZE
 
 
+def _at_accepted_drafts(llm: Any) -> tuple[Any, list[int], Any, int]:
+    """The workload's requests stepped until one has accepted drafts: that request, its
+    accepted positions, the connector and the violation rows reported so far."""
+    drafts = _count_drafts(llm)
+    for i, p in enumerate(_prompts()):
+        H.add_request(llm, f"r{i}", p, MAX_TOKENS)
+    request, positions = _accepted_positions(llm, drafts)
+    conn = H.connector(llm)
+    conn.worker.flush()
+    return request, positions, conn, len(conn.worker.violations)
+
+
 def _next_step_rows(llm: Any, conn: Any, before: int) -> list[Any]:
     H.step(llm)
     conn.worker.flush()
@@ -125,13 +137,7 @@ def test_kv_byte_flipped_at_accepted_draft_is_reported_next_step(
     computed it: the next step's read of it fails its TAIL fingerprint (the draft's TAIL
     record holds the fingerprint of the KV the step stored there)."""
     with H.vllm_engine(checkpoints["llama"], canary=CANARY, speculative_config=SPEC) as llm:
-        drafts = _count_drafts(llm)
-        for i, p in enumerate(_prompts()):
-            H.add_request(llm, f"r{i}", p, MAX_TOKENS)
-        request, positions = _accepted_positions(llm, drafts)
-        conn = H.connector(llm)
-        conn.worker.flush()
-        before = len(conn.worker.violations)
+        request, positions, conn, before = _at_accepted_drafts(llm)
         assert before == 0
         block, offset = _slot(llm, request, positions[-1])
         H.flip_k_byte(conn, 0, block, offset)
@@ -151,13 +157,7 @@ def test_committed_token_other_than_accepted_draft_fails_verify_token(
     committed token; the draft's record carries the draft's, so the read of that slot
     fails ``verify_token`` in that step."""
     with H.vllm_engine(checkpoints["llama"], canary=CANARY, speculative_config=SPEC) as llm:
-        drafts = _count_drafts(llm)
-        for i, p in enumerate(_prompts()):
-            H.add_request(llm, f"r{i}", p, MAX_TOKENS)
-        request, positions = _accepted_positions(llm, drafts)
-        conn = H.connector(llm)
-        conn.worker.flush()
-        before = len(conn.worker.violations)
+        request, positions, conn, before = _at_accepted_drafts(llm)
         p = positions[0]
         draft = request._all_token_ids[p]
         other = draft % 300 + 1
@@ -178,11 +178,7 @@ def _start_up_error(ckpt: Path, spec: dict[str, Any]) -> list[str]:
     with pytest.raises(Exception) as info, H.vllm_engine(ckpt, canary=CANARY,
                                                          speculative_config=spec):  # fmt: skip
         pass
-    chain, e = [], info.value
-    while e is not None:
-        chain.append(str(e))
-        e = e.__cause__ or e.__context__
-    return chain
+    return [str(e) for e in H.error_chain(info.value)]
 
 
 def test_other_speculative_methods_are_refused(tmp_path: Path) -> None:

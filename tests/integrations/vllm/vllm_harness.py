@@ -128,6 +128,17 @@ def vllm_engine(ckpt: Path, *, canary: dict[str, Any] | None = None,
 # ------------------------------------------------------------------------ vLLM internals
 
 
+def error_chain(error: BaseException) -> list[BaseException]:
+    """``error`` and its causes / contexts, outermost first (vLLM wraps a worker's or an
+    engine's error in its own)."""
+    chain: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    return chain
+
+
 def engine_core(llm: Any) -> Any:
     return llm.llm_engine.engine_core.engine_core
 
