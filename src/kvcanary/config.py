@@ -12,10 +12,11 @@ from typing import Any
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.utils import show
 
-__all__ = ["CanaryConfig", "EngineConfig", "SamplingParams"]
+__all__ = ["CanaryConfig", "EngineConfig", "SamplingParams", "SpeculativeConfig"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 # `kvcanary serve`: requests that may wait beyond max_running_requests (more get HTTP 503).
 DEFAULT_MAX_QUEUED_REQUESTS = 256
 
@@ -32,6 +33,68 @@ class ConfigFieldError(ValueError):
 def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigFieldError(field, value, allowed)
+
+
+def _flag(flag: str, help: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """A field's metadata: its command-line flag (see :func:`kvcanary.engine.args.add_dataclass_flags`)."""
+    return {"flag": flag, "help": help, "choices": choices}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding (greedy-exact): each decode step a proposer drafts up to
+    ``num_speculative_tokens`` tokens per greedy request, one target forward verifies them
+    all and keeps the longest prefix that matches its own argmax plus one token of its own
+    (``kvcanary.engine.speculative``). Errors name the flag and the field."""
+
+    method: str = field(default="none", metadata=_flag(
+        "--speculative-method", choices=SPECULATIVE_METHODS,
+        help="speculative decoding of greedy requests: none; ngram (prompt lookup: the tokens "
+             "that followed the latest earlier occurrence of the sequence's last n tokens); "
+             "draft (a smaller model, --speculative-draft-model) (default: %(default)s)"))  # fmt: skip
+    num_speculative_tokens: int = field(default=4, metadata=_flag(
+        "--num-speculative-tokens",
+        help="draft tokens proposed per request and step (K) (default: %(default)s)"))
+    ngram_min: int = field(default=1, metadata=_flag(
+        "--speculative-ngram-min",
+        help="ngram: shortest suffix looked up (default: %(default)s)"))
+    ngram_max: int = field(default=3, metadata=_flag(
+        "--speculative-ngram-max",
+        help="ngram: longest suffix looked up, tried first (default: %(default)s)"))
+    draft_model: str = field(default="", metadata=_flag(
+        "--speculative-draft-model",
+        help="draft: a builtin preset or HF model directory sharing the target's vocab size "
+             "(default: none)"))  # fmt: skip
+
+    def __post_init__(self) -> None:
+        _spec_check(self.method in SPECULATIVE_METHODS, "method", self.method,
+                    f"one of {show(SPECULATIVE_METHODS)}")  # fmt: skip
+        for name, low in (("num_speculative_tokens", 1), ("ngram_min", 1), ("ngram_max", 1)):
+            value = getattr(self, name)
+            _spec_check(isinstance(value, int) and not isinstance(value, bool) and value >= low,
+                        name, value, f"an integer >= {low}")  # fmt: skip
+        _spec_check(self.ngram_max >= self.ngram_min, "ngram_max", self.ngram_max,
+                    f"an integer >= ngram_min ({self.ngram_min})")  # fmt: skip
+        _spec_check(isinstance(self.draft_model, str), "draft_model", self.draft_model,
+                    "a builtin preset or a HF model directory")  # fmt: skip
+        if self.method == "draft":
+            _spec_check(bool(self.draft_model), "draft_model", self.draft_model,
+                        "a builtin preset or a HF model directory while the method is \"draft\"")  # fmt: skip
+        elif self.draft_model:
+            _spec_check(False, "draft_model", self.draft_model,
+                        f"only \"\" while the method is {show(self.method)} (pick \"draft\")")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+def _spec_check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    """A :class:`SpeculativeConfig` error naming the flag and the field
+    (``--speculative-method (speculative.method)='x' is invalid: allowed ...``)."""
+    if not ok:
+        flag = next(f for f in fields(SpeculativeConfig) if f.name == name).metadata["flag"]
+        raise ConfigFieldError(f"{flag} (speculative.{name})", value, allowed)
 
 
 @dataclass(frozen=True)
@@ -59,6 +122,8 @@ class EngineConfig:
     # The KV canary: what it checks and does on a violation (default: mode "none", nothing
     # is installed); see kvcanary.canary.config.CanaryConfig.
     canary: CanaryConfig = field(default_factory=CanaryConfig)
+    # Speculative decoding of greedy requests (default: method "none", off).
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", self.model,
@@ -80,6 +145,8 @@ class EngineConfig:
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {show(DTYPES)}")
         _check(isinstance(self.canary, CanaryConfig), "canary", self.canary,
                "a kvcanary.canary.config.CanaryConfig")
+        _check(isinstance(self.speculative, SpeculativeConfig), "speculative", self.speculative,
+               "a kvcanary.config.SpeculativeConfig")
         _check(isinstance(self.device, str) and bool(self.device), "device", self.device,
                "a torch device string such as 'cpu' or 'cuda:0'")
 

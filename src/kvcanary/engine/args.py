@@ -6,7 +6,8 @@ Shared by :mod:`kvcanary.cli.command`, the benchmarks and the subcommands other 
 Dataclasses whose fields carry their flag in ``metadata`` (``{"flag": "--x", "help": ...,
 "choices": ...}``; ``{"flag": None}``: not a flag) turn into argparse arguments with
 :func:`add_dataclass_flags` and back with :func:`dataclass_from_args`; the canary's options
-(:class:`~kvcanary.canary.config.CanaryConfig`) are written that way.
+(:class:`~kvcanary.canary.config.CanaryConfig`) and speculative decoding's
+(:class:`~kvcanary.config.SpeculativeConfig`) are written that way.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from kvcanary.canary.config import CanaryConfig
-from kvcanary.config import EngineConfig
+from kvcanary.config import EngineConfig, SpeculativeConfig
 
 T = TypeVar("T")
 
@@ -80,8 +81,11 @@ def dataclass_from_args(cls: type[T], a: argparse.Namespace) -> T:
     return cls(**kwargs)
 
 
-def add_engine_flags(p: argparse.ArgumentParser, with_canary: bool = True) -> None:
-    """The :class:`EngineConfig` flags (and, ``with_canary``, the ``--kv-canary*`` ones)."""
+def add_engine_flags(
+    p: argparse.ArgumentParser, with_canary: bool = True, with_speculative: bool = True
+) -> None:
+    """The :class:`EngineConfig` flags (and, ``with_canary``, the ``--kv-canary*`` ones;
+    ``with_speculative``, the ``--speculative-*`` / ``--num-speculative-tokens`` ones)."""
     p.add_argument("--model", default=_E("model"),
                    help="builtin:tiny-swa | builtin:tiny-swa-all | builtin:tiny-mha | builtin:tiny-dsv4 | builtin:qwen3-0.6b-shape | path to a HF model directory (default: %(default)s)")
     if with_canary:
@@ -104,6 +108,8 @@ def add_engine_flags(p: argparse.ArgumentParser, with_canary: bool = True) -> No
     p.add_argument("--device", default=_E("device"), help="torch device (default: %(default)s)")
     p.add_argument("--seed", type=int, default=_E("seed"),
                    help="seeds weights of builtin models, sampling and the workload (default: %(default)s)")
+    if with_speculative:
+        add_dataclass_flags(p, SpeculativeConfig)
 
 
 def default_page_size(model: str) -> int:
@@ -116,7 +122,7 @@ def default_page_size(model: str) -> int:
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     """The :class:`EngineConfig` of :func:`add_engine_flags`' flags (commands without the
-    canary flags: the canary off)."""
+    canary flags: the canary off; without the speculative ones: speculation off)."""
     return EngineConfig(
         model=a.model,
         page_size=a.page_size if a.page_size is not None else default_page_size(a.model),
@@ -130,4 +136,5 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         device=a.device,
         seed=a.seed,
         canary=dataclass_from_args(CanaryConfig, a),
+        speculative=dataclass_from_args(SpeculativeConfig, a),
     )

@@ -7,6 +7,7 @@ pairs of nano-vllm's block manager and vLLM v1's ``KVCacheManager``::
     admit(req)                 a req->token row + its cached prefix (locked) or host copy
     extend(req, end)           slots for a prefill chunk [kv_len, end)
     extend_decode(reqs)        one slot per request for a decode step
+    rollback(req, kv_len, end) drop the KV of rejected speculative positions
     cache(req)                 share freshly prefilled whole pages through the prefix cache
     evict_window(reqs)         free the SWA slots that left each request's window
     release(req, insert)       give everything back (finished: into the prefix cache)
@@ -327,6 +328,22 @@ class KVManager:
             return False
         self.req_to_token[req.req_pool_idx, start:end] = out.to(torch.int32)
         return True
+
+    def rollback(self, req: Req, kv_len: int, end: int) -> None:
+        """Drop ``req``'s KV of positions ``[kv_len, end)`` (speculative drafts the target
+        rejected; ``end``: past the last position allocated): set ``kv_len`` and free the
+        pages wholly past it. The slots of the kept last page beyond ``kv_len`` stay the
+        request's (pages are the allocation unit) and are rewritten before any read: the
+        next allocation continues that page in place. Never below the protected prefix."""
+        if not req.cache_protected_len <= kv_len <= req.kv_len <= end:
+            raise ValueError(
+                f"kv manager: rollback of request {req.rid} to {kv_len} (kv_len {req.kv_len}, "
+                f"protected {req.cache_protected_len}, allocated to {end})"
+            )
+        start = ceil_page(kv_len, self.spec.page_size)
+        if end > start:
+            self.allocator.free(self.req_to_token[req.req_pool_idx, start:end].to(torch.int64))
+        req.kv_len = kv_len
 
     def extend_decode(self, reqs: Sequence[Req]) -> torch.Tensor | None:
         """One slot per request at position ``kv_len`` (mapped); None, nothing held, when

@@ -147,7 +147,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, static: Callable[[], None] | None = None) -> torch.Tensor:
         """Run the model over ``fb``; returns float32 logits ``[bs, vocab]`` of each
-        request's last new token. ``static`` (graph runner): called after the attention
+        request's last new token (``fb.all_logits``: ``[num_tokens, vocab]``, every token). ``static`` (graph runner): called after the attention
         metadata is built, to move it into persistent buffers."""
         self.begin_forward(fb)
         hooks = self.canary
@@ -166,4 +166,6 @@ class ModelRunner:
         if hooks is not None:
             hooks.after_forward(fb)
         # A decode forward's rows are its requests' last tokens already (no gathered copy).
-        return self.model.compute_logits(hidden if fb.is_decode else hidden[fb.last_token_indices()])
+        if fb.is_decode or fb.all_logits:
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[fb.last_token_indices()])

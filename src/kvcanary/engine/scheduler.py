@@ -12,6 +12,9 @@ Batching policy:
     readmitted straight away; a lone request that cannot fit is a
     :class:`KVPoolTooSmallError`;
   * after every forward the KV manager frees the SWA slots that left each window;
+  * with speculative decoding (``config.speculative``), a decode step whose requests got
+    drafts is one extend forward verifying them (``_schedule_verify``); the KV of rejected
+    drafts is rolled back before the window eviction (``kv.rollback``);
   * finished requests insert their KV into the prefix cache (or free it) and unlock.
 """
 
@@ -26,12 +29,13 @@ import torch
 
 from kvcanary.config import EngineConfig
 from kvcanary.engine.errors import ContextLengthError, KVPoolTooSmallError, RequestTooLargeError
-from kvcanary.engine.forward_batch import ForwardBatch, ForwardMode
+from kvcanary.engine.forward_batch import ForwardBatch, build_decode_batch, build_extend_batch
 from kvcanary.engine.graph_runner import GraphRunner
 from kvcanary.engine.kv_manager import KVManager, KVSpec, PoolNeed, pool_need
 from kvcanary.engine.model_runner import ModelRunner
 from kvcanary.engine.request import Req
 from kvcanary.engine.sampling import oracle_token, record_logprobs, sample_batch
+from kvcanary.engine.speculative import Proposer, accept_greedy, make_proposer
 from kvcanary.engine.stats import SchedulerStats
 
 INIT_NEW_TOKEN_RATIO = 0.5
@@ -64,6 +68,7 @@ class Scheduler:
         self.before_release: Callable[[Req], None] | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.eos_ids = set(runner.tokenizer.eos_token_ids)
+        self.proposer: Proposer | None = make_proposer(config, runner)
 
     # ------------------------------------------------------------------ api
     def add(self, req: Req) -> None:
@@ -121,6 +126,7 @@ class Scheduler:
         hit = self.kv.quarantine(full_slots, swa_slots, self.running, req_rows)
         for req in hit:
             self.running.remove(req)
+            self._leave(req)
             req.finish_reason = "abort"
             self._aborted.append(req)
         return [r.rid for r in hit]
@@ -133,25 +139,35 @@ class Scheduler:
 
     def _step(self) -> list[Req]:
         batch, reqs = self._schedule_extend()
+        drafts: list[list[int]] | None = None
+        draft_s = 0.0  # drafting counts as decode time
+        if batch is None and self.proposer is not None:
+            draft_s = -self.stats.spec_draft_time_s
+            batch, reqs, drafts = self._schedule_verify()
+            draft_s += self.stats.spec_draft_time_s
         if batch is None:
             batch, reqs = self._schedule_decode()
         if batch is None:
             self._unstall()
             return []
         self.kv.track_peak()
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() - draft_s
         if batch.is_decode and self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.replay(batch)
             self.stats.graph_replays += 1
             self.stats.padded_rows += self.graph_runner.bucket_for(batch.batch_size) - batch.batch_size
         else:
             logits = self.runner.forward(batch)
-        finished = self._process(batch, reqs, logits)
+        if drafts is None:
+            finished = self._process(batch, reqs, logits)
+        else:
+            finished = self._process_verify(batch, reqs, drafts, logits)
         dt = time.perf_counter() - t0
         self.stats.num_forwards += 1
-        if batch.is_decode:
+        if batch.is_decode or drafts is not None:
             self.stats.num_decode_forwards += 1
-            self.stats.num_decode_tokens += batch.batch_size
+            if drafts is None:
+                self.stats.num_decode_tokens += batch.batch_size
             self.stats.decode_time_s += dt
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         else:
@@ -227,6 +243,41 @@ class Scheduler:
             reqs = [r for r in reqs if r is not victim]
         return None, []
 
+    def _schedule_verify(self) -> tuple[ForwardBatch | None, list[Req], list[list[int]] | None]:
+        """A verify batch: every decode-ready request at positions ``[p, p + len(drafts)]``
+        with tokens ``[last, d1 .. dK]`` (no drafts: the one decode position). None when no
+        request got drafts or their slots do not fit (a plain decode step follows, with
+        its retraction policy); nothing is held then."""
+        reqs = [r for r in self.running if r.decode_ready]
+        if self.proposer is None or not reqs:
+            return None, [], None
+        t0 = time.perf_counter()
+        drafts = self.proposer.propose(reqs, [self._draft_budget(r) for r in reqs])
+        self.stats.spec_draft_time_s += time.perf_counter() - t0
+        if not any(drafts):
+            return None, [], None
+        held: list[tuple[Req, int]] = []
+        for req, d in zip(reqs, drafts, strict=True):
+            end = req.seq_len + len(d)
+            if not self.kv.extend(req, end):
+                for r, e in held:
+                    self.kv.rollback(r, r.kv_len, e)
+                self.stats.spec_fallbacks += 1
+                return None, [], None
+            held.append((req, end))
+        plan = [(r, r.kv_len, e, [r.all_ids()[-1], *d]) for (r, e), d in zip(held, drafts, strict=True)]
+        batch = build_extend_batch(self.runner.device, self.kv.req_to_token, plan)
+        batch.all_logits = True
+        return batch, reqs, drafts
+
+    def _draft_budget(self, req: Req) -> int:
+        """Drafts ``req`` may get this step: K, fewer near ``max_new_tokens`` or the context
+        limit; none for sampled requests, ones asking for logprobs, or the token oracle."""
+        if not req.params.greedy or req.params.logprobs is not None or self.config.token_oracle:
+            return 0
+        k = self.config.speculative.num_speculative_tokens
+        return max(0, min(k, req.remaining_new_tokens() - 1, self.runner.max_context_len - req.seq_len - 1))
+
     def _unstall(self) -> None:
         """No forward could be scheduled: free memory by retracting the newest running
         request, or fail loudly when a lone request cannot fit."""
@@ -248,62 +299,17 @@ class Scheduler:
         self.kv.retract(req)
         if req in self.running:
             self.running.remove(req)
+        self._leave(req)
         self.waiting.appendleft(req)
         self.new_token_ratio = 1.0
 
     # ------------------------------------------------------------ batches
     def _build_extend(self, plan: list[tuple[Req, int, int]]) -> ForwardBatch:
-        dev = self.runner.device
-        ids: list[int] = []
-        pos: list[int] = []
-        locs = []
-        for req, start, end in plan:
-            all_ids = req.all_ids()
-            ids.extend(all_ids[start:end])
-            pos.extend(range(start, end))
-            locs.append(self.kv.req_to_token[req.req_pool_idx, start:end])
-        prefix = [s for _, s, _ in plan]
-        seq = [e for _, _, e in plan]
-        ext = [e - s for _, s, e in plan]
-        return ForwardBatch(
-            forward_mode=ForwardMode.EXTEND,
-            req_pool_indices=torch.tensor([r.req_pool_idx for r, _, _ in plan], device=dev),
-            seq_lens=torch.tensor(seq, device=dev),
-            prefix_lens=torch.tensor(prefix, device=dev),
-            extend_seq_lens=torch.tensor(ext, device=dev),
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-            out_cache_loc=torch.cat(locs).to(torch.int64),
-            seq_lens_cpu=seq,
-            prefix_lens_cpu=prefix,
-            extend_seq_lens_cpu=ext,
-            rids=[r.rid for r, _, _ in plan],
-        )
+        return build_extend_batch(self.runner.device, self.kv.req_to_token,
+                                  [(r, s, e, r.all_ids()[s:e]) for r, s, e in plan])  # fmt: skip
 
     def _build_decode(self, reqs: list[Req], out: torch.Tensor) -> ForwardBatch:
-        kv = [r.kv_len for r in reqs]
-        seq = [n + 1 for n in kv]
-        ones = [1] * len(reqs)
-        last = [(r.output_ids or r.prompt_ids)[-1] for r in reqs]  # each request's newest token
-        # One tensor, a row per field (one host-to-device copy, not six; built in numpy:
-        # torch.tensor of the nested lists costs ~2x).
-        rows, seq_lens, prefix_lens, extend_lens, input_ids, positions = torch.from_numpy(
-            np.array([[r.req_pool_idx for r in reqs], seq, kv, ones, last, kv], dtype=np.int64)
-        ).to(self.runner.device)
-        return ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
-            req_pool_indices=rows,
-            seq_lens=seq_lens,
-            prefix_lens=prefix_lens,
-            extend_seq_lens=extend_lens,
-            input_ids=input_ids,
-            positions=positions,
-            out_cache_loc=out.to(torch.int64),
-            seq_lens_cpu=seq,
-            prefix_lens_cpu=kv,
-            extend_seq_lens_cpu=ones,
-            rids=[r.rid for r in reqs],
-        )
+        return build_decode_batch(self.runner.device, reqs, out)
 
     # ------------------------------------------------------------ results
     def _process(self, batch: ForwardBatch, reqs: list[Req], logits: torch.Tensor) -> list[Req]:
@@ -338,6 +344,52 @@ class Scheduler:
                 finished.append(req)
         return finished
 
+    def _process_verify(
+        self, batch: ForwardBatch, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor
+    ) -> list[Req]:
+        """Accept each request's drafts (the longest prefix its argmax agrees with, then its
+        own token; sampled requests: one token as in a decode step), truncated at a stop
+        token or ``max_new_tokens``; roll the KV of every position past the new ``kv_len``
+        back."""
+        starts = np.cumsum([0, *batch.extend_seq_lens_cpu[:-1]]).tolist()
+        plain = [i for i, d in enumerate(drafts) if not d]
+        sampled: dict[int, int] = {}
+        if plain:
+            to_sample = [reqs[i] for i in plain]
+            rows = logits[[starts[i] for i in plain]]
+            tokens = sample_batch(rows, [r.params for r in to_sample], [r.generator for r in to_sample])
+            record_logprobs(to_sample, rows, tokens)
+            sampled = dict(zip(plain, tokens, strict=True))
+        argmax = logits.argmax(dim=-1).tolist() if len(plain) < len(reqs) else []
+        finished, st = [], self.stats
+        for i, (req, d, start, n) in enumerate(zip(reqs, drafts, starts, batch.extend_seq_lens_cpu, strict=True)):
+            end = req.kv_len + n  # past the last position this forward wrote
+            if d:
+                emitted, accepted = accept_greedy(d, argmax[start : start + n])
+                st.spec_num_drafted_reqs += 1
+                st.spec_num_proposed += len(d)
+                st.spec_num_accepted += accepted
+            else:
+                emitted = [sampled[i]]
+            for tok in emitted:
+                self.kv.req_to_token_pool.append_tokens([req.req_pool_idx], [req.seq_len], [tok])
+                req.output_ids.append(tok)
+                st.num_decode_tokens += 1
+                if self.check_finish(req, tok):
+                    break
+            req.kv_len = end
+            self.kv.rollback(req, req.seq_len - 1, end)  # every kept token has its KV but the last
+            if req.finished:
+                self.finish(req)
+                self.running.remove(req)
+                finished.append(req)
+        return finished
+
+    def _leave(self, req: Req) -> None:
+        """``req`` left the running batch: the proposer forgets it."""
+        if self.proposer is not None:
+            self.proposer.drop(req)
+
     def abort_request(self, rid: int) -> Req | None:
         """Drop request ``rid`` (a client went away, a stop string matched): a waiting one
         leaves the queue (and any host copy), a running one gives its KV back without
@@ -349,6 +401,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self.kv.release(req, insert=False)
+            self._leave(req)
         else:
             self.waiting.remove(req)
             req.host_copy = None
@@ -368,6 +421,9 @@ class Scheduler:
         if self.before_release is not None:
             self.before_release(req)
         self.kv.release(req, insert=True)
+        self._leave(req)
 
     def check_integrity(self) -> bool:
+        if self.proposer is not None:
+            self.proposer.check_integrity()
         return self.kv.check_integrity()

@@ -38,4 +38,12 @@ class SchedulerStats(KVStats):
     num_cached_prompt_tokens: int = 0  # of those, served by the prefix cache
     graph_replays: int = 0
     padded_rows: int = 0
+    # Speculative decoding: request-steps that got drafts, draft tokens proposed and
+    # accepted in them, verify steps that fell back to a plain decode (slots short), time
+    # spent drafting (part of decode_time_s).
+    spec_num_drafted_reqs: int = 0
+    spec_num_proposed: int = 0
+    spec_num_accepted: int = 0
+    spec_fallbacks: int = 0
+    spec_draft_time_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
