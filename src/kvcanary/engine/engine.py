@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 import torch
 
 from kvcanary.config import EngineConfig, SamplingParams
-from kvcanary.engine.hooks import CANARY_HOST, load_by_name
+from kvcanary.engine.hooks import CANARY_HOST, DRAFT_CANARY_HOST, load_by_name
 from kvcanary.engine.kv_manager import KVManager
 from kvcanary.engine.model_runner import ModelRunner
 from kvcanary.engine.request import Req, TokenLogprob
@@ -63,6 +63,8 @@ class Engine:
         self.tokenizer = self.runner.tokenizer
         self._rids = itertools.count(1)
         self.canary: CanaryManager | None = self._install_canary()
+        # Speculative decoding with a draft model: the draft runner's own canary.
+        self.draft_canary: CanaryManager | None = self._install_draft_canary()
 
     def _install_canary(self) -> CanaryManager | None:
         """The KV canary (kvcanary.canary.manager.CanaryManager), or None when it is off,
@@ -72,6 +74,22 @@ class Engine:
         canary: CanaryManager | None = load_by_name(CANARY_HOST)(self, self.config.canary)
         self.runner.canary = canary  # ModelRunner.forward calls its before/after hooks
         return canary
+
+    def _install_draft_canary(self) -> CanaryManager | None:
+        """The canary of the speculative draft model's runner (:data:`DRAFT_CANARY_HOST`),
+        or None without a draft model or a canary."""
+        draft = self.scheduler.proposer
+        runner = getattr(draft, "runner", None)
+        if not self.config.canary.enabled or runner is None:
+            return None
+        canary: CanaryManager | None = load_by_name(DRAFT_CANARY_HOST)(draft, self.config.canary)
+        runner.canary = canary
+        return canary
+
+    @property
+    def canaries(self) -> list[CanaryManager]:
+        """Every installed canary: the target's, then the draft model's."""
+        return [c for c in (self.canary, self.draft_canary) if c is not None]
 
     def prompt_lens(self, rids: list[int]) -> list[int]:
         """Prompt length of each running request id (0 for padding / unknown ids)."""
@@ -118,8 +136,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One forward; the requests that finished in it."""
         finished = self.scheduler.step()
-        if self.canary is not None:
-            self.canary.end_step()  # abort mode: abort requests implicated by violations
+        for canary in self.canaries:
+            canary.end_step()  # abort mode: abort requests implicated by violations
         return [self._output(r) for r in finished]
 
     def abort_request(self, rid: int) -> RequestOutput | None:
@@ -163,8 +181,8 @@ class Engine:
                 done[out.rid] = out
             if on_step is not None:
                 on_step(finished)
-        if self.canary is not None:
-            self.canary.flush()  # report what a delayed pump has not read yet
+        for canary in self.canaries:
+            canary.flush()  # report what a delayed pump has not read yet
         return [done[r] for r in rids]
 
     def _output(self, req: Req) -> RequestOutput:

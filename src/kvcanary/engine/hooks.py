@@ -25,6 +25,9 @@ from kvcanary.engine.forward_batch import ForwardBatch
 # on, as vLLM's KVConnectorFactory loads a connector, so the engine imports no host (the host
 # imports the engine's types; kvcanary.integrations.native).
 CANARY_HOST = "kvcanary.integrations.native.host:install_on_engine"
+# ``function(draft_proposer, canary_config)``: the canary of a speculative draft model's
+# runner (its own pools), likewise.
+DRAFT_CANARY_HOST = "kvcanary.integrations.native.host:install_on_draft"
 
 
 def load_by_name(spec: str) -> Callable[..., Any]:

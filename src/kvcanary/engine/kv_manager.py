@@ -545,7 +545,7 @@ class KVManager:
         full_slots, swa = full_slots[full_slots > 0], swa[swa > 0]
         rows = set() if req_rows is None else set(req_rows.reshape(-1).tolist()) - {0}
         hit = [req for req in running
-               if req.req_pool_idx in rows or self._references(req, full_slots, swa)]  # fmt: skip
+               if req.req_pool_idx in rows or self.references(req, full_slots, swa)]  # fmt: skip
         if hit:  # pages nothing referenced even before the drop: leaked from elsewhere
             leaked_full, leaked_swa = self._unreferenced_full_pages(running), self._orphan_swa_pages()
         self.allocator.quarantine(full_slots)
@@ -568,7 +568,7 @@ class KVManager:
             self.prefix_cache.invalidate(corrupt)
         return hit
 
-    def _references(self, req: Req, full_slots: torch.Tensor, swa_slots: torch.Tensor) -> bool:
+    def references(self, req: Req, full_slots: torch.Tensor, swa_slots: torch.Tensor) -> bool:
         """Whether ``req``'s KV includes one of ``full_slots`` or maps to one of ``swa_slots``."""
         slots = self.slots(req)
         if bool(torch.isin(slots, full_slots).any()):

@@ -221,6 +221,23 @@ class DraftProposer:
         if d is not None:
             self._release(d)
 
+    def abort_referencing(self, full_slots: torch.Tensor, swa_slots: torch.Tensor,
+                          req_rows: torch.Tensor) -> list[int]:  # fmt: skip
+        """The draft canary's abort handler (abort mode): forget the draft requests whose
+        KV includes ``full_slots`` (or maps to ``swa_slots``) or that hold one of
+        ``req_rows``; their pages go back to the draft's pools (rewritten, records too,
+        before any read) and they prefill again at their next proposal. No target request
+        is aborted (the target verifies every draft: a bad draft costs acceptance, never
+        an output token); returns []."""
+        dev = self.kv.req_to_token.device
+        full = full_slots.reshape(-1).to(dev, torch.int64)
+        swa = swa_slots.reshape(-1).to(dev, torch.int64)
+        rows = set(req_rows.reshape(-1).tolist())
+        for d in list(self.reqs.values()):
+            if d.req_pool_idx in rows or (d.kv_len and self.kv.references(d, full, swa)):
+                self._release(d)
+        return []
+
     def check_integrity(self) -> bool:
         return self.kv.check_integrity()
 

@@ -13,6 +13,8 @@ What crosses the boundary (:mod:`kvcanary.canary.host` names the protocols)::
     Engine.step                           ───►   engine.canary.end_step()
     Scheduler.abort_requests_referencing  ───►   AbortHandler (abort mode)
     Engine.kv.prefix_cache (RadixCache)   ───►   PrefixCacheView (radix sweep)
+    DraftProposer.runner (speculative     ───►   a second canary (install_on_draft): the
+      decoding's draft model)                    draft's pools, lines with ` pool=draft`
     token oracle (EngineConfig.token_oracle) ─►  ExpectedInputs (TokenOracleExpectations)
 
 The engine imports this module lazily, only when a canary is enabled.
@@ -79,4 +81,31 @@ def install_on_engine(engine: NativeEngine, config: CanaryConfig) -> CanaryManag
 
         canary.set_expected_inputs(TokenOracleExpectations(runner.vocab_size, engine.prompt_lens))
     canary.mark_init_finished()  # no warm-up or graph capture to wait for
+    return canary
+
+
+class DraftWorker(Protocol):
+    """What this host reads of a speculative draft proposer
+    (:class:`kvcanary.engine.speculative.DraftProposer`)."""
+
+    @property
+    def runner(self) -> CanaryHost: ...
+
+    def abort_referencing(self, full_slots: torch.Tensor, swa_slots: torch.Tensor,
+                          req_rows: torch.Tensor) -> list[int]: ...  # fmt: skip
+
+
+def install_on_draft(draft: DraftWorker, config: CanaryConfig) -> CanaryManager | None:
+    """A canary of its own on a speculative draft model's runner (its own pools, rows and
+    records: a canary group set apart from the target's, as SGLang gives each draft worker
+    its own). Its report lines end with `` pool=draft``; abort mode drops the implicated
+    draft requests' KV (they prefill again), never a target request. The draft feeds its
+    own tokens (no token oracle) and has no prefix cache (no radix sweep)."""
+    canary = install_canary(draft.runner, config)
+    if canary is None:
+        return None
+    canary.reporter.context = " pool=draft"
+    if config.mode == "abort":
+        canary.set_abort_handler(draft.abort_referencing)
+    canary.mark_init_finished()
     return canary
