@@ -201,6 +201,27 @@ def _cmd_bench_engine(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_spec(a: argparse.Namespace) -> int:
+    from kvcanary.bench.spec import SpecBenchSpec, bench_spec
+    from kvcanary.cli.report import render_matrix, render_table, write_json
+
+    spec = SpecBenchSpec(
+        model=a.model, draft_models=tuple(_csv(a.draft_models)),
+        num_speculative_tokens=a.num_speculative_tokens, batch=a.batch, input_len=a.input_len,
+        output_len=a.output_len, repeats=a.repeats, workloads=tuple(_csv(a.workloads)),
+        canary=not a.no_canary, seed=a.seed,
+    )  # fmt: skip
+    _set_threads(a.threads)
+    summary = bench_spec(engine_config_from_args(a), spec, progress=not a.no_progress)
+    print(render_table("kvcanary bench spec", _head(summary)))
+    print(render_matrix("per workload x variant: decode tok/s and speed-up over plain decoding "
+                        "(medians over repeats), draft acceptance, the canary's cost with "
+                        "speculation (+canary rows)", summary["rows"]))  # fmt: skip
+    if a.json:
+        write_json(a.json, summary)
+    return 0 if summary["outputs_identical"] and not any(summary["violations"].values()) else 1
+
+
 def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
@@ -505,6 +526,45 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
     engine.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     engine.set_defaults(func=_cmd_bench_engine)
+
+    spec_bench = benches.add_parser(
+        "spec", help="speculative decoding side by side: plain vs ngram vs draft models, each "
+                     "with and without the canary, on repetitive and random prompts: tok/s, "
+                     "speed-up, acceptance, outputs checked against plain greedy decoding",
+        conflict_handler="resolve",  # --model is redefined below
+    )  # fmt: skip
+    add_engine_flags(spec_bench, with_canary=False, with_speculative=False)
+    from kvcanary.bench.spec import WORKLOADS, SpecBenchSpec
+
+    _S = SpecBenchSpec()
+    spec_bench.add_argument("--model", default=_S.model,
+                            help="the target model: builtin:<preset> or a HF model directory "
+                                 "(default: %(default)s)")  # fmt: skip
+    spec_bench.add_argument("--draft-models", default=",".join(_S.draft_models),
+                            help="comma-separated draft models, one variant each; each must "
+                                 "share the target's vocab size; '' for none (default: "
+                                 "%(default)s: the target itself, every draft accepted, and a "
+                                 "different model)")  # fmt: skip
+    spec_bench.add_argument("--num-speculative-tokens", type=int, default=_S.num_speculative_tokens,
+                            help="draft tokens per request and step (K) (default: %(default)s)")
+    spec_bench.add_argument("--batch", type=int, default=_S.batch,
+                            help="requests per workload (default: %(default)s)")
+    spec_bench.add_argument("--input-len", type=int, default=_S.input_len,
+                            help="prompt tokens per request (default: %(default)s)")
+    spec_bench.add_argument("--output-len", type=int, default=_S.output_len,
+                            help="new tokens per request (default: %(default)s)")
+    spec_bench.add_argument("--repeats", type=int, default=_S.repeats,
+                            help="repeats, new prompts each; figures are medians (default: %(default)s)")
+    spec_bench.add_argument("--workloads", default=",".join(_S.workloads),
+                            help=f"comma-separated subset of {', '.join(WORKLOADS)} (default: %(default)s)")
+    spec_bench.add_argument("--no-canary", action="store_true",
+                            help="skip the +canary variants (the canary's cost with speculation)")
+    spec_bench.add_argument("--seed", type=int, default=_S.seed, help="prompt seed (default: %(default)s)")
+    spec_bench.add_argument("--threads", type=int, default=None,
+                            help="torch CPU threads (default: torch's choice)")
+    spec_bench.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
+    spec_bench.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    spec_bench.set_defaults(func=_cmd_bench_spec)
 
     serve_bench = benches.add_parser(
         "serve", help="the HTTP server under N concurrent streams on loopback: TTFT and "
