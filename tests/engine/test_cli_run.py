@@ -37,9 +37,28 @@ def test_run_mha_model_has_no_swa_figures(tmp_path: Path) -> None:
     assert data["sliding_window"] is None
 
 
+def test_run_speculative_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A draft equal to the target accepts (nearly) every draft; the summary says so."""
+    out = tmp_path / "run.json"
+    assert main(["run", "--model", "builtin:tiny-swa", *SMALL, "--speculative-method", "draft",
+                 "--speculative-draft-model", "builtin:tiny-swa", "--num-speculative-tokens", "3",
+                 "--json", str(out)]) == 0  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["output_tokens"] == 6 * 48 and data["speculative_method"] == "draft"
+    assert data["spec_draft_tokens"] > 0
+    assert data["spec_acceptance_rate"] == data["spec_accepted_tokens"] / data["spec_draft_tokens"]
+    assert data["spec_acceptance_rate"] > 0.9
+    assert 2.5 < data["spec_mean_accepted_per_step"] <= 3
+    assert "spec_acceptance_rate" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
+        (["--num-speculative-tokens", "0", "--speculative-method", "ngram"],
+         "--num-speculative-tokens (speculative.num_speculative_tokens)=0"),
+        (["--speculative-method", "draft", "--speculative-draft-model", "builtin:qwen3-0.6b-shape"],
+         "the target's vocab size 259 (it has 151936)"),
         (["--page-size", "0"], "page_size=0"),
         (["--swa-full-tokens-ratio", "2"], "swa_full_tokens_ratio=2.0"),
         (["--shared-prefix-len", "500", "--input-len", "100"], "--shared-prefix-len=500"),

@@ -441,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "forward against the KV bytes attention reads",
         conflict_handler="resolve",  # --model and the pool flags are redefined below
     )  # fmt: skip
-    add_engine_flags(overhead, with_canary=False)
+    add_engine_flags(overhead, with_canary=False, with_speculative=False)
     from kvcanary.bench.overhead import SCHEDULES, VARIANTS, OverheadSpec
 
     _O = OverheadSpec()

@@ -90,7 +90,23 @@ def summarize(engine: Engine, outs: list, wall_s: float) -> dict[str, Any]:
         "suspected_leak_swa_slots": st.num_leaked_swa_slots,
         "swa_translation_gathers_per_forward": gathers / st.num_forwards if st.num_forwards else 0.0,
         "graph_replays": st.graph_replays,
+        **spec_summary(engine),
         **canary_summary(engine),
+    }
+
+
+def spec_summary(engine: Engine) -> dict[str, Any]:
+    """Speculative decoding: the method, draft tokens proposed and accepted, the acceptance
+    rate and the drafts accepted per request and verify step (0 when off)."""
+    st, spec = engine.stats, engine.config.speculative
+    return {
+        "speculative_method": spec.method,
+        "spec_draft_tokens": st.spec_num_proposed,
+        "spec_accepted_tokens": st.spec_num_accepted,
+        "spec_acceptance_rate": st.spec_num_accepted / st.spec_num_proposed if st.spec_num_proposed else 0.0,
+        "spec_mean_accepted_per_step": (
+            st.spec_num_accepted / st.spec_num_drafted_reqs if st.spec_num_drafted_reqs else 0.0
+        ),
     }
 
 
