@@ -6,16 +6,20 @@ every draft, so the outputs stay greedy-exact)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
+from pathlib import Path
 
 import pytest
 import torch
 from engine_utils import tiny_engine
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvcanary import Engine, SamplingParams
 from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.explain import explain
+from kvcanary.cli.command import main
 from kvcanary.config import SpeculativeConfig
 
 CANARY = CanaryConfig(mode="log", real_data="all", verify_tokens=True)
@@ -99,3 +103,23 @@ def test_a_flipped_draft_kv_byte_is_reported_by_the_draft_canary_only(
     summary = explain("\n".join(caplog.messages))
     assert summary["violations"] == len(lines)
     assert summary["by_tag"] == {"TAIL_K_FULL": len(lines)}
+
+
+def test_run_summary_and_metrics_carry_the_draft_canary(tmp_path: Path) -> None:
+    out, prom = tmp_path / "run.json", tmp_path / "run.prom"
+    assert main(["run", "--model", "builtin:tiny-swa", "--num-requests", "3", "--input-len", "48",
+                 "--output-len", "24", "--speculative-method", "draft", "--speculative-draft-model",
+                 "builtin:tiny-mha", "--kv-canary", "log", "--kv-canary-verify-tokens",
+                 "--no-progress", "--json", str(out), "--metrics-file", str(prom)]) == 0  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["canary_violations"] == 0 and data["canary_draft_violations"] == 0
+    assert data["canary_draft_verify_entries"] > 0 and data["canary_draft_write_entries"] > 0
+    assert data["canary_draft_verify_entries"] != data["canary_verify_entries"]
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(prom.read_text())
+               for s in family.samples}  # fmt: skip
+    assert samples[("kvcanary_canary_enabled", ())] == 1
+    for pool, key in (("target", "canary_verify_entries"), ("draft", "canary_draft_verify_entries")):
+        entries = sum(v for (name, labels), v in samples.items()
+                      if name == "kvcanary_verify_entries_total" and ("pool", pool) in labels)  # fmt: skip
+        assert entries == data[key]

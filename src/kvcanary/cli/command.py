@@ -81,7 +81,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
     if a.metrics_file:
         from kvcanary.canary.report.metrics import write_metrics_file
 
-        write_metrics_file(engine.canary, a.metrics_file)
+        write_metrics_file(engine.canary, a.metrics_file, draft=engine.draft_canary)
     return 0
 
 

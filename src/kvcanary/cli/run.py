@@ -131,6 +131,7 @@ def written_by_group(write_entries_by_tag: dict[str, int]) -> dict[str, int]:
 def canary_summary(engine: Engine) -> dict[str, Any]:
     """The canary's figures (zeros when it is off); see docs/CLI.md for the keys."""
     c = engine.canary.stats() if engine.canary is not None else {}
+    d = engine.draft_canary.stats() if engine.draft_canary is not None else {}
     return {
         "kv_canary_real_data": engine.config.canary.real_data,
         "canary_protected_tokens": c.get("protected_tokens", 0),
@@ -147,4 +148,10 @@ def canary_summary(engine: Engine) -> dict[str, Any]:
             f"{len(c['launch_tags_active'])}/{c['launch_tags_defined']}" if c else "0/0"
         ),
         "canary_swa_divergence": c.get("swa_divergence", {}),
+        # The draft model's canary (speculative decoding, --speculative-method draft).
+        "canary_draft_verify_entries": d.get("verify_entries", 0),
+        "canary_draft_write_entries": d.get("write_entries", 0),
+        "canary_draft_violations": d.get("violations", 0),
+        "canary_draft_violations_by_tag": d.get("violations_by_tag", {}),
+        "canary_draft_violations_by_reason": d.get("violations_by_reason", {}),
     }

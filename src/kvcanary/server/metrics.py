@@ -58,6 +58,6 @@ class EngineCollector(Collector):
 
 def make_server_registry(loop: EngineLoop) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(CanaryCollector(loop.engine.canary))
+    registry.register(CanaryCollector(loop.engine.canary, draft=loop.engine.draft_canary))
     registry.register(EngineCollector(loop))
     return registry

@@ -13,7 +13,9 @@ One collector per canary; a server registers it in its registry, ``kvcanary run
     kvcanary_swa_divergence{signal}                peak swa_full_idx_divergence / swa_out_of_window_tokens
 
 ``labels``: constant labels on every sample (the vLLM connector's ``rank`` under tensor
-parallelism: one collector per worker process, each with its own rank).
+parallelism: one collector per worker process, each with its own rank). ``draft``: the
+canary of a speculative draft model (kvcanary's engine); with one, every sample but
+``kvcanary_canary_enabled`` carries ``pool`` (``target`` | ``draft``).
 """
 
 from __future__ import annotations
@@ -33,55 +35,70 @@ SWA_SIGNALS = ("swa_full_idx_divergence", "swa_out_of_window_tokens")
 
 
 class CanaryCollector(Collector):
-    def __init__(self, canary: Any | None, labels: dict[str, str] | None = None):
+    def __init__(self, canary: Any | None, labels: dict[str, str] | None = None, *,
+                 draft: Any | None = None):  # fmt: skip
         self.canary = canary
         self.labels = dict(labels or {})
+        self.draft = draft
 
     def collect(self) -> Iterator[Metric]:
         names, values = list(self.labels), list(self.labels.values())
+        members = [((), self.canary)]  # (pool label values, canary)
+        if self.canary is not None and self.draft is not None:
+            names, members = [*names, "pool"], [(("target",), self.canary), (("draft",), self.draft)]
 
-        def family(kind: type, name: str, doc: str, labels: tuple[str, ...] = (),
-                   rows: Any = None, value: float | None = None) -> Metric:  # fmt: skip
-            """One family with the constant labels first; ``rows``: (label values, value)."""
+        def family(kind: type, name: str, doc: str, labels: tuple[str, ...],
+                   rows: list[tuple[tuple[str, ...], float]]) -> Metric:  # fmt: skip
+            """One family with the constant labels (and ``pool``) first; ``rows``: (label
+            values, value), the pool's values included."""
             out = kind(name, doc, labels=[*names, *labels])
-            for label_values, v in [((), value)] if rows is None else rows:
+            for label_values, v in rows:
                 out.add_metric([*values, *label_values], v)
             return out
 
-        yield family(GaugeMetricFamily, "kvcanary_canary_enabled",
-                     "1 when a KV canary is installed", value=int(self.canary is not None))  # fmt: skip
+        enabled = GaugeMetricFamily("kvcanary_canary_enabled", "1 when a KV canary is installed",
+                                    labels=list(self.labels))  # fmt: skip
         if self.canary is None:
+            enabled.add_metric(values, 0)
+            yield enabled
             return
-        st = self.canary.stats()
-        by_tag_reason = Counter(
-            (row.launch_tag, reason) for row in self.canary.reporter.rows for reason in row.fail_reasons
-        )
+        enabled.add_metric(values, 1)
+        yield enabled
+        stats = [(pool, c, c.stats()) for pool, c in members]
+        by_tag_reason = [((*pool, tag, reason), n) for pool, c, _ in stats
+                         for (tag, reason), n in sorted(Counter(
+                             (row.launch_tag, reason) for row in c.reporter.rows
+                             for reason in row.fail_reasons).items())]  # fmt: skip
         yield family(CounterMetricFamily, "kvcanary_violations",
                      "Reported canary violation rows by launch tag and fail reason",
-                     ("launch_tag", "fail_reason"), sorted(by_tag_reason.items()))  # fmt: skip
+                     ("launch_tag", "fail_reason"), by_tag_reason)  # fmt: skip
         yield family(CounterMetricFamily, "kvcanary_violations_recorded",
-                     "Violation rows recorded, including any past the ring capacity",
-                     value=st["violations"])  # fmt: skip
+                     "Violation rows recorded, including any past the ring capacity", (),
+                     [(pool, st["violations"]) for pool, _, st in stats])  # fmt: skip
         yield family(CounterMetricFamily, "kvcanary_protected_tokens",
-                     "Canary verify entries plus records written", value=st["protected_tokens"])  # fmt: skip
+                     "Canary verify entries plus records written", (),
+                     [(pool, st["protected_tokens"]) for pool, _, st in stats])  # fmt: skip
         yield family(CounterMetricFamily, "kvcanary_verify_entries",
                      "Canary verify entries by launch tag", ("launch_tag",),
-                     [((tag,), n) for tag, n in sorted(st["verify_entries_by_tag"].items())])  # fmt: skip
-        yield family(CounterMetricFamily, "kvcanary_sweep_passes", "Completed radix sweeps",
-                     value=st["sweep_passes"])  # fmt: skip
+                     [((*pool, tag), n) for pool, _, st in stats
+                      for tag, n in sorted(st["verify_entries_by_tag"].items())])  # fmt: skip
+        yield family(CounterMetricFamily, "kvcanary_sweep_passes", "Completed radix sweeps", (),
+                     [(pool, st["sweep_passes"]) for pool, _, st in stats])  # fmt: skip
         yield family(GaugeMetricFamily, "kvcanary_swa_divergence",
                      "Peak SWA divergence signals (0 when the reporter is off)", ("signal",),
-                     [((signal,), st["swa_divergence"].get(signal, 0)) for signal in SWA_SIGNALS])  # fmt: skip
+                     [((*pool, signal), st["swa_divergence"].get(signal, 0))
+                      for pool, _, st in stats for signal in SWA_SIGNALS])  # fmt: skip
 
 
-def make_registry(canary: Any | None, labels: dict[str, str] | None = None) -> CollectorRegistry:
+def make_registry(canary: Any | None, labels: dict[str, str] | None = None, *,
+                  draft: Any | None = None) -> CollectorRegistry:  # fmt: skip
     registry = CollectorRegistry()
-    registry.register(CanaryCollector(canary, labels))
+    registry.register(CanaryCollector(canary, labels, draft=draft))
     return registry
 
 
 def write_metrics_file(canary: Any | None, path: str | Path,
-                       labels: dict[str, str] | None = None) -> None:  # fmt: skip
+                       labels: dict[str, str] | None = None, *, draft: Any | None = None) -> None:  # fmt: skip
     """Write the text exposition (temp file + rename)."""
-    write_file_atomically(path, generate_latest(make_registry(canary, labels)),
+    write_file_atomically(path, generate_latest(make_registry(canary, labels, draft=draft)),
                           flag="--metrics-file")  # fmt: skip
