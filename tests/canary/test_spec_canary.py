@@ -119,7 +119,8 @@ def test_run_summary_and_metrics_carry_the_draft_canary(tmp_path: Path) -> None:
                for family in text_string_to_metric_families(prom.read_text())
                for s in family.samples}  # fmt: skip
     assert samples[("kvcanary_canary_enabled", ())] == 1
-    for pool, key in (("target", "canary_verify_entries"), ("draft", "canary_draft_verify_entries")):
+    pools = (("target", "canary_verify_entries"), ("draft", "canary_draft_verify_entries"))
+    for pool, key in pools:
         entries = sum(v for (name, labels), v in samples.items()
                       if name == "kvcanary_verify_entries_total" and ("pool", pool) in labels)  # fmt: skip
         assert entries == data[key]

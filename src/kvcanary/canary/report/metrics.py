@@ -21,7 +21,7 @@ canary of a speculative draft model (kvcanary's engine); with one, every sample 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +43,13 @@ class CanaryCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         names, values = list(self.labels), list(self.labels.values())
-        members = [((), self.canary)]  # (pool label values, canary)
+        members: list[tuple[tuple[str, ...], Any]] = [((), self.canary)]  # (pool label, canary)
         if self.canary is not None and self.draft is not None:
-            names, members = [*names, "pool"], [(("target",), self.canary), (("draft",), self.draft)]
+            names = [*names, "pool"]
+            members = [(("target",), self.canary), (("draft",), self.draft)]
 
         def family(kind: type, name: str, doc: str, labels: tuple[str, ...],
-                   rows: list[tuple[tuple[str, ...], float]]) -> Metric:  # fmt: skip
+                   rows: Sequence[tuple[tuple[str, ...], float]]) -> Metric:  # fmt: skip
             """One family with the constant labels (and ``pool``) first; ``rows``: (label
             values, value), the pool's values included."""
             out = kind(name, doc, labels=[*names, *labels])
