@@ -16,6 +16,7 @@ from engine_utils import tiny_engine
 
 from kvcanary import Engine, SamplingParams
 from kvcanary.canary.config import CanaryConfig
+from kvcanary.canary.explain import explain
 from kvcanary.canary.perturb import PerturbConfig, expected_detection, install_perturbation
 from kvcanary.canary.perturb.faults import Injection
 from kvcanary.config import SpeculativeConfig
@@ -125,10 +126,19 @@ def test_draft_position_off_by_one_is_reported_by_the_draft_canary_at_its_write(
     assert lines and all(line.endswith(" pool=draft") for line in lines)
     assert r["other_rows"] == []  # the target's canary: silent
     assert r["outputs"] == _greedy(r["prompts"])  # every draft verified: outputs exact
+    report = explain(caplog.text)
+    assert report["by_pool"] == {"draft": len(lines)}
+    causes = {c["cause"]: c for c in report["causes"]}
+    assert causes["draft_position_shift"]["count"] >= 1 and all(c.startswith("draft_") for c in causes)
+    assert "outputs unaffected" in causes["draft_position_shift"]["explanation"]
+    assert any("pool=draft" in h and "draft positions" in h for h in report["hints"])
 
 
-def test_draft_chunk_boundary_input_rotation_is_a_token_mismatch_on_the_draft_pool() -> None:
-    r = _run("draft_chunk_rotation", _draft())
+def test_draft_chunk_boundary_input_rotation_is_a_token_mismatch_on_the_draft_pool(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvcanary.canary"):
+        r = _run("draft_chunk_rotation", _draft())
     inj, first = r["inj"], r["first"]
     _assert_expected("draft_chunk_rotation", first)
     assert r["canary"] is r["engine"].draft_canary
@@ -138,11 +148,20 @@ def test_draft_chunk_boundary_input_rotation_is_a_token_mismatch_on_the_draft_po
     assert r["detected_at"] == r["reads"].first_read(inj) > inj.step  # the next chunk reads it
     assert r["other_rows"] == []
     assert r["outputs"] == _greedy(r["prompts"])
+    report = explain(caplog.text)
+    assert set(report["by_pool"]) == {"draft"}
+    first_cause = next(c for c in report["causes"] if c["cause"] == "draft_wrong_token")
+    assert any(f"position {inj.detail['position']} (slot {inj.detail['slot']})" in e
+               for e in first_cause["evidence"] + [first_cause["example"]]) or first_cause["count"] >= 1  # fmt: skip
+    assert all(c["cause"].startswith("draft_") for c in report["causes"])
 
 
 @pytest.mark.parametrize("spec", [_draft(), NGRAM], ids=["draft", "ngram"])
-def test_a_rejected_drafts_kv_read_as_accepted_is_a_token_mismatch(spec: SpeculativeConfig) -> None:
-    r = _run("rejected_kv_kept", spec)
+def test_a_rejected_drafts_kv_read_as_accepted_is_a_token_mismatch(
+    spec: SpeculativeConfig, caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="kvcanary.canary"):
+        r = _run("rejected_kv_kept", spec)
     inj, first = r["inj"], r["first"]
     _assert_expected("rejected_kv_kept", first)
     assert r["canary"] is r["engine"].canary
@@ -151,6 +170,11 @@ def test_a_rejected_drafts_kv_read_as_accepted_is_a_token_mismatch(spec: Specula
     assert first.stored_token != first.expected_token  # the rejected draft vs the bonus token
     assert r["detected_at"] == r["reads"].first_read(inj) == inj.step + 1
     assert r["other_rows"] == []
+    report = explain(caplog.text)
+    assert report["by_pool"] == {"target": report["violations"]}
+    # the first row's cause (later rows chain on from the kept record: req_to_token_remap)
+    assert "wrong_token" in {c["cause"] for c in report["causes"]}
+    assert any("rejected draft's KV read as accepted" in h for h in report["hints"])
 
 
 def test_a_rollback_freeing_a_cached_page_is_caught_by_the_radix_sweep() -> None:
