@@ -19,6 +19,14 @@ with the compression windows), and the fault lands in the first decode steps
 (WARMUP_STEPS_COMPRESSED). Its byte-level classes run once per group holding KV bytes:
 SWA, the C4 / C128 / indexer entries and the three compress-state rings.
 
+``spec:builtin:tiny-mha`` is the speculative workload: the target with ``builtin:tiny-swa``
+drafting (K = 4; another model, so most drafts are rejected and rolled back), pages of 4,
+16-token prefill chunks (the draft's catch-up prefill crosses chunk boundaries), no token
+oracle (no drafts under it), the same two waves. The speculative fault classes run only there
+(``draft_position_shift`` and ``draft_chunk_rotation`` on the draft model's canary, the others
+on the target's), every other class only on the plain pools; its clean runs count the rows of
+both canaries.
+
 The canary runs in log mode with everything a fault class needs (real-KV ``partial``, radix
 sweep every 4 steps, token check, the token oracle's write-input assertion) and its
 observability on (health check and SWA divergence every 8 steps). A class is *detected*
@@ -374,7 +382,7 @@ def render_selftest(summary: dict[str, Any]) -> str:
     from tabulate import tabulate
 
     def short(model: str) -> str:
-        return model.removeprefix("builtin:")
+        return model.replace("builtin:", "")
 
     matrix = [
         [r["fault"], short(r["model"]), f"{r['detected_runs']}/{r['runs']}",
