@@ -34,7 +34,8 @@ and fail reasons and by slot, and each row is matched to the cause its signature
 Rows of a speculative draft model's canary (lines ending `` pool=draft``) get draft causes:
 the draft's KV only (the target verified every draft: outputs unaffected, acceptance lost)::
 
-    write_position one position off (|position - expected_aux| = 1)  draft_position_shift
+    write_position one position off (|position - expected_aux| = 1),  draft_position_shift
+      or verify_position only (a record chained right, at a wrong position)
     verify_token / write_token                                        draft_wrong_token
     anything else                                                     draft_kv_corruption
 
@@ -229,6 +230,8 @@ def _classify_draft(v: ParsedViolation) -> tuple[str, str]:
             f"{r.stored_token}, the sequence has {r.expected_token}"
         )
     cause, evidence = _classify(v)
+    if cause == "position_shift":  # a self-consistent record at another position: read later
+        return "draft_position_shift", f"pool=draft: {evidence}"
     return "draft_kv_corruption", f"pool=draft, as {cause}: {evidence}"
 
 
