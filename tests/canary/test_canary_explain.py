@@ -170,6 +170,9 @@ def test_selftest_cli_fails_on_a_missed_class(tmp_path: Path, monkeypatch: pytes
 @pytest.mark.parametrize(("args", "needle"), [
     (["--faults", "page_shift,bogus"], '--faults="page_shift,bogus" is invalid'),
     (["--num-seeds", "0"], "--num-seeds=0 is invalid"),
+    (["--models", "builtin:tiny-mha", "--faults", "rejected_kv_kept"],
+     "apply to none of these models (they need the speculative workload: spec:builtin:tiny-mha)"),
+    (["--models", "spec:builtin:tiny-dsv4"], "speculative decoding refuses DeepSeek-V4 models"),
 ])  # fmt: skip
 def test_selftest_cli_rejects_bad_flags(args: list[str], needle: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip

@@ -31,6 +31,14 @@ and fail reasons and by slot, and each row is matched to the cause its signature
     verify_not_resident, FULL tags                         missing_slot
     write_kv_store                                         lost_kv_store
 
+Rows of a speculative draft model's canary (lines ending `` pool=draft``) get draft causes:
+the draft's KV only (the target verified every draft: outputs unaffected, acceptance lost)::
+
+    write_position one position off (|position - expected_aux| = 1),  draft_position_shift
+      or verify_position only (a record chained right, at a wrong position)
+    verify_token / write_token                                        draft_wrong_token
+    anything else                                                     draft_kv_corruption
+
 Tags name their pool kind: FULL and SWA (SGLang's), C4 / C128 / INDEXER (DeepSeek-V4
 compressed rows: ``slot_idx`` is the compressed row, ``position`` the block index) and
 C4_STATE / C128_STATE / INDEXER_STATE (compressor rings: ``slot_idx`` is the ring row,
@@ -69,6 +77,11 @@ _WRITE_POSITION = FailReason.WRITE_POSITION_MISMATCH
 _NOT_RESIDENT = FailReason.VERIFY_NOT_RESIDENT
 _KV_STORE = FailReason.WRITE_KV_STORE_MISMATCH
 _SALTED = 1 << 62  # token fields salted by tenant isolation (integrations.vllm.namespace)
+
+_DRAFT = ("the draft model's KV (pool=draft); the target verified every draft, outputs "
+          "unaffected (acceptance drops); look at draft positions / chunk-boundary inputs / "
+          "draft rollback: ")
+_DRAFT_CONTEXT = " pool=draft"
 
 CAUSES: dict[str, str] = {
     "premature_window_eviction": "a position inside the sliding window (which attention "
@@ -119,7 +132,18 @@ CAUSES: dict[str, str] = {
     "salt out (vLLM #27211's lineage, #44701); the KV was computed with another tenant's "
     "weights or prompt",
     "wrong_token": "the slot holds another token than the request's: a wrong token was written "
-    "into the KV (e.g. a draft rotation bug) or the slot was reused",
+    "into the KV (e.g. a draft rotation bug) or the slot was reused; with position and chain "
+    "intact under speculative decoding: a rejected draft's KV read as accepted (the bonus "
+    "token's KV went to another slot, or a rollback kept the rejected draft's slot)",
+    "draft_position_shift": _DRAFT + "a draft forward wrote its KV one position off (its seed "
+    "slot holds the position before the one it claims): draft positions off by one, as SGLang's "
+    "EAGLE draft positions were (#25015); the draft's RoPE and records are shifted",
+    "draft_wrong_token": _DRAFT + "the draft's KV holds another token than the sequence: the "
+    "draft's inputs are rotated wrongly, e.g. at a chunk boundary of its catch-up prefill "
+    "(SGLang #26329: the next chunk's first token fed at the last position), or stale drafts "
+    "left after its rollback",
+    "draft_kv_corruption": _DRAFT + "the draft's KV or its req->token rows are corrupt (see the "
+    "evidence for the per-row signature): look at the draft's rollback and page accounting",
     "unclassified": "a combination of checks no single cause explains",
 }
 
@@ -146,6 +170,11 @@ class ParsedViolation:
     @property
     def reasons(self) -> str:
         return "+".join(fail_reason_labels(self.record.fail_reason)) or "none"
+
+    @property
+    def draft(self) -> bool:
+        """A row of a speculative draft model's canary (its line ends `` pool=draft``)."""
+        return _DRAFT_CONTEXT in self.line
 
 
 def parse_log(text: str) -> tuple[list[ParsedViolation], list[dict[str, Any]]]:
@@ -181,7 +210,32 @@ def _hex(v: int) -> str:
 
 
 def classify(v: ParsedViolation) -> tuple[str, str]:
-    """``(cause, evidence)`` of one row (see the module table)."""
+    """``(cause, evidence)`` of one row (see the module table; draft-pool rows: the draft
+    table)."""
+    if v.draft:
+        return _classify_draft(v)
+    return _classify(v)
+
+
+def _classify_draft(v: ParsedViolation) -> tuple[str, str]:
+    r, bits = v.record, v.record.fail_reason
+    if bits & _WRITE_POSITION and abs(r.position - r.expected_aux) == 1:
+        return "draft_position_shift", (
+            f"{v.tag} pool=draft: slot {r.slot_idx} written as position {r.position}, its seed "
+            f"says {r.expected_aux} (off by {r.position - r.expected_aux:+d})"
+        )
+    if bits & (_TOKEN | _WRITE_TOKEN):
+        return "draft_wrong_token", (
+            f"{v.tag} pool=draft: position {r.position} (slot {r.slot_idx}) holds token "
+            f"{r.stored_token}, the sequence has {r.expected_token}"
+        )
+    cause, evidence = _classify(v)
+    if cause == "position_shift":  # a self-consistent record at another position: read later
+        return "draft_position_shift", f"pool=draft: {evidence}"
+    return "draft_kv_corruption", f"pool=draft, as {cause}: {evidence}"
+
+
+def _classify(v: ParsedViolation) -> tuple[str, str]:
     r, bits = v.record, v.record.fail_reason
     if bits & _NOT_RESIDENT:
         if "_SWA" in v.tag:
@@ -272,8 +326,8 @@ def explain(text: str) -> dict[str, Any]:
     slots: dict[tuple[str, int], list[ParsedViolation]] = defaultdict(list)
     causes: dict[str, _Cause] = {}
     for v in rows:
-        groups[(v.tag, v.reasons)].append(v)
-        slots[(v.kind, v.record.slot_idx)].append(v)
+        groups[(v.tag + (_DRAFT_CONTEXT if v.draft else ""), v.reasons)].append(v)
+        slots[(v.kind + (_DRAFT_CONTEXT if v.draft else ""), v.record.slot_idx)].append(v)
         name, evidence = classify(v)
         c = causes.setdefault(name, _Cause(name, example=v.line))
         c.count += 1
@@ -287,6 +341,7 @@ def explain(text: str) -> dict[str, Any]:
         "label_generations": {"new": sum(not v.legacy_labels for v in rows),
                               "legacy": sum(v.legacy_labels for v in rows)},  # fmt: skip
         "by_tag": dict(sorted(Counter(v.tag for v in rows).items())),
+        "by_pool": dict(sorted(Counter("draft" if v.draft else "target" for v in rows).items())),
         "by_reason": dict(sorted(Counter(x for v in rows for x in v.reasons.split("+")).items())),
         "groups": [
             {"launch_tag": tag, "fail_reason": reasons, "count": len(g),
@@ -331,6 +386,22 @@ def _hints(rows: list[ParsedViolation]) -> list[str]:
         hints.append(
             f"expected_aux=0 flood ({zeros} rows): many predecessors were never written; "
             "look for a path that maps slots into requests without computing them"
+        )
+    drafted = sum(v.draft for v in rows)
+    if drafted:
+        hints.append(
+            f"{drafted} row(s) on the draft model's pool (pool=draft): the draft model's KV; the "
+            "target verified every draft, outputs unaffected; look at draft positions / "
+            "chunk-boundary inputs / draft rollback"
+        )
+    kept = sum(1 for v in rows if not v.draft and v.record.fail_reason == _TOKEN
+               and v.record.stored_chain_hash == v.record.expected_aux)  # fmt: skip
+    if kept:
+        hints.append(
+            f"{kept} verify_token row(s) with position and chain intact on the target: KV "
+            "computed for the right position and history but from another token; under "
+            "speculative decoding, a rejected draft's KV read as accepted (the bonus token's "
+            "KV written to another slot, or a rollback that kept the rejected draft's slot)"
         )
     swaps = _swapped_tokens(rows)
     if swaps:

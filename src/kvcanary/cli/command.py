@@ -407,7 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     selftest.add_argument("--models", default=",".join(SELFTEST_MODELS),
                           help="comma-separated pools to test; builtin:tiny-dsv4 adds the "
-                               "DeepSeek-V4 pool's per-sub-pool classes (default: %(default)s)")
+                               "DeepSeek-V4 pool's per-sub-pool classes; spec:<model> runs "
+                               "the speculative classes on <model> with a draft model "
+                               "(default: %(default)s)")
     selftest.add_argument("--faults", default=None,
                           help="comma-separated fault classes, each applying to at least one "
                                "model (default: every class that applies to each model, of "

@@ -19,6 +19,14 @@ with the compression windows), and the fault lands in the first decode steps
 (WARMUP_STEPS_COMPRESSED). Its byte-level classes run once per group holding KV bytes:
 SWA, the C4 / C128 / indexer entries and the three compress-state rings.
 
+``spec:builtin:tiny-mha`` is the speculative workload: the target with ``builtin:tiny-swa``
+drafting (K = 4; another model, so most drafts are rejected and rolled back), pages of 4,
+16-token prefill chunks (the draft's catch-up prefill crosses chunk boundaries), no token
+oracle (no drafts under it), the same two waves. The speculative fault classes run only there
+(``draft_position_shift`` and ``draft_chunk_rotation`` on the draft model's canary, the others
+on the target's), every other class only on the plain pools; its clean runs count the rows of
+both canaries.
+
 The canary runs in log mode with everything a fault class needs (real-KV ``partial``, radix
 sweep every 4 steps, token check, the token oracle's write-input assertion) and its
 observability on (health check and SWA divergence every 8 steps). A class is *detected*
@@ -48,23 +56,41 @@ from kvcanary.canary.perturb import (
     expected_detection,
     install_perturbation,
 )
-from kvcanary.canary.perturb.config import BYTE_FLIP_MODES, PerturbMode
+from kvcanary.canary.perturb.config import (
+    BYTE_FLIP_MODES,
+    DRAFT_POOL_MODES,
+    SPEC_MODES,
+    PerturbMode,
+)
 from kvcanary.canary.wire.constants import KvHalf, LaunchStage, PoolKind, launch_tag
-from kvcanary.config import CanaryConfig, EngineConfig, SamplingParams
+from kvcanary.config import CanaryConfig, EngineConfig, SamplingParams, SpeculativeConfig
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.warmup import warm_engine, watch_compiles
 from kvcanary.model.loader import load_model_config
 from kvcanary.utils import show
 
-SELFTEST_MODELS = ("builtin:tiny-mha", "builtin:tiny-swa", "builtin:tiny-swa-all")
+# ``spec:<target>``: the target with speculative decoding by a draft model (SPEC_DRAFT_MODEL)
+SPEC_PREFIX = "spec:"
+SPEC_DRAFT_MODEL = "builtin:tiny-swa"  # another model than the target: most drafts rejected
+SPEC_MODEL = SPEC_PREFIX + "builtin:tiny-mha"
+SELFTEST_MODELS = ("builtin:tiny-mha", "builtin:tiny-swa", "builtin:tiny-swa-all", SPEC_MODEL)
 WARMUP_STEPS = 6  # forward steps into wave 2 (prefill done, decoding) before the injection
 WARMUP_STEPS_COMPRESSED = 16  # the same on a compressed model's longer prompts (~13 chunks)
 MAX_STEPS = 300  # per run; the workload needs ~70
 
 
+def _speculative(model: str) -> bool:
+    return model.startswith(SPEC_PREFIX)
+
+
+def _target(model: str) -> str:
+    """The model a pool entry runs (``spec:<target>``: the target)."""
+    return model.removeprefix(SPEC_PREFIX)
+
+
 def _compressed(model: str) -> bool:
     """DeepSeek-V4-style model: compressed KV (pages must hold whole compression windows)."""
-    return load_model_config(model).min_page_size > 1
+    return load_model_config(_target(model)).min_page_size > 1
 
 
 @dataclass(frozen=True)
@@ -84,6 +110,13 @@ def engine_config(model: str, seed: int = 0, graph_safe: bool = False) -> Engine
     canary = CanaryConfig(mode="log", real_data="partial", verify_tokens=True, sweep_interval=4,
                           health_check_interval=8, swa_divergence_interval=8,
                           graph_safe=graph_safe)  # fmt: skip
+    if _speculative(model):  # drafts of another model, verified; no token oracle (no drafts
+        # under it); prefill chunks of 16 (the draft's catch-up prefill crosses chunk boundaries)
+        spec = SpeculativeConfig(method="draft", num_speculative_tokens=4, draft_model=SPEC_DRAFT_MODEL)
+        return EngineConfig(
+            model=_target(model), page_size=4, max_total_tokens=2048, max_context_len=512,
+            chunked_prefill_size=16, seed=seed, speculative=spec, canary=canary,
+        )  # fmt: skip
     min_page = load_model_config(model).min_page_size
     if min_page > 1:  # compressed (see _compressed)
         page = math.lcm(4, min_page)
@@ -128,6 +161,8 @@ def cases_for(model: str, group_kinds: set[PoolKind], modes: list[str],
     order = [k.name.lower() for k in sorted(group_kinds)]
     out = []
     for mode in modes:
+        if (PerturbMode(mode) in SPEC_MODES) != _speculative(model):  # speculative workload only
+            continue
         if not applies_to(mode, PoolKind.SWA in group_kinds, PoolKind.FULL in group_kinds):
             continue
         if mode in BYTE_FLIP_MODES:
@@ -144,8 +179,11 @@ def _canary(engine: Engine) -> CanaryManager:
     return engine.canary
 
 
-def _rows(engine: Engine, start: int) -> list[Any]:
-    return _canary(engine).violations[start:]
+def _injected_canary(engine: Engine, case: FaultCase) -> CanaryManager:
+    """The canary a case's perturber attaches to (the draft model's for draft-pool modes)."""
+    if PerturbMode(case.mode) in DRAFT_POOL_MODES and engine.draft_canary is not None:
+        return engine.draft_canary
+    return _canary(engine)
 
 
 def run_case(model: str, case: FaultCase | None, seed: int = 0,
@@ -156,8 +194,15 @@ def run_case(model: str, case: FaultCase | None, seed: int = 0,
     (wave1, new1), (wave2, new2) = workload(seed, compressed)
     warmup = WARMUP_STEPS_COMPRESSED if compressed else WARMUP_STEPS
     engine.generate(wave1, SamplingParams(max_new_tokens=new1, ignore_eos=True))
-    canary = _canary(engine)
+    canary = _canary(engine) if case is None else _injected_canary(engine, case)
     first_row = 0 if case is None else len(canary.violations)
+    clean_start = [len(c.violations) for c in engine.canaries]
+
+    def rows_since() -> list[Any]:
+        if case is not None:
+            return canary.violations[first_row:]
+        return [r for c, n in zip(engine.canaries, clean_start, strict=True) for r in c.violations[n:]]
+
     perturber = None
     if case is not None:
         config = PerturbConfig.single(case.mode, 1.0, target_group=case.target_group, seed=seed,
@@ -174,14 +219,15 @@ def run_case(model: str, case: FaultCase | None, seed: int = 0,
             steps += 1
             if perturber is not None and perturber.injections and detected_row is None:
                 injected_at = perturber.injections[0].step
-                detected_row = next((r for r in _rows(engine, first_row) if r.step > injected_at
+                detected_row = next((r for r in rows_since() if r.step > injected_at
                                      and expected.matches(r.launch_tag, r.fail_reasons)), None)  # fmt: skip
                 if detected_row is not None:
                     break  # the engine's state is corrupt on purpose: stop here
-        canary.flush()
+        for c in engine.canaries:
+            c.flush()
     except Exception as e:  # a fault may break the engine's bookkeeping before detection
         error = f"{type(e).__name__}: {e}"
-    rows = _rows(engine, first_row)
+    rows = rows_since()
     common = {
         "model": model, "forwards": canary.step, "violations": len(rows),
         "tags_seen": sorted({r.launch_tag for r in rows}),
@@ -228,7 +274,9 @@ def _check_every_mode_applies(modes: tuple[str, ...] | list[str], models: tuple[
         return
     needs_swa = all(applies_to(m, True) and not applies_to(m, False) for m in unapplied)
     needs_full = all(applies_to(m, True) and not applies_to(m, True, False) for m in unapplied)
-    where = (" (they need a model with sliding-window layers: builtin:tiny-swa or "
+    needs_spec = all(PerturbMode(m) in SPEC_MODES for m in unapplied)
+    where = (f" (they need the speculative workload: {SPEC_MODEL})" if needs_spec else
+             " (they need a model with sliding-window layers: builtin:tiny-swa or "
              "builtin:tiny-swa-all)" if needs_swa else
              " (they need a model with a FULL group: not builtin:tiny-dsv4)" if needs_full
              else "")  # fmt: skip
@@ -262,6 +310,9 @@ def run_selftest(
         raise ValueError("--num-seeds=0 is invalid: allowed an integer >= 1")
     plans: list[tuple[FaultCase | None, str, int]] = []
     for model in models:
+        if _speculative(model) and _compressed(model):
+            raise ValueError(f"--models={show(model)} is invalid: speculative decoding refuses "
+                             "DeepSeek-V4 models; allowed spec:<a model with a FULL group>")  # fmt: skip
         canary = _canary(Engine(engine_config(model)))  # which classes apply
         groups, checker = canary.groups, canary.runtime.store_checker
         kinds = {g.kind for g in groups}
@@ -277,8 +328,9 @@ def run_selftest(
     # Compile ahead, with the warm-up's bar (and helper process), so the campaign's own bar
     # moves from its first run; what a fault's path alone calls still compiles in the
     # campaign, shown on a bar of its own.
+    warm = {_target(m) for m in models} | ({SPEC_DRAFT_MODEL} if any(map(_speculative, models)) else set())
     warmup_s = sum(warm_engine(engine_config(model, graph_safe=graph_safe), progress=progress).wall_s
-                   for model in models)  # fmt: skip
+                   for model in sorted(warm))  # fmt: skip
     clean: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
     with watch_compiles(progress=progress):
@@ -330,7 +382,7 @@ def render_selftest(summary: dict[str, Any]) -> str:
     from tabulate import tabulate
 
     def short(model: str) -> str:
-        return model.removeprefix("builtin:")
+        return model.replace("builtin:", "")
 
     matrix = [
         [r["fault"], short(r["model"]), f"{r['detected_runs']}/{r['runs']}",

@@ -23,6 +23,7 @@ from kvcanary.engine.model_runner import ModelRunner
 from kvcanary.engine.request import Req, TokenLogprob
 from kvcanary.engine.sampling import make_generator
 from kvcanary.engine.scheduler import Scheduler
+from kvcanary.engine.spec_faults import SpecFaultSite
 from kvcanary.engine.stats import SchedulerStats
 from kvcanary.memory.base import PrefixCache
 
@@ -90,6 +91,12 @@ class Engine:
     def canaries(self) -> list[CanaryManager]:
         """Every installed canary: the target's, then the draft model's."""
         return [c for c in (self.canary, self.draft_canary) if c is not None]
+
+    @property
+    def spec_fault_site(self) -> SpecFaultSite | None:
+        """What the canary's speculative-decoding fault injection needs of the engine
+        (:mod:`kvcanary.engine.spec_faults`); None when speculative decoding is off."""
+        return None if self.scheduler.proposer is None else SpecFaultSite(self.scheduler)
 
     def prompt_lens(self, rids: list[int]) -> list[int]:
         """Prompt length of each running request id (0 for padding / unknown ids)."""

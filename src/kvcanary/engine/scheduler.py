@@ -69,6 +69,11 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.eos_ids = set(runner.tokenizer.eos_token_ids)
         self.proposer: Proposer | None = make_proposer(config, runner)
+        # (req_pool_idx, position) of each request whose last verify step rejected a draft
+        # and kept the page of its bonus token's position (that slot still holds the first
+        # rejected draft's KV until the next forward rewrites it): fault injection reads it
+        # (kvcanary.engine.spec_faults).
+        self.spec_rejections: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ api
     def add(self, req: Req) -> None:
@@ -362,6 +367,8 @@ class Scheduler:
             sampled = dict(zip(plain, tokens, strict=True))
         argmax = logits.argmax(dim=-1).tolist() if len(plain) < len(reqs) else []
         finished, st = [], self.stats
+        self.spec_rejections = []
+        page = self.config.page_size
         for i, (req, d, start, n) in enumerate(zip(reqs, drafts, starts, batch.extend_seq_lens_cpu, strict=True)):
             end = req.kv_len + n  # past the last position this forward wrote
             if d:
@@ -369,8 +376,9 @@ class Scheduler:
                 st.spec_num_drafted_reqs += 1
                 st.spec_num_proposed += len(d)
                 st.spec_num_accepted += accepted
+                rejected = accepted < len(d)
             else:
-                emitted = [sampled[i]]
+                emitted, rejected = [sampled[i]], False
             for tok in emitted:
                 self.kv.req_to_token_pool.append_tokens([req.req_pool_idx], [req.seq_len], [tok])
                 req.output_ids.append(tok)
@@ -379,6 +387,8 @@ class Scheduler:
                     break
             req.kv_len = end
             self.kv.rollback(req, req.seq_len - 1, end)  # every kept token has its KV but the last
+            if rejected and not req.finished and req.kv_len % page:
+                self.spec_rejections.append((req.req_pool_idx, req.kv_len))
             if req.finished:
                 self.finish(req)
                 self.running.remove(req)

@@ -1,6 +1,6 @@
 """PerturbConfig: which faults to inject, how often, where (frozen, validated).
 
-Each mode has its own probability per hook call (SGLang's five, then kvcanary's three)::
+Each mode has its own probability per hook call (SGLang's five, then kvcanary's own)::
 
     mode                  hook           what it corrupts
     req_to_token          pre-forward    one committed req->token entry -> another live slot
@@ -15,6 +15,23 @@ Each mode has its own probability per hook call (SGLang's five, then kvcanary's 
                                          free_swa ran a few pages too early)
     lost_kv_store         in the forward the K/V store of one token this forward writes is
                                          undone right after attention made it
+
+Speculative decoding (the host's ``spec_fault_site``; the first two on the draft model's
+canary, whose lines end with `` pool=draft``, the others on the target's)::
+
+    draft_position_shift  pre-forward    one row of a draft decode forward at position + 1
+                                         (its KV written one position off, SGLang #25015)
+    draft_chunk_rotation  pre-forward    the last input id of a non-final chunk of the
+                                         draft's catch-up prefill -> the next position's
+                                         token (inputs rotated at a chunk boundary, #26329)
+    rejected_kv_kept      pre-forward    the bonus token after a verify that rejected a
+                                         draft written to a free slot; the request's entry
+                                         keeps the slot holding the rejected draft's KV
+    rollback_frees_cached pre-forward    a fresh page of this forward's writes -> a page an
+                                         unlocked prefix-cache node holds (a rollback freed
+                                         it, the allocator handed it out); sweep steps only
+    draft_page_leak       pre-forward    one committed req->token entry -> a slot the draft
+                                         model's allocator holds (a page taken from it)
 
 A hook fires when its probability is > 0, the forward step is >= ``warmup_steps``, fewer than
 ``max_injections`` (0 = no limit) of that mode happened, and the seeded RNG draws below the
@@ -47,6 +64,11 @@ class PerturbMode(StrEnum):
     PAGE_SHIFT = "page_shift"
     PREMATURE_WINDOW_EVICTION = "premature_window_eviction"
     LOST_KV_STORE = "lost_kv_store"
+    DRAFT_POSITION_SHIFT = "draft_position_shift"
+    DRAFT_CHUNK_ROTATION = "draft_chunk_rotation"
+    REJECTED_KV_KEPT = "rejected_kv_kept"
+    ROLLBACK_FREES_CACHED = "rollback_frees_cached"
+    DRAFT_PAGE_LEAK = "draft_page_leak"
 
 
 PERTURB_MODES: tuple[str, ...] = tuple(m.value for m in PerturbMode)
@@ -62,8 +84,16 @@ PER_POSITION_BYTE_MODES = frozenset({PerturbMode.REAL_KV_UNUSED_CACHE, PerturbMo
 # Modes whose report is expected under the FULL group's tag (pools without one: not applicable).
 FULL_GROUP_MODES = frozenset({
     PerturbMode.REQ_TO_TOKEN, PerturbMode.NEXT_TOKEN_SWAP, PerturbMode.STALE_REUSE,
-    PerturbMode.PAGE_SHIFT,
+    PerturbMode.PAGE_SHIFT, PerturbMode.DRAFT_POSITION_SHIFT, PerturbMode.DRAFT_CHUNK_ROTATION,
+    PerturbMode.REJECTED_KV_KEPT, PerturbMode.ROLLBACK_FREES_CACHED, PerturbMode.DRAFT_PAGE_LEAK,
 })  # fmt: skip
+# Speculative decoding's modes: they need the host's spec_fault_site (speculation on) ...
+SPEC_MODES = frozenset({
+    PerturbMode.DRAFT_POSITION_SHIFT, PerturbMode.DRAFT_CHUNK_ROTATION,
+    PerturbMode.REJECTED_KV_KEPT, PerturbMode.ROLLBACK_FREES_CACHED, PerturbMode.DRAFT_PAGE_LEAK,
+})  # fmt: skip
+# ... and these corrupt the draft model's KV: their perturber attaches to the draft's canary.
+DRAFT_POOL_MODES = frozenset({PerturbMode.DRAFT_POSITION_SHIFT, PerturbMode.DRAFT_CHUNK_ROTATION})
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -83,6 +113,11 @@ class PerturbConfig:
     page_shift_prob: float = 0.0
     premature_window_eviction_prob: float = 0.0
     lost_kv_store_prob: float = 0.0
+    draft_position_shift_prob: float = 0.0
+    draft_chunk_rotation_prob: float = 0.0
+    rejected_kv_kept_prob: float = 0.0
+    rollback_frees_cached_prob: float = 0.0
+    draft_page_leak_prob: float = 0.0
     target_group: str | None = None  # a group kind, lower case (byte-flip modes)
     warmup_steps: int = 50  # forward steps before any injection (SGLang's default)
     seed: int = 0

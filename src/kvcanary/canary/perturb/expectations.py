@@ -11,6 +11,11 @@
     page_shift            MHA, SWA   HEAD_K_FULL                  verify_position
     premature_window_eviction SWA    HEAD_K_SWA                   verify_not_resident
     lost_kv_store         MHA, SWA   TAIL_K_<group>               write_kv_store
+    draft_position_shift  draft      HEAD_K_FULL pool=draft       write_position, verify_position
+    draft_chunk_rotation  draft      HEAD_K_FULL pool=draft       verify_token
+    rejected_kv_kept      spec       HEAD_K_FULL                  verify_token
+    rollback_frees_cached spec, MHA  SWEEP_K_FULL, HEAD_K_FULL    verify_position, verify_chain_hash
+    draft_page_leak       draft      HEAD_K_FULL                  verify_position, verify_chain_hash
 
 ``<group>`` is the target group (FULL, SWA, or a DeepSeek-V4 group: C4, C128, INDEXER,
 C4_STATE, C128_STATE, INDEXER_STATE; ``real_kv_unused_cache`` and ``lost_kv_store`` only FULL
@@ -19,7 +24,12 @@ DeepSeek-V4 pool has none: its metadata faults are ``swa_mapping`` and
 ``premature_window_eviction``, the byte flips one class per group). What each mode needs besides the canary:
 real-KV fingerprints (``--kv-canary-real-data partial|all``) for the byte flips, a radix
 sweep and a prefix cache for ``real_kv_unused_cache``, the token oracle for
-``next_token_swap``, an SWA pool for ``swa_mapping`` and ``premature_window_eviction``.
+``next_token_swap``, an SWA pool for ``swa_mapping`` and ``premature_window_eviction``. The speculative modes
+need speculative decoding (``spec``: ngram or a draft model; ``draft``: a draft model, whose
+own canary reports the first two, lines ending `` pool=draft``), the token check
+(``--kv-canary-verify-tokens``) for the ``verify_token`` ones, and a prefix cache, the radix
+sweep and a pool without SWA layers for ``rollback_frees_cached`` (a prefix hit may read the
+overwritten page first: HEAD_K_FULL).
 """
 
 from __future__ import annotations
@@ -58,6 +68,12 @@ _TABLE: dict[PerturbMode, ExpectedDetection] = {
     PerturbMode.PAGE_SHIFT: ExpectedDetection(("HEAD_K_FULL",), ("verify_position",)),
     PerturbMode.PREMATURE_WINDOW_EVICTION: ExpectedDetection(("HEAD_K_SWA",), ("verify_not_resident",)),
     PerturbMode.LOST_KV_STORE: ExpectedDetection(("TAIL_K_{G}",), ("write_kv_store",)),
+    # The draft's own write check sees the chain break at once (its seed holds position p - 1).
+    PerturbMode.DRAFT_POSITION_SHIFT: ExpectedDetection(("HEAD_K_FULL",), ("write_position", "verify_position")),
+    PerturbMode.DRAFT_CHUNK_ROTATION: ExpectedDetection(("HEAD_K_FULL",), ("verify_token",)),
+    PerturbMode.REJECTED_KV_KEPT: ExpectedDetection(("HEAD_K_FULL",), ("verify_token",)),
+    PerturbMode.ROLLBACK_FREES_CACHED: ExpectedDetection(("SWEEP_K_FULL", "HEAD_K_FULL"), _POSITION_OR_CHAIN),
+    PerturbMode.DRAFT_PAGE_LEAK: ExpectedDetection(("HEAD_K_FULL",), _POSITION_OR_CHAIN),
 }
 
 
@@ -77,7 +93,12 @@ def expected_detection(mode: str, target_group: str | None = None) -> ExpectedDe
 
 def applies_to(mode: str, has_swa_group: bool, has_full_group: bool = True) -> bool:
     """Whether ``mode`` is meaningful on a pool: the SWA-mapping faults need an SWA group, the
-    modes expected under HEAD_K_FULL a FULL group."""
+    modes expected under HEAD_K_FULL a FULL group, ``rollback_frees_cached`` a pool without
+    an SWA group (the target's pool; the draft-pool modes are judged on the target's too:
+    they need its FULL group only through the draft's, which has one on every model but
+    DeepSeek-V4's, which speculative decoding refuses)."""
     m = PerturbMode(mode)
     swa_only = (PerturbMode.SWA_MAPPING, PerturbMode.PREMATURE_WINDOW_EVICTION)
+    if m == PerturbMode.ROLLBACK_FREES_CACHED and has_swa_group:  # no SWA part to hand over
+        return False
     return (m not in swa_only or has_swa_group) and (m not in FULL_GROUP_MODES or has_full_group)

@@ -21,7 +21,7 @@ import torch
 
 from kvcanary.canary.attach.buffers import CanaryBufferGroup
 from kvcanary.canary.kernels.store_check import kv_buffer_owners
-from kvcanary.canary.perturb.slots import prefix_entries, write_entries
+from kvcanary.canary.perturb.slots import WriteEntry, prefix_entries, write_entries
 
 logger = logging.getLogger("kvcanary.canary")
 
@@ -267,3 +267,139 @@ def lost_kv_store(fb: Any, group: CanaryBufferGroup, pool: Any, rng: random.Rand
 
     return Injection("lost_kv_store", step, group_name, {
         "req_pool_idx": target.req_pool_idx, "position": target.position, "slot": slot}, undo)  # fmt: skip
+
+
+# ---------------------------------------------------------------------- speculative decoding
+def draft_position_shift(fb: Any, rng: random.Random, step: int) -> Injection | None:
+    """One row of a draft decode forward (one token per row) at position + 1: its KV (and
+    record) written one position off, as SGLang's EAGLE draft positions were (#25015)."""
+    if set(fb.extend_seq_lens.tolist()) != {1}:
+        return None
+    writes = write_entries(fb)
+    if not writes:
+        return None
+    w = rng.choice(writes)
+    fb.positions[w.token_index] = w.position + 1
+    logger.warning(
+        "kv_canary perturb draft_position_shift: req_pool_idx=%d position=%d slot=%d "
+        "written_as_position=%d", w.req_pool_idx, w.position, w.slot, w.position + 1,
+    )  # fmt: skip
+
+    def undo() -> None:
+        fb.positions[w.token_index] = w.position
+
+    return Injection("draft_position_shift", step, None, {
+        "req_pool_idx": w.req_pool_idx, "position": w.position, "slot": w.slot}, undo)  # fmt: skip
+
+
+def draft_chunk_rotation(fb: Any, token_table: torch.Tensor, token_lens: torch.Tensor,
+                         rng: random.Random, step: int) -> Injection | None:  # fmt: skip
+    """The input id of the last position of one non-final chunk of an extend (the draft's
+    catch-up prefill) replaced by the next position's token, as inputs rotated one too far
+    at a chunk boundary would be (SGLang #26329). Permanent: the KV is computed from it."""
+    writes = write_entries(fb)
+    last: dict[int, WriteEntry] = {}
+    for w in writes:
+        last[w.req_pool_idx] = w
+    cands = []
+    for w in last.values():
+        nxt = w.position + 1
+        if nxt < int(token_lens[w.req_pool_idx]):  # a non-final chunk
+            token = int(token_table[w.req_pool_idx, nxt])
+            if token != int(fb.input_ids[w.token_index]):
+                cands.append((w, token))
+    if not cands:
+        return None
+    w, token = rng.choice(cands)
+    original = int(fb.input_ids[w.token_index])
+    fb.input_ids[w.token_index] = token
+    logger.warning(
+        "kv_canary perturb draft_chunk_rotation: req_pool_idx=%d position=%d slot=%d "
+        "original_token=%d new_token=%d", w.req_pool_idx, w.position, w.slot, original, token,
+    )  # fmt: skip
+    return Injection("draft_chunk_rotation", step, None, {
+        "req_pool_idx": w.req_pool_idx, "position": w.position, "slot": w.slot,
+        "original_token": original, "new_token": token})  # fmt: skip
+
+
+def rejected_kv_kept(fb: Any, rejections: Sequence[tuple[int, int]], free_slot: int,
+                     rng: random.Random, step: int) -> Injection | None:  # fmt: skip
+    """After a verify step that rejected drafts, one request's bonus token (its first write
+    this forward, at the first rejected position) goes to ``free_slot`` while its req->token
+    entry keeps the slot that still holds the rejected draft's KV: the next read takes the
+    rejected draft as accepted."""
+    rejected = set(rejections)
+    writes = [w for w in write_entries(fb) if (w.req_pool_idx, w.position) in rejected]
+    if not writes or free_slot <= 0:
+        return None
+    w = rng.choice(writes)
+    fb.out_cache_loc[w.token_index] = free_slot
+    logger.warning(
+        "kv_canary perturb rejected_kv_kept: req_pool_idx=%d position=%d kept_slot=%d "
+        "bonus_written_to=%d", w.req_pool_idx, w.position, w.slot, free_slot,
+    )  # fmt: skip
+
+    def undo() -> None:
+        fb.out_cache_loc[w.token_index] = w.slot
+
+    return Injection("rejected_kv_kept", step, None, {
+        "req_pool_idx": w.req_pool_idx, "position": w.position, "slot": w.slot,
+        "bonus_slot": free_slot}, undo)  # fmt: skip
+
+
+def rollback_frees_cached(fb: Any, give_cached_page: Callable[..., Any], page_size: int,
+                          rng: random.Random, step: int) -> tuple[Injection, Callable[[], None]] | None:  # fmt: skip
+    """A page an unlocked prefix-cache node holds is handed to one request as the fresh page
+    this forward starts writing (a rollback freed it while the tree still held it, the
+    allocator gave it out again): the forward overwrites the cached KV. The host remaps the
+    row (``give_cached_page(row, position, choose)``); the forward's out_cache_loc follows.
+    Returns the injection and the host's repair (run after the radix sweep read the page)."""
+    writes = [w for w in write_entries(fb) if w.position % page_size == 0]
+    if not writes:
+        return None
+    w = rng.choice(writes)
+    given = give_cached_page(w.req_pool_idx, w.position, rng.choice)
+    if given is None:
+        return None
+    remap, repair = given
+    locs = fb.out_cache_loc
+    for i, slot in enumerate(locs.tolist()):
+        if slot in remap:
+            locs[i] = remap[slot]
+    new = remap[w.slot]
+    logger.warning(
+        "kv_canary perturb rollback_frees_cached: req_pool_idx=%d position=%d own_slot=%d "
+        "cached_slot=%d", w.req_pool_idx, w.position, w.slot, new,
+    )  # fmt: skip
+    return Injection("rollback_frees_cached", step, None, {
+        "req_pool_idx": w.req_pool_idx, "position": w.position, "own_slot": w.slot,
+        "slot": new}), repair  # fmt: skip
+
+
+def draft_page_leak(fb: Any, r2t: torch.Tensor, draft_slots: Sequence[int], num_slots: int,
+                    rng: random.Random, step: int) -> Injection | None:  # fmt: skip
+    """One committed req->token entry of a target request -> a slot the draft model's
+    allocator holds (an index into the draft's pool read in the target's), as a target that
+    took a page from the draft's allocator would hold."""
+    written = set(fb.out_cache_loc.tolist())
+    entries = [e for e in prefix_entries(fb, r2t) if e.slot not in written]
+    if not entries or not draft_slots:
+        return None
+    victim = rng.choice(entries)
+    same_position = {e.slot for e in entries if e.position == victim.position}
+    cands = sorted({s for s in draft_slots if 0 < s < num_slots} - written - same_position)
+    if not cands:
+        return None
+    new_slot = rng.choice(cands)
+    r2t[victim.req_pool_idx, victim.position] = new_slot
+    logger.warning(
+        "kv_canary perturb draft_page_leak: req_pool_idx=%d position=%d original_slot=%d "
+        "draft_slot=%d", victim.req_pool_idx, victim.position, victim.slot, new_slot,
+    )  # fmt: skip
+
+    def undo() -> None:
+        r2t[victim.req_pool_idx, victim.position] = victim.slot
+
+    return Injection("draft_page_leak", step, None, {
+        "req_pool_idx": victim.req_pool_idx, "position": victim.position,
+        "original_slot": victim.slot, "slot": new_slot}, undo)  # fmt: skip

@@ -5,14 +5,19 @@ The canary manager calls it at the host's three calls, outside the forward::
     pre_forward(fb)    in before_forward, before HEAD (and before the host's attention reads
                        its slot tables): req_to_token, real_kv_used, real_kv_unused_cache
                        (sweep steps only), swa_mapping, stale_reuse, page_shift,
-                       premature_window_eviction, lost_kv_store
+                       premature_window_eviction, lost_kv_store; the speculative modes
+                       (draft_position_shift, draft_chunk_rotation, rejected_kv_kept,
+                       rollback_frees_cached on sweep steps, draft_page_leak)
     post_forward(fb)   in after_forward, after TAIL: undo the transient metadata faults;
                        real_kv_post_forward
-    end_step()         in end_step, after the step's sampling: next_token_swap
+    end_step()         in end_step, after the step's sampling: the host's repair of a
+                       rollback_frees_cached (after the radix sweep read the page);
+                       next_token_swap
 
 It needs nothing of the host beyond the canary (its groups, req->token table and pool),
 except ``next_token_swap``: the host's running requests and a way to replace a sampled
-token (see :func:`install_perturbation`).
+token, and the speculative modes: the host's :class:`SpecFaultHost` (see
+:func:`install_perturbation`).
 
 Each call of a hook draws from one seeded RNG in a fixed order, so a campaign replays
 exactly. Every injection is kept in ``injections`` (mode, the first forward step that can
@@ -31,7 +36,9 @@ from kvcanary.canary.attach.buffers import CanaryBufferGroup
 from kvcanary.canary.perturb import faults
 from kvcanary.canary.perturb.config import (
     BYTE_FLIP_MODES,
+    DRAFT_POOL_MODES,
     PER_POSITION_BYTE_MODES,
+    SPEC_MODES,
     PerturbConfig,
     PerturbMode,
 )
@@ -67,6 +74,30 @@ class RunningRequestView(Protocol):
     def kv_len(self) -> int: ...  # positions [0, kv_len) have K/V in the cache
 
 
+class SpecFaultHost(Protocol):
+    """What the speculative-decoding modes need of a host running speculative decoding
+    (ours: ``Engine.spec_fault_site``, :class:`kvcanary.engine.spec_faults.SpecFaultSite`)."""
+
+    @property
+    def has_draft_pool(self) -> bool: ...  # a draft model with its own pools proposes
+
+    def rejected_drafts(self) -> Sequence[tuple[int, int]]:
+        """(req_pool_idx, position) per request whose last verify rejected a draft and
+        kept the bonus position's slot (it holds the first rejected draft's KV)."""
+        ...
+
+    def free_slot(self) -> int: ...  # a slot of a free page of the target's full pool (0: none)
+
+    def draft_slots(self) -> Sequence[int]: ...  # slots the draft's allocator holds
+
+    def give_cached_page(
+        self, row: int, position: int, choose: Callable[[list[int]], int]
+    ) -> tuple[dict[int, int], Callable[[], None]] | None:
+        """Hand an unlocked cached page (``choose`` picks among page numbers) to ``row``
+        as its fresh page at ``position``: ``{old slot: new slot}`` and a repair."""
+        ...
+
+
 RunningRequests = Callable[[], Sequence[RunningRequestView]]
 OverrideNextToken = Callable[[int, int], None]  # (rid, token): replace the last sampled token
 
@@ -80,12 +111,16 @@ class Perturber:
         running_requests: RunningRequests | None = None,
         override_next_token: OverrideNextToken | None = None,
         pool: Any = None,
+        spec: SpecFaultHost | None = None,
     ):
         """``canary``: the CanaryManager; ``running_requests`` / ``override_next_token``:
         the host's running requests and its sampled-token override (``next_token_swap``
-        only); ``pool``: the host's KV pool, whose stores ``lost_kv_store`` breaks."""
+        only); ``pool``: the host's KV pool, whose stores ``lost_kv_store`` breaks;
+        ``spec``: the host's speculative-decoding side (the speculative modes)."""
         self.config = config
         self.pool = pool
+        self.spec = spec
+        self._pending_repair: list[Callable[[], None]] = []
         self.canary = canary
         self.running_requests = running_requests
         self.override_next_token = override_next_token
@@ -175,6 +210,39 @@ class Perturber:
                 "detectable"
             )
 
+        self._check_spec_requirements(modes & SPEC_MODES)
+
+    def _check_spec_requirements(self, modes: set[PerturbMode]) -> None:
+        if not modes:
+            return
+        names = sorted(m.value for m in modes)
+        if self.spec is None:
+            raise ValueError(f"perturbation {names} needs speculative decoding (the host's "
+                             "spec_fault_site; --speculative-method ngram or draft)")  # fmt: skip
+        if PoolKind.FULL not in self.groups:
+            raise ValueError(f"perturbation {names} needs a pool with a FULL group")
+        needs_draft = modes & {PerturbMode.DRAFT_PAGE_LEAK, *DRAFT_POOL_MODES}
+        if needs_draft and not self.spec.has_draft_pool:
+            raise ValueError(
+                f"perturbation {sorted(m.value for m in needs_draft)} needs a draft model with "
+                "its own pools: --speculative-method=ngram is invalid; allowed draft"
+            )
+        tokens = modes & {PerturbMode.DRAFT_CHUNK_ROTATION, PerturbMode.REJECTED_KV_KEPT}
+        if tokens and not self.canary.config.verify_tokens:
+            raise ValueError(
+                f"perturbation {sorted(m.value for m in tokens)} changes only which token a "
+                "slot's KV holds: --kv-canary-verify-tokens=false cannot see that; allowed true"
+            )
+        if PerturbMode.ROLLBACK_FREES_CACHED in modes:
+            if PoolKind.SWA in self.groups:
+                raise ValueError("perturbation rollback_frees_cached needs a pool without an "
+                                 "SWA group (the page handed over has no SWA part to move)")  # fmt: skip
+            if self.canary.sweep.cache is None or self.canary.config.sweep_interval == 0:
+                raise ValueError(
+                    "perturbation rollback_frees_cached overwrites a cached page the radix sweep "
+                    "reads: it needs a prefix cache and --kv-canary-sweep-interval >= 1"
+                )
+
     # ------------------------------------------------------------------ gate
     def _fire(self, mode: PerturbMode) -> bool:
         prob = self.config.prob(mode)
@@ -231,6 +299,26 @@ class Perturber:
         if self.pool is not None and self.target is not None and self._fire(PerturbMode.LOST_KV_STORE):
             self._record(faults.lost_kv_store(fb, self.groups[self.target], self.pool, rng, step,
                                               self.target.name.lower()))  # fmt: skip
+        if self.spec is not None:
+            self._pre_forward_spec(fb, self.spec, step, r2t, rng)
+
+    def _pre_forward_spec(self, fb: Any, spec: SpecFaultHost, step: int, r2t: Any, rng: random.Random) -> None:
+        if self._fire(PerturbMode.DRAFT_POSITION_SHIFT):
+            self._record(faults.draft_position_shift(fb, rng, step))
+        if self._fire(PerturbMode.DRAFT_CHUNK_ROTATION):
+            mirror = self.canary.runtime.req_to_token_pool
+            self._record(faults.draft_chunk_rotation(fb, mirror.token_ids, mirror.token_lens, rng, step))
+        if self._fire(PerturbMode.REJECTED_KV_KEPT):
+            self._record(faults.rejected_kv_kept(fb, spec.rejected_drafts(), spec.free_slot(), rng, step))
+        if self.canary.sweep.is_sweep_step(step) and self._fire(PerturbMode.ROLLBACK_FREES_CACHED):
+            full = self.groups[PoolKind.FULL]
+            done = faults.rollback_frees_cached(fb, spec.give_cached_page, full.page_size, rng, step)
+            if done is not None:
+                self._record(done[0])
+                self._pending_repair.append(done[1])
+        if self._fire(PerturbMode.DRAFT_PAGE_LEAK):
+            full = self.groups[PoolKind.FULL]
+            self._record(faults.draft_page_leak(fb, r2t, spec.draft_slots(), full.num_slots, rng, step))
 
     def post_forward(self, fb: Any) -> None:
         undo, self._pending_undo = self._pending_undo, []
@@ -240,6 +328,9 @@ class Perturber:
             self._record(self._flip_written(fb, self.canary.step))
 
     def end_step(self) -> None:
+        repair, self._pending_repair = self._pending_repair, []
+        for fn in repair:  # after the forward's radix sweep read the damage
+            fn()
         step = self.canary.step
         if step == self._last_swap_step:  # no forward (so nothing sampled) since last time
             return
@@ -302,10 +393,25 @@ class Perturber:
 
 
 def install_perturbation(host: Any, config: PerturbConfig) -> Perturber:
-    """Attach fault injection to a host's canary (``host.canary``; our engine is one);
-    returns it. ``next_token_swap`` also uses the host's ``running_requests()`` (snapshots:
+    """Attach fault injection to a host's canary (``host.canary``; our engine is one; the
+    draft-pool modes: ``host.draft_canary``, the speculative draft model's); returns it. The
+    speculative modes use the host's ``spec_fault_site`` (:class:`SpecFaultHost`). ``next_token_swap`` also uses the host's ``running_requests()`` (snapshots:
     :class:`RunningRequestView`) and ``override_next_token(rid, token)`` when it has them."""
-    canary = getattr(host, "canary", None)
+    modes = set(config.active_modes)
+    draft = modes & DRAFT_POOL_MODES
+    if draft and modes - DRAFT_POOL_MODES:
+        raise ValueError(
+            f"PerturbConfig mixes draft-pool modes {sorted(m.value for m in draft)} with "
+            f"{sorted(m.value for m in modes - DRAFT_POOL_MODES)}: allowed one side per "
+            "perturber (install one on each canary)"
+        )
+    canary = getattr(host, "draft_canary" if draft else "canary", None)
+    if canary is None and draft:
+        raise ValueError(
+            f"perturbation {sorted(m.value for m in draft)} corrupts the draft model's KV: it "
+            "needs speculative decoding with a draft model (--speculative-method=draft) and "
+            "the KV canary on"
+        )
     if canary is None:
         raise ValueError("fault injection needs the KV canary: --kv-canary is \"none\"; allowed log, raise or abort")
     if canary.perturber is not None:
@@ -314,7 +420,7 @@ def install_perturbation(host: Any, config: PerturbConfig) -> Perturber:
         config, canary,
         running_requests=getattr(host, "running_requests", None),
         override_next_token=getattr(host, "override_next_token", None),
-        pool=canary.pool,
+        pool=canary.pool, spec=getattr(host, "spec_fault_site", None),
     )  # fmt: skip
     canary.perturber = perturber
     return perturber
