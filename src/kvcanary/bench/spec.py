@@ -161,6 +161,7 @@ def bench_spec(base: EngineConfig, spec: SpecBenchSpec, progress: bool = True) -
                 "drafting_pct": round(100 * drafting / sum(secs), 1),
                 "outputs_identical": identical[(w, name)],
             }  # fmt: skip
+            row["canary_overhead_pct"] = None  # (every row: the table's columns)
             if name.endswith("+canary"):
                 off = seconds[(w, name.removesuffix("+canary"))]
                 row["canary_overhead_pct"] = round(100 * (statistics.median(
