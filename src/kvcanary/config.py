@@ -55,10 +55,12 @@ class SpeculativeConfig:
     num_speculative_tokens: int = field(default=4, metadata=_flag(
         "--num-speculative-tokens",
         help="draft tokens proposed per request and step (K) (default: %(default)s)"))
-    ngram_min: int = field(default=1, metadata=_flag(
+    # 3 / 5: short suffixes match by chance and every wrong draft costs a verify step
+    # (benchmarks/HISTORY.md, 2026-12-06); vLLM's prompt lookup defaults to 5 / 5.
+    ngram_min: int = field(default=3, metadata=_flag(
         "--speculative-ngram-min",
         help="ngram: shortest suffix looked up (default: %(default)s)"))
-    ngram_max: int = field(default=3, metadata=_flag(
+    ngram_max: int = field(default=5, metadata=_flag(
         "--speculative-ngram-max",
         help="ngram: longest suffix looked up, tried first (default: %(default)s)"))
     draft_model: str = field(default="", metadata=_flag(
