@@ -86,6 +86,25 @@ def test_ngram_proposes_what_followed_the_latest_earlier_occurrence() -> None:
     assert ngram_propose([7], 3, 1, 3) == []
 
 
+def test_ngram_propose_matches_a_brute_force_search() -> None:
+    """Random sequences over small vocabularies (many repeats) against the definition."""
+
+    def brute(seq: list[int], k: int, lo: int, hi: int) -> list[int]:
+        for n in range(min(hi, len(seq) - 1), lo - 1, -1):
+            suffix = seq[len(seq) - n :]
+            for start in range(len(seq) - n - 1, -1, -1):  # latest first, not the suffix
+                if seq[start : start + n] == suffix:
+                    return seq[start + n : start + n + k]
+        return []
+
+    rng = random.Random(7)
+    for _ in range(400):
+        seq = [rng.randrange(rng.choice((2, 3, 5, 40))) for _ in range(rng.randrange(1, 60))]
+        lo = rng.randrange(1, 4)
+        hi, k = rng.randrange(lo, 7), rng.randrange(1, 6)
+        assert ngram_propose(seq, k, lo, hi) == brute(seq, k, lo, hi), (seq, k, lo, hi)
+
+
 def test_accept_greedy_keeps_the_agreeing_prefix_and_the_target_token() -> None:
     assert accept_greedy([4, 5, 6], [4, 5, 9, 1]) == ([4, 5, 9], 2)
     assert accept_greedy([4, 5, 6], [4, 5, 6, 1]) == ([4, 5, 6, 1], 3)
@@ -130,6 +149,7 @@ def test_retraction_and_host_offload_keep_outputs(method: str, offload: bool) ->
     assert _run(engine, prompts, new=56, waves=1) == expected
     assert engine.stats.num_retractions > 0
     assert engine.stats.spec_num_accepted > 0
+    assert engine.stats.spec_fallbacks > 0  # verifies that did not fit: plain decode steps
     _assert_all_free(engine)
 
 

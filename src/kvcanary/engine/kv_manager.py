@@ -329,6 +329,25 @@ class KVManager:
         self.req_to_token[req.req_pool_idx, start:end] = out.to(torch.int32)
         return True
 
+    def extend_many(self, reqs: Sequence[Req], ends: Sequence[int]) -> bool:
+        """:meth:`extend` of every request in one allocation (positions ``[kv_len,
+        ends[i])`` of ``reqs[i]``); False, nothing held, when they do not all fit."""
+        starts = [r.kv_len for r in reqs]
+        last = self.last_locs(reqs)
+        need = sum(e - s for s, e in zip(starts, ends, strict=True))
+        out = self._alloc_or_evict(
+            lambda: self.allocator.alloc_extend(starts, list(ends), last),
+            need + len(reqs) * self.spec.page_size,
+        )
+        if out is None:
+            return False
+        out = out.to(torch.int32)
+        at = 0
+        for req, start, end in zip(reqs, starts, ends, strict=True):
+            self.req_to_token[req.req_pool_idx, start:end] = out[at : at + end - start]
+            at += end - start
+        return True
+
     def rollback(self, req: Req, kv_len: int, end: int) -> None:
         """Drop ``req``'s KV of positions ``[kv_len, end)`` (speculative drafts the target
         rejected; ``end``: past the last position allocated): set ``kv_len`` and free the

@@ -261,16 +261,11 @@ class Scheduler:
         self.stats.spec_draft_time_s += time.perf_counter() - t0
         if not any(drafts):
             return None, [], None
-        held: list[tuple[Req, int]] = []
-        for req, d in zip(reqs, drafts, strict=True):
-            end = req.seq_len + len(d)
-            if not self.kv.extend(req, end):
-                for r, e in held:
-                    self.kv.rollback(r, r.kv_len, e)
-                self.stats.spec_fallbacks += 1
-                return None, [], None
-            held.append((req, end))
-        plan = [(r, r.kv_len, e, [r.all_ids()[-1], *d]) for (r, e), d in zip(held, drafts, strict=True)]
+        ends = [req.seq_len + len(d) for req, d in zip(reqs, drafts, strict=True)]
+        if not self.kv.extend_many(reqs, ends):  # (nothing held)
+            self.stats.spec_fallbacks += 1
+            return None, [], None
+        plan = [(r, r.kv_len, e, [r.all_ids()[-1], *d]) for r, e, d in zip(reqs, ends, drafts, strict=True)]
         batch = build_extend_batch(self.runner.device, self.kv.req_to_token, plan)
         batch.all_logits = True
         return batch, reqs, drafts

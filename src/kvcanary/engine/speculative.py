@@ -41,15 +41,21 @@ from kvcanary.engine.stats import KVStats
 def ngram_propose(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
     """Up to ``k`` tokens that followed the most recent earlier occurrence of ``tokens``'
     last ``n`` tokens, trying ``n`` from ``ngram_max`` down to ``ngram_min``; [] when none
-    occurs earlier."""
+    occurs earlier. One pass over the sequence finds the earlier occurrences of the last
+    token; each longer suffix only narrows those."""
     seq = np.asarray(tokens, dtype=np.int64)
     length = seq.size
+    if length < 2:
+        return []
+    ends = np.flatnonzero(seq[: length - 1] == seq[length - 1])  # earlier last tokens
     for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
-        # Windows starting at 0 .. length - n - 1: every occurrence but the suffix itself.
-        windows = np.lib.stride_tricks.sliding_window_view(seq[: length - 1], n)
-        hits = np.flatnonzero((windows == seq[length - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
+        cand = ends[ends >= n - 1]  # an occurrence of the last n tokens ending at cand
+        for j in range(1, n):
+            if not cand.size:
+                break
+            cand = cand[seq[cand - j] == seq[length - 1 - j]]
+        if cand.size:
+            start = int(cand[-1]) + 1
             return seq[start : start + k].tolist()  # type: ignore[no-any-return]
     return []
 
