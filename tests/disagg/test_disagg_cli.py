@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 from disagg_testlib import tiny_config
@@ -37,6 +38,19 @@ def test_run_disagg_summary(backend) -> None:
     assert summary["decode_canary_protected_tokens"] > 0
     for side in ("prefill", "decode"):
         assert summary[f"{side}_integrity_ok"] and summary[f"{side}_memory_free"]
+    assert summary["speculative_method"] == "none" and summary["decode_spec_draft_tokens"] == 0
+
+
+def test_run_disagg_speculates_on_the_decode_side_only() -> None:
+    from kvcanary.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="draft", num_speculative_tokens=2, draft_model="builtin:tiny-mha")
+    config = dataclasses.replace(tiny_config(), speculative=spec)
+    summary = run_disagg(_run_args("--disagg-transfer-backend", "inproc"), config)
+    assert summary["failed_requests"] == 0 and summary["output_tokens"] == 4 * 6
+    assert summary["speculative_method"] == "draft" and summary["decode_spec_draft_tokens"] > 0
+    assert summary["decode_draft_canary_protected_tokens"] > 0
+    assert summary["decode_draft_canary_violations"] == summary["decode_canary_violations"] == 0
 
 
 def test_bench_prealloc_figures() -> None:

@@ -158,3 +158,30 @@ def test_layout_mismatch_is_refused(decode_overrides) -> None:
     pair = InProcessDisagg(tiny_config(), tiny_config(**decode_overrides))
     with pytest.raises(DisaggError, match="layout differs"):
         pair.generate(prompts(1, 20, 20), greedy(2), timeout_s=10)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decode_side_outputs_equal_plain_colocated(method) -> None:
+    """The decode worker speculates on transferred KV (the draft model, if any, prefills its
+    own KV from the tokens); outputs equal plain greedy decoding, both canaries clean."""
+    from kvcanary.config import SpeculativeConfig
+
+    config = tiny_config("builtin:tiny-swa")
+    spec = (SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
+            if method == "ngram" else
+            SpeculativeConfig(method="draft", num_speculative_tokens=3, draft_model="builtin:tiny-swa"))  # fmt: skip
+    decode = dataclasses.replace(config, speculative=spec)
+    batch = prompts(4, 40, 80, seed=3)
+    outs, reports = _disagg(config, decode, [batch], greedy(24))
+    assert [o.output_ids for o in outs] == _colocated(config, [batch], greedy(24))
+    st = reports["decode"]["stats"]
+    assert st["spec_num_proposed"] > 0 and st["spec_num_accepted"] > 0
+    assert_side_clean(reports["prefill"])
+    assert_side_clean(reports["decode"])
+    draft = reports["decode"]["draft_canary"]
+    if method == "draft":  # the draft's own canary, over its own pools
+        assert draft["stats"]["violations"] == 0 and draft["stats"]["protected_tokens"] > 0
+        # the draft is the target: verifies emit several tokens (plain: 23 decode forwards)
+        assert st["num_decode_forwards"] < 23
+    else:
+        assert draft is None

@@ -15,7 +15,7 @@ import dataclasses
 import time
 from typing import Any
 
-from kvcanary.config import EngineConfig, SamplingParams
+from kvcanary.config import EngineConfig, SamplingParams, SpeculativeConfig
 from kvcanary.disagg.config import DIST_BACKENDS, TRANSFER_BACKENDS, DisaggConfig
 from kvcanary.engine.args import engine_config_from_args
 from kvcanary.utils import show
@@ -91,7 +91,10 @@ def run_disagg(a: argparse.Namespace, config: EngineConfig | None = None) -> dic
     params = SamplingParams(max_new_tokens=spec.output_len, ignore_eos=True)
     bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=getattr(a, "no_progress", False))
     driver = InProcessDisagg if disagg.transfer_backend == "inproc" else DisaggCluster
-    with driver(config, decode, disagg) as pair:
+    # The prefill side computes each request's first token only: it never decodes, so it
+    # loads no draft model (speculative decoding runs on the decode side).
+    prefill = dataclasses.replace(config, speculative=SpeculativeConfig())
+    with driver(prefill, decode, disagg) as pair:
         t0 = time.perf_counter()  # workers are up: time the workload only
         outs = pair.generate(prompts, params, on_outputs=lambda done: bar.update(len(done)))
         wall = time.perf_counter() - t0
@@ -106,8 +109,8 @@ def summarize_disagg(config: EngineConfig, disagg: DisaggConfig, outs: list[Any]
     pst, dst = pre.get("stats", {}), dec.get("stats", {})
     failed = [o for o in outs if o.finish_reason == "error"]
 
-    def canary(rep: dict[str, Any], key: str) -> Any:
-        c = rep.get("canary") or {}
+    def canary(rep: dict[str, Any], key: str, which: str = "canary") -> Any:
+        c = rep.get(which) or {}
         return c.get("stats", {}).get(key, 0)
 
     out_tokens = sum(len(o.output_ids) for o in outs)
@@ -135,6 +138,12 @@ def summarize_disagg(config: EngineConfig, disagg: DisaggConfig, outs: list[Any]
         "decode_canary_violations": canary(dec, "violations"),
         "prefill_canary_protected_tokens": canary(pre, "protected_tokens"),
         "decode_canary_protected_tokens": canary(dec, "protected_tokens"),
+        # Speculative decoding (the decode side; zeros when off).
+        "speculative_method": config.speculative.method,
+        "decode_spec_draft_tokens": dst.get("spec_num_proposed", 0),
+        "decode_spec_accepted_tokens": dst.get("spec_num_accepted", 0),
+        "decode_draft_canary_violations": canary(dec, "violations", "draft_canary"),
+        "decode_draft_canary_protected_tokens": canary(dec, "protected_tokens", "draft_canary"),
         "prefill_integrity_ok": pre.get("integrity_ok", False),
         "decode_integrity_ok": dec.get("integrity_ok", False),
         "prefill_memory_free": pre.get("memory_free", False),

@@ -273,8 +273,8 @@ class DecodeWorker:
             self._finish_failed(self.prealloc.queue.popleft(), self.link_error)
 
     def report(self) -> dict[str, Any]:
-        if self.engine.canary is not None:
-            self.engine.canary.flush()
+        for canary in self.engine.canaries:
+            canary.flush()
         return {
             "role": "decode",
             "tail_prealloc": self.prealloc.tail_mode,
@@ -285,5 +285,6 @@ class DecodeWorker:
             "link_error": self.link_error,
             "stats": dataclasses.asdict(self.engine.stats),
             "canary": canary_report(self.engine),
+            "draft_canary": canary_report(self.engine, draft=True),  # (speculative decoding)
             **memory_report(self.engine),
         }

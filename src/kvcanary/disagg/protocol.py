@@ -127,8 +127,10 @@ def memory_report(engine: Engine) -> dict[str, Any]:
     return out
 
 
-def canary_report(engine: Engine) -> dict[str, Any] | None:
-    canary = engine.canary
+def canary_report(engine: Engine, draft: bool = False) -> dict[str, Any] | None:
+    """The stats and violation rows of ``engine``'s canary (``draft``: of its speculative
+    draft model's canary); None without one."""
+    canary = engine.draft_canary if draft else engine.canary
     if canary is None:
         return None
     return {
