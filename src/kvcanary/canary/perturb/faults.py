@@ -62,11 +62,26 @@ def group_slot(group: CanaryBufferGroup, full_slot: int) -> int:
     return full_slot if lut is None else int(lut[full_slot])
 
 
+def _unwritten_prefix(fb: Any, r2t: torch.Tensor) -> tuple[set[int], list[Any]]:
+    """The slots ``fb`` writes, and the committed entries it reads that it does not write."""
+    written = set(fb.out_cache_loc.tolist())
+    return written, [e for e in prefix_entries(fb, r2t) if e.slot not in written]
+
+
+def _repoint(r2t: torch.Tensor, entry: Any, new_slot: int) -> Callable[[], None]:
+    """Point ``entry``'s req->token entry at ``new_slot``; returns the undo."""
+    r2t[entry.req_pool_idx, entry.position] = new_slot
+
+    def undo() -> None:
+        r2t[entry.req_pool_idx, entry.position] = entry.slot
+
+    return undo
+
+
 def req_to_token(fb: Any, r2t: torch.Tensor, rng: random.Random, step: int) -> Injection | None:
     """Point one committed entry at another live slot of another position (a slot of the
     same position may hold identical content under prefix sharing: no fault at all)."""
-    written = set(fb.out_cache_loc.tolist())
-    entries = [e for e in prefix_entries(fb, r2t) if e.slot not in written]
+    _, entries = _unwritten_prefix(fb, r2t)
     if not entries:
         return None
     victim = rng.choice(entries)
@@ -74,15 +89,11 @@ def req_to_token(fb: Any, r2t: torch.Tensor, rng: random.Random, step: int) -> I
     if not donors:
         return None
     new_slot = rng.choice(donors).slot
-    r2t[victim.req_pool_idx, victim.position] = new_slot
+    undo = _repoint(r2t, victim, new_slot)
     logger.warning(
         "kv_canary perturb req_to_token: req_pool_idx=%d position=%d original_slot=%d new_slot=%d",
         victim.req_pool_idx, victim.position, victim.slot, new_slot,
     )  # fmt: skip
-
-    def undo() -> None:
-        r2t[victim.req_pool_idx, victim.position] = victim.slot
-
     return Injection("req_to_token", step, None, {
         "req_pool_idx": victim.req_pool_idx, "position": victim.position,
         "original_slot": victim.slot, "new_slot": new_slot}, undo)  # fmt: skip
@@ -154,8 +165,7 @@ def stale_reuse(fb: Any, r2t: torch.Tensor, rng: random.Random, step: int) -> In
     if not writes:
         return None
     w = rng.choice(writes)
-    written = set(fb.out_cache_loc.tolist())
-    entries = [e for e in prefix_entries(fb, r2t) if e.slot not in written]
+    _, entries = _unwritten_prefix(fb, r2t)
     others = [e for e in entries if e.req_pool_idx != w.req_pool_idx] or entries
     if not others:
         return None
@@ -381,8 +391,7 @@ def draft_page_leak(fb: Any, r2t: torch.Tensor, draft_slots: Sequence[int], num_
     """One committed req->token entry of a target request -> a slot the draft model's
     allocator holds (an index into the draft's pool read in the target's), as a target that
     took a page from the draft's allocator would hold."""
-    written = set(fb.out_cache_loc.tolist())
-    entries = [e for e in prefix_entries(fb, r2t) if e.slot not in written]
+    written, entries = _unwritten_prefix(fb, r2t)
     if not entries or not draft_slots:
         return None
     victim = rng.choice(entries)
@@ -391,15 +400,11 @@ def draft_page_leak(fb: Any, r2t: torch.Tensor, draft_slots: Sequence[int], num_
     if not cands:
         return None
     new_slot = rng.choice(cands)
-    r2t[victim.req_pool_idx, victim.position] = new_slot
+    undo = _repoint(r2t, victim, new_slot)
     logger.warning(
         "kv_canary perturb draft_page_leak: req_pool_idx=%d position=%d original_slot=%d "
         "draft_slot=%d", victim.req_pool_idx, victim.position, victim.slot, new_slot,
     )  # fmt: skip
-
-    def undo() -> None:
-        r2t[victim.req_pool_idx, victim.position] = victim.slot
-
     return Injection("draft_page_leak", step, None, {
         "req_pool_idx": victim.req_pool_idx, "position": victim.position,
         "original_slot": victim.slot, "slot": new_slot}, undo)  # fmt: skip
