@@ -196,43 +196,51 @@ def _verify_kernel(
     _count(runs, processed, tag, slots.shape[0])
 
 
-_VERIFY_BLOCK = 256  # row-plan entries whose records are gathered together
+# _row_may_violate checks a row's entries in runs of this many, asking for the records of
+# the next run's entries before it checks a run (records sit in slot order, a row's slots in
+# pages scattered over the pool; the hardware prefetcher cannot follow them).
+_VERIFY_RUN = 64
 
 
-# _row_may_violate asks for an entry's record this many entries before it reads it
-# (records sit in slot order, a row's slots in pages scattered over the pool).
-_PREFETCH_ENTRIES = 16
+@numba.njit(cache=True, inline="always")
+def _may_violate(rec, slot, prev, position, token, check_token, expected_real):
+    """1 when an entry may violate (exact bits: :func:`_entry_bits`), its predecessor the
+    entry before it in the row (``prev`` 0: the chain unchecked); branch-free, so the loops
+    over a run vectorise."""
+    expected_chain = np.int64(chain_hash_nb(rec[prev, 2], rec[prev, 0], rec[prev, 1]))
+    bad = (rec[slot, 2] != expected_chain) & (prev != 0)
+    bad |= rec[slot, 1] != position
+    bad |= check_token & (token != -1) & (rec[slot, 0] != token)
+    bad |= rec[slot, 3] != expected_real
+    return bad & (slot != 0)
 
 
 @numba.njit(cache=True)
-def _row_may_violate(rec, slots, tokens, real, first, count, first_position, check_token,
-                     block):  # fmt: skip
-    """Whether an entry of a row-plan row, but its first, may violate (exact bits: see
-    :func:`_entry_bits`). Each entry's predecessor is the entry before it, so the records
-    are gathered once into ``block`` (fields x entries) and checked in a branch-free loop
-    over contiguous arrays that vectorises (2x faster than entry by entry on AVX-512)."""
-    token, position, chain, real_kv = block[0], block[1], block[2], block[3]
-    last = first + count - 1
-    e0 = first
+def _row_may_violate(rec, slots, tokens, real, first, count, first_position, check_token):
+    """Whether an entry of a row-plan row, but its first, may violate. Each entry's
+    predecessor is the entry before it, so each check reads two records and nothing carries
+    from one entry to the next: the run loops vectorise (one loop per case of ``real``; a
+    select between them inside the loop stops that). Measured on AVX2 (AMD EPYC), 16 rows
+    of 153 entries: 6.8 / 9.6 ns an entry warm / cache-cold with 32-slot pages, against
+    10.0 / 14.3 gathering each run's records into contiguous arrays first."""
+    last = first + count
+    n = slots.shape[0]
     num_bad = 0
-    while e0 < last:  # block covers entries e0 + 1 .. e0 + m, preceded by e0 .. e0 + m - 1
-        m = min(_VERIFY_BLOCK, last - e0)
-        for k in range(m + 1):
-            if e0 + k + _PREFETCH_ENTRIES < slots.shape[0]:
-                prefetch(rec, slots[e0 + k + _PREFETCH_ENTRIES])
-            slot = slots[e0 + k]
-            token[k], position[k] = rec[slot, 0], rec[slot, 1]
-            chain[k], real_kv[k] = rec[slot, 2], rec[slot, 3]
-        expected_position = first_position + (e0 - first)
-        for k in range(1, m + 1):
-            expected_chain = np.int64(chain_hash_nb(chain[k - 1], token[k - 1], position[k - 1]))
-            bad = (chain[k] != expected_chain) & (slots[e0 + k - 1] != 0)  # prev 0: unchecked
-            bad |= position[k] != expected_position + k
-            bad |= real_kv[k] != (real[e0 + k] if real.shape[0] else 0)
-            if check_token:
-                bad |= (tokens[e0 + k] != -1) & (token[k] != tokens[e0 + k])
-            num_bad += bad & (slots[e0 + k] != 0)
-        e0 += m
+    e0 = first + 1
+    while e0 < last:
+        e1 = min(e0 + _VERIFY_RUN, last)
+        for e in range(e1, min(e1 + _VERIFY_RUN, n)):  # (past the row: the next row's)
+            prefetch(rec, slots[e])
+        p0 = first_position - first
+        if real.shape[0]:
+            for e in range(e0, e1):
+                num_bad += _may_violate(rec, slots[e], slots[e - 1], p0 + e, tokens[e],
+                                        check_token, real[e])  # fmt: skip
+        else:
+            for e in range(e0, e1):
+                num_bad += _may_violate(rec, slots[e], slots[e - 1], p0 + e, tokens[e],
+                                        check_token, 0)  # fmt: skip
+        e0 = e1
     return num_bad != 0
 
 
@@ -282,7 +290,7 @@ def _split_hashes(slots, words0, words1, words2, words3, meta, num_sources, thre
 
 
 @numba.njit(cache=True)
-def _part_clean(rec, slots, tokens, real, requests, r, a, b, check_token, num_sources, block):
+def _part_clean(rec, slots, tokens, real, requests, r, a, b, check_token, num_sources):
     """Whether entries ``[a, b)`` of row ``r`` of a row plan surely have no violation (the
     fast check: the row's first entry's exact bits, when ``a`` is it, then
     :func:`_row_may_violate` on the others, each against the entry before it)."""
@@ -291,14 +299,14 @@ def _part_clean(rec, slots, tokens, real, requests, r, a, b, check_token, num_so
     first, first_position = requests[0, r], requests[1, r]
     if a > first:  # entries a .. b - 1 after their predecessors a - 1 .. b - 2
         return not _row_may_violate(rec, slots, tokens, real, a - 1, b - a + 1,
-                                    first_position + (a - 1 - first), check_token, block)  # fmt: skip
+                                    first_position + (a - 1 - first), check_token)  # fmt: skip
     slot = slots[first]
     return not (
         (slot != 0 and _entry_bits(rec, slot, requests[3, r], first_position,
                                    tokens[first] if check_token else np.int64(-1),
                                    real[first] if num_sources else 0)[0])
         or _row_may_violate(rec, slots, tokens, real, first, b - first, first_position,
-                            check_token, block)
+                            check_token)
     )  # fmt: skip
 
 
@@ -324,12 +332,11 @@ def _split_rows(requests, num_rows, slots, tokens, check_token, rec,
                                          num_sources)  # fmt: skip
                 for e in range(e1 - e0):  # (not a slice copy: see real_kv.fold_windows_nb)
                     real[e0 + e] = part[e]
-            block = np.empty((4, _VERIFY_BLOCK + 1), dtype=np.int64)
             for r in range(num_rows):
                 first = requests[0, r]
                 a, b = max(first, e0), min(first + requests[2, r], e1)
                 bad[c, r] = not _part_clean(rec, slots, tokens, real, requests, r, a, b,
-                                            check_token, num_sources, block)  # fmt: skip
+                                            check_token, num_sources)  # fmt: skip
     clean = np.ones(num_rows, dtype=np.bool_)
     for c in range(threads):
         for r in range(num_rows):
@@ -371,12 +378,11 @@ def _verify_rows_kernel(
     elif num_sources:
         real = real_kv_hashes_nb(slots, words0, words1, words2, words3, meta, num_sources)
     no_token = np.int64(-1)
-    block = np.empty((4, _VERIFY_BLOCK + 1), dtype=np.int64)
     for r in range(num_rows):
         first, first_position = requests[0, r], requests[1, r]
         count, prev = requests[2, r], requests[3, r]
         if clean[r] if parts else _part_clean(rec, slots, tokens, real, requests, r, first,
-                                              first + count, check_token, num_sources, block):  # fmt: skip
+                                              first + count, check_token, num_sources):  # fmt: skip
             continue
         reader, known = _ANCHOR, False  # the reader chain after the entry before; linkable
         for e in range(first, first + count):  # the slow path, in entry order
