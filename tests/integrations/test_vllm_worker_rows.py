@@ -177,18 +177,24 @@ def test_a_block_table_entry_pointing_elsewhere_is_reported() -> None:
     assert "verify_chain_hash" in {reason for r in rows for reason in r.fail_reasons}
 
 
-def test_a_token_id_the_scheduler_sent_differently_is_reported_through_the_batch_block() -> None:
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_token_id_the_scheduler_sent_differently_is_reported_through_the_batch_block(
+    fast: bool,
+) -> None:
     """verify_tokens (the default): the token ids the scheduler sent are the expectation the
     records are checked against. One of them changed in the worker's token store after it
     was written (as a scheduler bug resending another id would) is reported by the next
-    HEAD as verify_token at that token's slot; the step's batch reached the canary as host
-    arrays (no tensors made) and HEAD as a batch block carrying the token table."""
+    HEAD as verify_token at that token's slot. The step's batch reached HEAD as a batch
+    block carrying the token table: made by the worker's one-call HEAD
+    (:func:`.steps.head_step_nb`, ``fast``), or on the full path as host arrays (no
+    tensors made) through the manager."""
     v = FakeVllm()
     v.add("a", list(range(10, 19)))
     v.add("b", list(range(50, 56)))
     v.step(["a", "b"])
     v.step(["b", "a"])
     w = v.worker
+    w._fast_ok = fast
     seen = []
     before_forward = w.managers[0].before_forward
 
@@ -205,13 +211,18 @@ def test_a_token_id_the_scheduler_sent_differently_is_reported_through_the_batch
         return blocks[-1]
 
     fused_rows.FusedRowLaunches.batch_block = staticmethod(spy_block)  # type: ignore[method-assign]
+    fast_steps = w.num_fast_steps
     try:
         w.tables.tokens[w._rows["a"], 4] += 1
         v.step(["a", "b"])
     finally:
         fused_rows.FusedRowLaunches.batch_block = staticmethod(batch_block)  # type: ignore[method-assign]
-    assert seen == [(True, True)]
-    assert len(blocks) == 1 and blocks[0] is not None and blocks[0][17] == 1  # a token table
+    if fast:
+        assert seen == [] and blocks == [] and w.num_fast_steps == fast_steps + 1
+        assert w._batch_block[17] == 1  # a token table
+    else:
+        assert seen == [(True, True)] and w.num_fast_steps == fast_steps
+        assert len(blocks) == 1 and blocks[0] is not None and blocks[0][17] == 1
     rows = v.violations()
     token_rows = [r for r in rows if r.fail_reasons == ("verify_token",)]
     assert {(r.slot_idx, r.position) for r in token_rows} == {(v.blocks["a"][1] * BS, 4)}
@@ -219,6 +230,53 @@ def test_a_token_id_the_scheduler_sent_differently_is_reported_through_the_batch
     after = {r.position for r in rows if r not in token_rows}
     assert after and after == set(range(5, max(after) + 1))
     assert {r.fail_reasons for r in rows if r not in token_rows} == {("verify_chain_hash",)}
+
+
+def _scenario(fast: bool, real_data: str) -> FakeVllm:
+    """Requests joining, decoding, reordered, finishing and reusing rows, async-scheduled
+    tokens, a prefix hit on blocks another row of the same step fills, a batch row no
+    request matches, and faults: a block-table entry repointed, a token id changed in the
+    store."""
+    v = FakeVllm()
+    v.worker = VllmCanaryWorker(parse_options({"mode": "log", "real_data": real_data}).canary,
+                                list(v.worker.specs), {"layer0": torch.randn(BLOCKS, HEADS, BS, 2 * DIM, generator=torch.Generator().manual_seed(3))})  # fmt: skip
+    v.worker._fast_ok = fast
+    for i in range(3):
+        v.add(f"r{i}", list(range(1 + i, 12 + 5 * i)))
+    v.step(["r0", "r1"])
+    v.step(["r1", "r0", "r2"])
+    for _ in range(BS + 1):
+        v.step(["r2", "r0", "r1"])
+    v.step(["r1", "r2"], pending=("r1", "r2"))
+    v.step(["r2", "r1"], pending=("r2",))
+    v.step(["r0", "r2", "r1"], block_table_fault=(1, 0, 40))
+    v.worker.tables.tokens[v.worker._rows["r1"], 3] += 7
+    v.step(["r1", "r0", "r2"], finished=())
+    v.step(["r2", "r1"], finished=("r0",))
+    v.add("r3", list(range(1, 12)))  # r0's prompt: its slots are reused
+    v.step(["r3", "r1"])
+    for _ in range(3):
+        v.step(["r3", "r1", "r2"])
+    return v
+
+
+@pytest.mark.parametrize("real_data", ["none", "partial"])
+def test_one_call_head_leaves_the_state_of_the_full_path(real_data: str) -> None:
+    """The worker's one-call HEAD of a single-group CPU step (:func:`.steps.head_step_nb`)
+    against the full path (the batch, the rows, the manager's fused HEAD), on the same
+    steps with faults: the same records (HEAD and TAIL, K), ring rows in the same order,
+    counters and req->token tables; it ran on most steps."""
+    fast, full = _scenario(True, real_data), _scenario(False, real_data)
+    assert fast.worker.num_fast_steps >= 10 and full.worker.num_fast_steps == 0
+    for a, b in ((fast.worker, full.worker),):
+        ra, rb = a.records[BS], b.records[BS]
+        for buf in ("k_head", "k_tail"):
+            assert torch.equal(getattr(ra, buf), getattr(rb, buf)), buf
+        assert np.array_equal(a.tables.r2t_host[0], b.tables.r2t_host[0])
+        assert a.stats() == b.stats()
+        va, vb = fast.violations(), full.violations()
+        assert va and [str(x) for x in va] == [str(x) for x in vb]
+        assert {"verify_token", "verify_chain_hash"} <= {f for x in va for f in x.fail_reasons}
 
 
 def warm_worker_scenario(extra: dict[str, Any]) -> None:

@@ -192,6 +192,29 @@ class SingleForwardManager:
         self._pending_verify = None if verify else fused.head_verify
         return fused
 
+    def host_fused(self) -> FusedRowLaunches | None:
+        """The fused launches, when a host may run their HEAD in a compiled call of its own
+        (``fused_rows._head_nb`` on a batch block it made; then :meth:`fused_opened`): built,
+        their TAIL entry resolved by an earlier batch-block HEAD, and nothing per forward
+        that only the full path runs (graph-safe plans, a store check, a write-input
+        assertion). None otherwise."""
+        fused, rt = self._fused, self.rt
+        if (not isinstance(fused, FusedRowLaunches) or fused.tail_entry is None or self._static
+                or rt.store_checker is not None or rt.expected_inputs is not None):  # fmt: skip
+            return None
+        return fused
+
+    def fused_opened(self, fused: FusedRowLaunches, batch: np.ndarray, overflow: bool) -> None:
+        """After a host ran :meth:`host_fused`'s HEAD (verifies included) on ``batch``: the
+        state :meth:`fast_head` leaves (its TAIL is ``fused.tail()``)."""
+        if self.overflows:
+            self.overflows = []
+        fused.opened(batch, self.rt.config.verify_tokens, self.rt.chain_position_assert)
+        self._fused_open = False
+        self._pending_verify = None
+        if overflow:
+            self._note_overflows(fused)
+
     def pre_ops_maybe_inside_graph(self, fb: ForwardBatchView,
                                    verify: bool = True) -> list[CanaryPlans]:  # fmt: skip
         """HEAD; ``verify`` False: its writes only, the verifies left to :meth:`head_verify`

@@ -38,6 +38,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcanary import envs
@@ -205,6 +206,23 @@ class CanaryManager:
         except BaseException:  # a forward whose HEAD failed never opened
             self._open = None
             raise
+
+    def host_fused(self) -> FusedRowLaunches | None:
+        """The fused launches of single-forward manager 0 when a host may run their HEAD in
+        a compiled call of its own (a vLLM CPU worker's step: ``fused_rows._head_nb``), then
+        call :meth:`opened_fused`: no forward open, no perturber, and
+        ``SingleForwardManager.host_fused``. None otherwise (:meth:`before_forward`)."""
+        if self._open is not None or self.perturber is not None:
+            return None
+        return self.single_forward_managers[0].host_fused()
+
+    def opened_fused(self, fused: FusedRowLaunches, batch: np.ndarray, overflow: bool) -> None:
+        """After a host ran ``fused``'s HEAD (:meth:`host_fused`) on the batch block
+        ``batch`` (its arrays kept alive until TAIL), ``overflow`` its code's: the forward is
+        open as :meth:`before_forward` leaves it; :meth:`after_forward` runs its TAIL."""
+        self.single_forward_managers[0].fused_opened(fused, batch, overflow)
+        self._fast_tail = fused
+        self._open = (0, [])
 
     def after_forward(self, batch: ForwardBatchView) -> None:
         """After the host's forward of ``batch`` (the one :meth:`before_forward` saw): per

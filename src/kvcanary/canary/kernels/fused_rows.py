@@ -321,6 +321,9 @@ class FusedRowLaunches:
     (module doc). Owns nothing but argument tuples: the scratch is the planners', the
     records, sources, ring, counters and store watches the canary's."""
 
+    # head / _head_nb's codes (a host that calls _head_nb itself reads them)
+    OVERFLOW, PLAN_FAILED, SLOT_ERROR = _OVERFLOW, _PLAN_FAILED, _SLOT_ERROR
+
     def __init__(self, planners: Sequence[RowPlanner], luts: tuple[np.ndarray, ...],
                  launches: tuple[tuple[Any, ...], ...], tails: tuple[tuple[Any, ...], ...],
                  tail_watches: Sequence[StoreWatch | None],
@@ -434,6 +437,23 @@ class FusedRowLaunches:
                 arr(a)
         self._block = np.array(words, dtype=np.int64)
         self._keep = keep  # the block holds their addresses
+
+    @property
+    def tail_entry(self) -> Any:
+        """TAIL's compiled entry for batch blocks, once a HEAD with one resolved it."""
+        return self._tail_entry
+
+    @property
+    def block(self) -> np.ndarray:
+        """The argument block (see ``_HEADER``) a compiled HEAD / TAIL call takes."""
+        return self._block
+
+    def opened(self, batch: np.ndarray, check_token: bool, position_assert: bool) -> None:
+        """After a host ran HEAD itself (``_head_nb`` on the batch ``batch`` describes, a
+        batch block whose arrays the host keeps alive until TAIL): what :meth:`tail`
+        needs, as :meth:`head` leaves it."""
+        self._verify_call = (int(batch[1]), bool(batch[17]), check_token)
+        self._tail_call, self._tail_host = (batch, check_token, position_assert), None
 
     @staticmethod
     def batch_block(host: HostInputs) -> np.ndarray | None:

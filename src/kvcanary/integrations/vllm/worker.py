@@ -43,6 +43,8 @@ from kvcanary.canary.wire.constants import LaunchStage, launch_tag
 from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 from kvcanary.integrations.vllm.pool import SharedRecords, VllmGroupPool
 from kvcanary.integrations.vllm.steps import (
+    FAST_FULL_PATH,
+    FAST_GROW,
     GroupHost,
     GroupTableView,
     StepBatch,
@@ -50,13 +52,16 @@ from kvcanary.integrations.vllm.steps import (
     batch_nb,
     chain_seed_nb,
     group_rows_nb,
+    head_step_nb,
     input_ids_nb,
     meta_nb,
     settle_nb,
     settle_t,
 )
+from kvcanary.jit.parallel import parallel_lock
 
 logger = logging.getLogger("kvcanary.canary")
+_NO_IDS = np.zeros(0, dtype=np.int64)
 
 
 class VllmCanaryWorker:
@@ -137,6 +142,14 @@ class VllmCanaryWorker:
         # of a step], on the device), when the connector found it: the records of positions
         # planned without a token carry the id the forward used (.connector).
         self.forward_input_ids: torch.Tensor | None = None
+        # The one-call HEAD of a single-group CPU worker (_fast_head): the batch it keeps for
+        # TAIL (rows: table row, prefix, new tokens, token-store length; tokens: input id,
+        # position, slot) and its batch block; steps it ran.
+        self._fast_ok = self.device.type == "cpu" and len(self.specs) == 1
+        self._row_buf = np.zeros((4, 64), dtype=np.int64)
+        self._token_buf = np.zeros((3, 256), dtype=np.int64)
+        self._batch_block = np.zeros(18, dtype=np.int64)
+        self.num_fast_steps = 0
 
     # -------------------------------------------------------------- scheduler input
     def on_meta(self, meta: StepMeta) -> None:
@@ -239,6 +252,9 @@ class VllmCanaryWorker:
         checked in a second canary pass, once the rows it reads from wrote their records
         (at ``wait_for_save``; level ``L`` rows after level ``L - 1``)."""
         self._open = None  # a forward that raised before wait_for_save: drop it
+        if self._fast_ok and not self._lent and not self._seal_pending and self._fast_head(
+                metadata[0]):  # fmt: skip
+            return
         if self._lent:
             self._give_back_lent()
         self._seals = None
@@ -297,6 +313,46 @@ class VllmCanaryWorker:
                            for out in outs])  # fmt: skip
         self._head(passes[0])
         self._open = passes
+
+    def _fast_head(self, md: Any) -> bool:
+        """HEAD of a single-group CPU step in one compiled call (:func:`.steps.head_step_nb`:
+        the batch, the group's req->token rows and the fused HEAD), when the step needs
+        nothing else (no row that depends on another or that no request matched; the
+        manager's :meth:`~kvcanary.canary.manager.CanaryManager.host_fused`); the same work
+        as the full path. False, with nothing done, otherwise."""
+        manager = self.managers[0]
+        fused = manager.host_fused()
+        if fused is None:
+            return False
+        spec, tables, fwd = self.specs[0], self.tables, self.forward_input_ids
+        rt = manager.runtime
+        check_token = rt.config.verify_tokens
+        while True:
+            with parallel_lock:
+                code, n, num_tokens = head_step_nb(
+                    md.query_start_loc.numpy(), md.seq_lens.numpy(), md.slot_mapping.numpy(),
+                    md.block_table.numpy(), *self._by_slot, tables.tokens, tables.lens,
+                    _NO_IDS if fwd is None else fwd.numpy(), fwd is not None, spec.block_size,
+                    spec.sliding_window or 0, tables.r2t_host[0], tables.seen(0, spec.block_size),
+                    self._row_buf, self._token_buf, self._batch_block, check_token,
+                    rt.chain_position_assert, fused.block,
+                )  # fmt: skip
+            if code != FAST_GROW:
+                break
+            self._row_buf = np.zeros((4, 2 * n), dtype=np.int64)
+            self._token_buf = np.zeros((3, 2 * num_tokens), dtype=np.int64)
+        if code == FAST_FULL_PATH:
+            return False
+        if code >= fused.SLOT_ERROR:
+            raise IndexError("kv-canary: plan slot out of range of the canary buffer")
+        if code >= fused.PLAN_FAILED:  # (left no trace) more scratch, or the planner's error
+            return False
+        rb, tb = self._row_buf, self._token_buf
+        manager.opened_fused(fused, self._batch_block, code == fused.OVERFLOW)
+        self._open = [[StepBatch(None, (rb[0, :n], rb[1, :n], rb[2, :n], tb[0, :num_tokens],
+                                        tb[1, :num_tokens], tb[2, :num_tokens]))]]  # fmt: skip
+        self.num_fast_steps += 1
+        return True
 
     def _head(self, batches: Sequence[StepBatch]) -> None:
         """HEAD of every group: every group's writes, then every group's verifies. The
