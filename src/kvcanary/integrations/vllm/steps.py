@@ -179,13 +179,22 @@ def batch_nb(qsl, seq_lens, key_slots, keys, key_rows, tokens, lens):
 
 
 @numba.njit(cache=True)
-def meta_nb(rows, first_slots, starts, counts, computed, tokens, store, lens):
-    """:meth:`.worker.VllmCanaryWorker.on_meta`'s columns: each request's token ids into its row of
-    the token store (``store``, lengths ``lens``: the known prefix grows); returns (the
-    first slots that are allocated, sorted; their requests' rows; the *arrivals* ``[3, m]``:
-    row, position and token id of each position the store held as not known yet (-1, sent
-    so under async scheduling) that is known now and that this step reads (below the
-    request's ``computed`` count): the positions whose records :func:`settle_nb` settles)."""
+def meta_nb(cols, tokens, store, lens):
+    """:meth:`.worker.VllmCanaryWorker.on_meta`'s columns (``cols`` [5, requests]: each
+    request's row of the token store, first slot, token start, token count and computed
+    count): each request's token ids into its row of the token store (``store``, lengths
+    ``lens``: the known prefix grows); returns (the first slots that are allocated, sorted;
+    their requests' rows; the *arrivals* ``[3, m]``: row, position and token id of each
+    position the store held as not known yet (-1, sent so under async scheduling) that is
+    known now and that this step reads (below the request's ``computed`` count): the
+    positions whose records :func:`settle_nb` settles; the columns the store needs). When
+    the store is narrower than that, nothing is written (grow it, call again)."""
+    rows, first_slots, starts, counts, computed = cols[0], cols[1], cols[2], cols[3], cols[4]
+    end = 0
+    for i in range(rows.shape[0]):
+        end = max(end, starts[i] + counts[i])
+    if end > store.shape[1]:
+        return first_slots[:0], rows[:0], np.empty((3, 0), dtype=np.int64), end
     at = m = 0
     arrivals = np.empty((3, tokens.shape[0]), dtype=np.int64)
     for i in range(rows.shape[0]):
@@ -203,7 +212,7 @@ def meta_nb(rows, first_slots, starts, counts, computed, tokens, store, lens):
     keep = first_slots >= 0
     keys, key_rows = first_slots[keep], rows[keep]
     order = np.argsort(keys, kind="mergesort")  # (stable: the first of equal slots first)
-    return keys[order], key_rows[order], arrivals[:, :m]
+    return keys[order], key_rows[order], arrivals[:, :m], end
 
 
 @numba.njit(cache=True)

@@ -24,7 +24,6 @@ The pools: :mod:`.pool`; the step tables and their compiled passes: :mod:`.steps
 from __future__ import annotations
 
 import logging
-import operator
 from collections import Counter
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -37,6 +36,7 @@ from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.errors import KVCanaryViolation
 from kvcanary.canary.install import install_canary
 from kvcanary.canary.kernels import dispatch as kernels
+from kvcanary.canary.kernels.numba_kernels import entry_point
 from kvcanary.canary.manager import AbortHandler, CanaryManager
 from kvcanary.canary.plan.types import WritePlan
 from kvcanary.canary.wire.constants import LaunchStage, launch_tag
@@ -150,6 +150,10 @@ class VllmCanaryWorker:
         self._token_buf = np.zeros((3, 256), dtype=np.int64)
         self._batch_block = np.zeros(18, dtype=np.int64)
         self.num_fast_steps = 0
+        # meta_nb's compiled function (its argument types are fixed: int64 arrays made here)
+        self._meta_entry = entry_point(meta_nb, np.zeros((5, 0), dtype=np.int64),
+                                       np.zeros(0, dtype=np.int64), self.tables.tokens,
+                                       self.tables.lens)  # fmt: skip
 
     # -------------------------------------------------------------- scheduler input
     def on_meta(self, meta: StepMeta) -> None:
@@ -165,15 +169,14 @@ class VllmCanaryWorker:
         self._seal_pending = bool(meta.seal_req_ids)
         rows_of, tables = self._rows, self.tables
         rows = [rows_of.get(rid) or self._row(rid) for rid in meta.req_ids]  # (row 0: padding)
-        end = max(map(operator.add, meta.token_starts, meta.token_counts), default=0)
-        if end > tables.tokens.shape[1]:
+        cols = np.array((rows, meta.first_slots, meta.token_starts, meta.token_counts,
+                         meta.num_computed), dtype=np.int64).reshape(5, len(rows))  # fmt: skip
+        tokens = np.array(meta.tokens, dtype=np.int64)
+        while True:
+            keys, key_rows, arrivals, end = self._meta_entry(cols, tokens, tables.tokens, tables.lens)
+            if end <= tables.tokens.shape[1]:
+                break
             tables.ensure(self._num_rows, end)
-        keys, key_rows, arrivals = meta_nb(
-            np.array(rows, dtype=np.int64), np.array(meta.first_slots, dtype=np.int64),
-            np.array(meta.token_starts, dtype=np.int64), np.array(meta.token_counts, dtype=np.int64),
-            np.array(meta.num_computed, dtype=np.int64), np.array(meta.tokens, dtype=np.int64),
-            tables.tokens, tables.lens,
-        )  # fmt: skip
         self._by_slot = (keys, key_rows)
         if arrivals.shape[1]:
             self._settle(arrivals)
@@ -191,13 +194,11 @@ class VllmCanaryWorker:
         at = np.concatenate(([0], np.cumsum(counts)))
         idx = [i for i, _ in known]
         tokens = np.concatenate([meta.final_tokens[at[i]:at[i + 1]] for i in idx]).astype(np.int64)
-        rows = np.array([row for _, row in known], dtype=np.int64)
-        _, _, arrivals = meta_nb(
-            rows, np.full(len(idx), -1, dtype=np.int64),
-            np.array(meta.final_starts, dtype=np.int64)[idx], counts.astype(np.int64)[idx],
-            np.array(meta.final_computed, dtype=np.int64)[idx], tokens,
-            self.tables.tokens, self.tables.lens,
-        )  # fmt: skip
+        rows = [row for _, row in known]
+        cols = np.array((rows, [-1] * len(idx), np.array(meta.final_starts)[idx], counts[idx],
+                         np.array(meta.final_computed)[idx]), dtype=np.int64)  # fmt: skip
+        # (the rows' tokens were stored before: the store is wide enough)
+        _, _, arrivals, _ = meta_nb(cols, tokens, self.tables.tokens, self.tables.lens)
         if arrivals.shape[1]:
             self._settle(arrivals)
 
