@@ -142,6 +142,23 @@ class StepBatch:
     out_cache_loc = property(lambda self: self._field(5))
 
 
+class BufferStepBatch(StepBatch):
+    """The :class:`StepBatch` of a step the worker's one-call HEAD ran
+    (:func:`head_step_nb`): its host arrays are the first ``n`` / ``num_tokens`` columns of
+    that call's buffers (rows: table row, prefix, new tokens; tokens: input id, position,
+    slot), sliced when something asks for them."""
+
+    __slots__ = ("_bufs",)
+
+    def __init__(self, row_buf: np.ndarray, token_buf: np.ndarray, n: int, num_tokens: int):
+        self._tensors, self._bufs = None, (row_buf, token_buf, n, num_tokens)
+
+    @property
+    def host_arrays(self) -> tuple[np.ndarray, ...]:  # type: ignore[override]
+        rb, tb, n, m = self._bufs
+        return rb[0, :n], rb[1, :n], rb[2, :n], tb[0, :m], tb[1, :m], tb[2, :m]
+
+
 @numba.njit(cache=True)
 def batch_nb(qsl, seq_lens, key_slots, keys, key_rows, tokens, lens):
     """A step's batch from ``qsl`` (query start locations [n + 1], from 0) and ``seq_lens``

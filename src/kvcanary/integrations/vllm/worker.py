@@ -45,6 +45,7 @@ from kvcanary.integrations.vllm.pool import SharedRecords, VllmGroupPool
 from kvcanary.integrations.vllm.steps import (
     FAST_FULL_PATH,
     FAST_GROW,
+    BufferStepBatch,
     GroupHost,
     GroupTableView,
     StepBatch,
@@ -150,6 +151,9 @@ class VllmCanaryWorker:
         self._token_buf = np.zeros((3, 256), dtype=np.int64)
         self._batch_block = np.zeros(18, dtype=np.int64)
         self.num_fast_steps = 0
+        self._fast_rt = self.managers[0].runtime
+        self._fast_args = (self.specs[0].block_size, self.specs[0].sliding_window or 0,
+                           self._fast_rt.config.verify_tokens)  # fmt: skip
         # meta_nb's compiled function (its argument types are fixed: int64 arrays made here)
         self._meta_entry = entry_point(meta_nb, np.zeros((5, 0), dtype=np.int64),
                                        np.zeros(0, dtype=np.int64), self.tables.tokens,
@@ -325,18 +329,15 @@ class VllmCanaryWorker:
         fused = manager.host_fused()
         if fused is None:
             return False
-        spec, tables, fwd = self.specs[0], self.tables, self.forward_input_ids
-        rt = manager.runtime
-        check_token = rt.config.verify_tokens
+        tables, fwd, (bs, window, check_token) = self.tables, self.forward_input_ids, self._fast_args
         while True:
             with parallel_lock:
                 code, n, num_tokens = head_step_nb(
                     md.query_start_loc.numpy(), md.seq_lens.numpy(), md.slot_mapping.numpy(),
                     md.block_table.numpy(), *self._by_slot, tables.tokens, tables.lens,
-                    _NO_IDS if fwd is None else fwd.numpy(), fwd is not None, spec.block_size,
-                    spec.sliding_window or 0, tables.r2t_host[0], tables.seen(0, spec.block_size),
-                    self._row_buf, self._token_buf, self._batch_block, check_token,
-                    rt.chain_position_assert, fused.block,
+                    _NO_IDS if fwd is None else fwd.numpy(), fwd is not None, bs, window,
+                    tables.r2t_host[0], tables.seen(0, bs), self._row_buf, self._token_buf,
+                    self._batch_block, check_token, self._fast_rt.chain_position_assert, fused.block,
                 )  # fmt: skip
             if code != FAST_GROW:
                 break
@@ -348,10 +349,8 @@ class VllmCanaryWorker:
             raise IndexError("kv-canary: plan slot out of range of the canary buffer")
         if code >= fused.PLAN_FAILED:  # (left no trace) more scratch, or the planner's error
             return False
-        rb, tb = self._row_buf, self._token_buf
         manager.opened_fused(fused, self._batch_block, code == fused.OVERFLOW)
-        self._open = [[StepBatch(None, (rb[0, :n], rb[1, :n], rb[2, :n], tb[0, :num_tokens],
-                                        tb[1, :num_tokens], tb[2, :num_tokens]))]]  # fmt: skip
+        self._open = [[BufferStepBatch(self._row_buf, self._token_buf, n, num_tokens)]]
         self.num_fast_steps += 1
         return True
 
