@@ -301,6 +301,15 @@ _fold_lines4 = _fold_lines_of(4)
 
 
 @numba.njit(cache=True, inline="always")
+def _log2(x):
+    """log2 of a power of two."""
+    k = 0
+    while (1 << k) < x:
+        k += 1
+    return k
+
+
+@numba.njit(cache=True, inline="always")
 def _fold_into(acc, slots, h, b0, m):
     """``acc[b0 + i] = splitmix64(acc[b0 + i] ^ h[i])`` for ``i < m`` whose slot is >= 0."""
     for i in range(m):
@@ -342,10 +351,17 @@ def fold_strided_nb(slots, words, page_size, token_bytes, read_words, element_si
     h = np.zeros(n, dtype=np.uint64)
     rows = np.empty(n, dtype=np.int64)
     starts = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        slot = max(slots[i], 0)
-        rows[i] = slot // page_size
-        starts[i] = (slot % page_size) * token_bytes
+    if page_size & (page_size - 1) == 0:  # a shift and a mask: the loop vectorises
+        shift, mask = _log2(page_size), page_size - 1
+        for i in range(n):
+            slot = max(slots[i], 0)
+            rows[i] = slot >> shift
+            starts[i] = (slot & mask) * token_bytes
+    else:
+        for i in range(n):
+            slot = max(slots[i], 0)
+            rows[i] = slot // page_size
+            starts[i] = (slot % page_size) * token_bytes
     per_word = 8 // element_size
     bits = np.uint64(8 * element_size)
     top = np.uint64(64) - bits
@@ -397,6 +413,12 @@ def fold_windows_nb(slots, words, page_size, words_per_token, read_words):
                 for i in range(n):
                     row = max(slots[i], 0)
                     lo_words[i], hi_words[i] = words[row, w], words[row, w + 1]
+            elif page_size & (page_size - 1) == 0:  # a shift and a mask: the loop vectorises
+                shift, mask = _log2(page_size), page_size - 1
+                for i in range(n):
+                    slot = max(slots[i], 0)
+                    row, col = slot >> shift, (slot & mask) * words_per_token + w
+                    lo_words[i], hi_words[i] = words[row, col], words[row, col + 1]
             else:
                 for i in range(n):
                     slot = max(slots[i], 0)
