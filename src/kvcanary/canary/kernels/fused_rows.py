@@ -32,6 +32,9 @@ tokens goes in the block too, and only a forward with a write-input assertion ru
 ``_head_nb`` / ``_tail_nb`` (the same bodies, arrays passed one by one). Exactly the
 per-launch path's records, ring rows (same order), counters and errors
 (``tests/canary/test_canary_fused_rows.py`` runs both on the same state and compares).
+A host that makes its batch in a compiled call of its own may call :func:`_head_nb` there
+(the vLLM worker's ``steps.head_step_nb``) and hand TAIL the batch block it filled
+(:meth:`FusedRowLaunches.opened`).
 It applies when every group plans as rows and every array the block describes is int64
 C-contiguous, but for real-KV words, which may be a column range of a wider tensor's rows
 (:func:`_rows_ok`: vLLM's CPU layout, where they are one head's V rows of each block; the

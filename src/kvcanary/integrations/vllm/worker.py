@@ -175,7 +175,9 @@ class VllmCanaryWorker:
         rows = [rows_of.get(rid) or self._row(rid) for rid in meta.req_ids]  # (row 0: padding)
         cols = np.array((rows, meta.first_slots, meta.token_starts, meta.token_counts,
                          meta.num_computed), dtype=np.int64).reshape(5, len(rows))  # fmt: skip
-        tokens = np.array(meta.tokens, dtype=np.int64)
+        num = len(meta.tokens)  # (a prefill's thousands: fromiter, 35 against 54 us for 2048)
+        tokens = (np.fromiter(meta.tokens, dtype=np.int64, count=num) if num > 64
+                  else np.array(meta.tokens, dtype=np.int64))  # fmt: skip
         while True:
             keys, key_rows, arrivals, end = self._meta_entry(cols, tokens, tables.tokens, tables.lens)
             if end <= tables.tokens.shape[1]:
