@@ -232,15 +232,16 @@ def test_a_token_id_the_scheduler_sent_differently_is_reported_through_the_batch
     assert {r.fail_reasons for r in rows if r not in token_rows} == {("verify_chain_hash",)}
 
 
-def _scenario(fast: bool, real_data: str) -> FakeVllm:
+def _scenario(fast: bool, real_data: str, forward_ids: bool) -> FakeVllm:
     """Requests joining, decoding, reordered, finishing and reusing rows, async-scheduled
-    tokens, a prefix hit on blocks another row of the same step fills, a batch row no
-    request matches, and faults: a block-table entry repointed, a token id changed in the
-    store."""
+    tokens (``forward_ids``: recorded with the id the forward used, one of them wrong), and
+    faults: a block-table entry repointed, a token id changed in the store."""
     v = FakeVllm()
     v.worker = VllmCanaryWorker(parse_options({"mode": "log", "real_data": real_data}).canary,
                                 list(v.worker.specs), {"layer0": torch.randn(BLOCKS, HEADS, BS, 2 * DIM, generator=torch.Generator().manual_seed(3))})  # fmt: skip
     v.worker._fast_ok = fast
+    if forward_ids:
+        v.worker.forward_input_ids = torch.zeros(64, dtype=torch.int32)  # vLLM's: int32
     for i in range(3):
         v.add(f"r{i}", list(range(1 + i, 12 + 5 * i)))
     v.step(["r0", "r1"])
@@ -248,7 +249,8 @@ def _scenario(fast: bool, real_data: str) -> FakeVllm:
     for _ in range(BS + 1):
         v.step(["r2", "r0", "r1"])
     v.step(["r1", "r2"], pending=("r1", "r2"))
-    v.step(["r2", "r1"], pending=("r2",))
+    v.step(["r2", "r1"], pending=("r2",), input_ids=[5, 1000 + len(v.tokens["r1"]) - 1]
+           if forward_ids else None)  # fmt: skip
     v.step(["r0", "r2", "r1"], block_table_fault=(1, 0, 40))
     v.worker.tables.tokens[v.worker._rows["r1"], 3] += 7
     v.step(["r1", "r0", "r2"], finished=())
@@ -260,13 +262,14 @@ def _scenario(fast: bool, real_data: str) -> FakeVllm:
     return v
 
 
-@pytest.mark.parametrize("real_data", ["none", "partial"])
-def test_one_call_head_leaves_the_state_of_the_full_path(real_data: str) -> None:
+@pytest.mark.parametrize(("real_data", "forward_ids"),
+                         [("none", False), ("partial", False), ("partial", True)])
+def test_one_call_head_leaves_the_state_of_the_full_path(real_data: str, forward_ids: bool) -> None:
     """The worker's one-call HEAD of a single-group CPU step (:func:`.steps.head_step_nb`)
     against the full path (the batch, the rows, the manager's fused HEAD), on the same
     steps with faults: the same records (HEAD and TAIL, K), ring rows in the same order,
     counters and req->token tables; it ran on most steps."""
-    fast, full = _scenario(True, real_data), _scenario(False, real_data)
+    fast, full = _scenario(True, real_data, forward_ids), _scenario(False, real_data, forward_ids)
     assert fast.worker.num_fast_steps >= 10 and full.worker.num_fast_steps == 0
     for a, b in ((fast.worker, full.worker),):
         ra, rb = a.records[BS], b.records[BS]
@@ -277,6 +280,7 @@ def test_one_call_head_leaves_the_state_of_the_full_path(real_data: str) -> None
         va, vb = fast.violations(), full.violations()
         assert va and [str(x) for x in va] == [str(x) for x in vb]
         assert {"verify_token", "verify_chain_hash"} <= {f for x in va for f in x.fail_reasons}
+        assert a.num_settled == b.num_settled and a.num_arrived == b.num_arrived > 0
 
 
 def warm_worker_scenario(extra: dict[str, Any]) -> None:
