@@ -399,7 +399,7 @@ def head_step_nb(qsl, seq_lens, slot_mapping, bt, keys, key_rows, tokens, lens, 
                  position_assert, blk):  # fmt: skip
     """One CPU step of a single-group canary in one compiled call: :func:`batch_nb`, the
     forward's input ids where the store has none yet (``fwd_ids``), :func:`group_rows_nb`,
-    the batch block (``batch``, int64 [18], pointing into ``row_buf`` [5, >= rows] and
+    the batch block (``batch``, int64 [18], pointing into ``row_buf`` [4, >= rows] and
     ``token_buf`` [3, >= tokens], which keep the batch for TAIL) and the fused HEAD
     (:func:`.fused_rows._head_nb`, ``blk`` its argument block). Returns ``(code, rows,
     tokens)``: FAST_FULL_PATH when the step needs the worker's full path (a row that

@@ -326,7 +326,9 @@ class VllmCanaryWorker:
         the batch, the group's req->token rows and the fused HEAD), when the step needs
         nothing else (no row that depends on another or that no request matched; the
         manager's :meth:`~kvcanary.canary.manager.CanaryManager.host_fused`); the same work
-        as the full path. False, with nothing done, otherwise."""
+        as the full path. False otherwise, with nothing done but, when HEAD's plan needs
+        more scratch, the req->token rows brought up to date (the full path writes the same
+        rows again, then grows the scratch)."""
         manager = self.managers[0]
         fused = manager.host_fused()
         if fused is None:
@@ -343,8 +345,9 @@ class VllmCanaryWorker:
                 )  # fmt: skip
             if code != FAST_GROW:
                 break
-            self._row_buf = np.zeros((4, 2 * n), dtype=np.int64)
-            self._token_buf = np.zeros((3, 2 * num_tokens), dtype=np.int64)
+            self._row_buf = np.zeros((4, max(2 * n, self._row_buf.shape[1])), dtype=np.int64)
+            self._token_buf = np.zeros((3, max(2 * num_tokens, self._token_buf.shape[1])),
+                                       dtype=np.int64)  # fmt: skip
         if code == FAST_FULL_PATH:
             return False
         if code >= fused.SLOT_ERROR:
