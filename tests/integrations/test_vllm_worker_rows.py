@@ -232,22 +232,28 @@ def test_a_token_id_the_scheduler_sent_differently_is_reported_through_the_batch
     assert {r.fail_reasons for r in rows if r not in token_rows} == {("verify_chain_hash",)}
 
 
-def _scenario(fast: bool, real_data: str, forward_ids: bool) -> FakeVllm:
-    """Requests joining, decoding, reordered, finishing and reusing rows, async-scheduled
-    tokens (``forward_ids``: recorded with the id the forward used, one of them wrong), and
-    faults: a block-table entry repointed, a token id changed in the store."""
-    v = FakeVllm()
-    v.worker = VllmCanaryWorker(parse_options({"mode": "log", "real_data": real_data}).canary,
-                                list(v.worker.specs), {"layer0": torch.randn(BLOCKS, HEADS, BS, 2 * DIM, generator=torch.Generator().manual_seed(3))})  # fmt: skip
-    v.worker._fast_ok = fast
-    if forward_ids:
-        v.worker.forward_input_ids = torch.zeros(64, dtype=torch.int32)  # vLLM's: int32
+def _three_requests(v: FakeVllm) -> None:
+    """Three requests joining over two steps, then decoding across a block boundary."""
     for i in range(3):
         v.add(f"r{i}", list(range(1 + i, 12 + 5 * i)))
     v.step(["r0", "r1"])
     v.step(["r1", "r0", "r2"])
     for _ in range(BS + 1):
         v.step(["r2", "r0", "r1"])
+
+
+def _scenario(fast: bool, real_data: str, forward_ids: bool) -> FakeVllm:
+    """Requests joining, decoding, reordered, finishing and reusing rows, async-scheduled
+    tokens (``forward_ids``: recorded with the id the forward used, one of them wrong), and
+    faults: a block-table entry repointed, a token id changed in the store."""
+    v = FakeVllm()
+    kv = torch.randn(BLOCKS, HEADS, BS, 2 * DIM, generator=torch.Generator().manual_seed(3))
+    v.worker = VllmCanaryWorker(parse_options({"mode": "log", "real_data": real_data}).canary,
+                                list(v.worker.specs), {"layer0": kv})  # fmt: skip
+    v.worker._fast_ok = fast
+    if forward_ids:
+        v.worker.forward_input_ids = torch.zeros(64, dtype=torch.int32)  # vLLM's: int32
+    _three_requests(v)
     v.step(["r1", "r2"], pending=("r1", "r2"))
     v.step(["r2", "r1"], pending=("r2",), input_ids=[5, 1000 + len(v.tokens["r1"]) - 1]
            if forward_ids else None)  # fmt: skip
@@ -271,16 +277,15 @@ def test_one_call_head_leaves_the_state_of_the_full_path(real_data: str, forward
     counters and req->token tables; it ran on most steps."""
     fast, full = _scenario(True, real_data, forward_ids), _scenario(False, real_data, forward_ids)
     assert fast.worker.num_fast_steps >= 10 and full.worker.num_fast_steps == 0
-    for a, b in ((fast.worker, full.worker),):
-        ra, rb = a.records[BS], b.records[BS]
-        for buf in ("k_head", "k_tail"):
-            assert torch.equal(getattr(ra, buf), getattr(rb, buf)), buf
-        assert np.array_equal(a.tables.r2t_host[0], b.tables.r2t_host[0])
-        assert a.stats() == b.stats()
-        va, vb = fast.violations(), full.violations()
-        assert va and [str(x) for x in va] == [str(x) for x in vb]
-        assert {"verify_token", "verify_chain_hash"} <= {f for x in va for f in x.fail_reasons}
-        assert a.num_settled == b.num_settled and a.num_arrived == b.num_arrived > 0
+    a, b = fast.worker, full.worker
+    for buf in ("k_head", "k_tail"):
+        assert torch.equal(getattr(a.records[BS], buf), getattr(b.records[BS], buf)), buf
+    assert np.array_equal(a.tables.r2t_host[0], b.tables.r2t_host[0])
+    assert a.stats() == b.stats()
+    va, vb = fast.violations(), full.violations()
+    assert va and [str(x) for x in va] == [str(x) for x in vb]
+    assert {"verify_token", "verify_chain_hash"} <= {f for x in va for f in x.fail_reasons}
+    assert a.num_settled == b.num_settled and a.num_arrived == b.num_arrived > 0
 
 
 def warm_worker_scenario(extra: dict[str, Any]) -> None:
@@ -297,12 +302,7 @@ def warm_worker_scenario(extra: dict[str, Any]) -> None:
     assert any("vllm.steps.batch_nb" in name for name, _ in warm)
     fake = FakeVllm()
     fake.worker = VllmCanaryWorker(config, [spec], {"layer0": kv})
-    for i in range(3):
-        fake.add(f"r{i}", list(range(1 + i, 12 + 5 * i)))
-    fake.step(["r0", "r1"])
-    fake.step(["r1", "r0", "r2"])
-    for _ in range(BS + 1):
-        fake.step(["r2", "r0", "r1"])
+    _three_requests(fake)
     for _ in range(2):  # async scheduling: tokens planned unknown, known a step later
         fake.step(["r1", "r2"], pending=("r1", "r2"))
     fake.step(["r2", "r1"], finished=("r0",))
