@@ -17,7 +17,7 @@ from test_vllm_worker_rows import BS, FakeVllm
 
 from kvcanary.canary.wire.hashing import ANCHOR_HASH_I64, chain_hash
 from kvcanary.canary.wire.hashing import to_i64 as i64
-from kvcanary.integrations.vllm.steps import settle_nb, settle_t
+from kvcanary.integrations.vllm.steps import meta_nb, settle_nb, settle_t
 
 
 def _records(v: FakeVllm, rid: str, positions: range, buf: str = "k_head") -> list[list[int]]:
@@ -207,3 +207,49 @@ def test_a_finished_requests_last_planned_token_is_settled_with_its_finish(final
         assert {(r.slot_idx, r.position) for r in rows if "verify_token" in r.fail_reasons} == {
             (slot, 11)
         }
+
+
+@pytest.mark.parametrize("num_requests", [5, 200])  # in-place sort / argsort
+def test_meta_stores_tokens_sorts_first_slots_and_lists_arrivals(num_requests: int) -> None:
+    """:func:`.steps.meta_nb`: each request's token ids land in its row of the store (its
+    length grows), the allocated first slots come out sorted with their rows (equal slots
+    in request order), and a position stored as not known (-1) whose token arrives below
+    the request's computed count is an arrival; a store too narrow is left untouched."""
+    rng = np.random.default_rng(num_requests)
+    n = num_requests
+    rows = np.arange(1, n + 1, dtype=np.int64)
+    first = rng.integers(-1, n // 2 + 2, n) * BS  # unallocated (< 0) and shared slots
+    first[first < 0] = -1
+    starts = rng.integers(0, 4, n)
+    counts = rng.integers(1, 4, n)
+    computed = starts + counts - rng.integers(0, 2, n)
+    cols = np.stack([rows, first, starts, counts, computed]).astype(np.int64)
+    tokens = rng.integers(0, 100, int(counts.sum())).astype(np.int64)
+    store = np.full((n + 1, 8), -1, dtype=np.int64)
+    lens = np.zeros(n + 1, dtype=np.int64)
+    pending = rng.random(n) < 0.5  # rows whose known prefix covers their new positions
+    lens[rows[pending]] = 8
+    before = store.copy()
+    out = np.zeros((5, max(n, tokens.shape[0])), dtype=np.int64)
+    narrow = np.full((n + 1, 2), -1, dtype=np.int64)
+    assert meta_nb(cols, tokens, narrow, lens.copy(), out) == (0, 0, int((starts + counts).max()))
+    assert (narrow == -1).all()
+
+    num_keys, num_arrived, _ = meta_nb(cols, tokens, store, lens, out)
+
+    keep = first >= 0
+    order = np.argsort(first[keep], kind="mergesort")
+    assert num_keys == int(keep.sum())
+    assert out[0, :num_keys].tolist() == first[keep][order].tolist()
+    assert out[1, :num_keys].tolist() == rows[keep][order].tolist()
+    want_arrivals, at = [], 0
+    for i in range(n):
+        for j in range(counts[i]):
+            p, t = starts[i] + j, tokens[at + j]
+            assert store[rows[i], p] == t
+            if pending[i] and p < computed[i] and before[rows[i], p] == -1:
+                want_arrivals.append([rows[i], p, t])
+        at += counts[i]
+        assert lens[rows[i]] == (8 if pending[i] else starts[i] + counts[i])
+    assert out[2:, :num_arrived].T.tolist() == want_arrivals
+    assert num_arrived > 0

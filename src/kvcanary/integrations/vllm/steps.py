@@ -21,6 +21,9 @@ from kvcanary.canary.kernels.fused_rows import _batch_block_nb, _head_nb
 from kvcanary.canary.wire.hashing import ANCHOR_HASH_I64, chain_hash_nb, chain_hash_t
 from kvcanary.integrations.vllm.pool import VllmGroupPool
 
+# meta_nb sorts at most this many first slots in place (more: an argsort)
+_SORT_IN_PLACE = 64
+
 
 class StepTables:
     """The req->token tables (one per group) and the token mirror, all groups sharing rows:
@@ -196,40 +199,56 @@ def batch_nb(qsl, seq_lens, key_slots, keys, key_rows, tokens, lens):
 
 
 @numba.njit(cache=True)
-def meta_nb(cols, tokens, store, lens):
+def meta_nb(cols, tokens, store, lens, out):
     """:meth:`.worker.VllmCanaryWorker.on_meta`'s columns (``cols`` [5, requests]: each
     request's row of the token store, first slot, token start, token count and computed
     count): each request's token ids into its row of the token store (``store``, lengths
-    ``lens``: the known prefix grows); returns (the first slots that are allocated, sorted;
-    their requests' rows; the *arrivals* ``[3, m]``: row, position and token id of each
-    position the store held as not known yet (-1, sent so under async scheduling) that is
-    known now and that this step reads (below the request's ``computed`` count): the
-    positions whose records :func:`settle_nb` settles; the columns the store needs). When
-    the store is narrower than that, nothing is written (grow it, call again)."""
+    ``lens``: the known prefix grows). Into ``out`` (int64 [5, >= requests and tokens],
+    which the worker keeps: no array made per step): rows 0-1, the first slots that are
+    allocated, sorted, and their requests' rows; rows 2-4, the *arrivals*: row, position
+    and token id of each position the store held as not known yet (-1, sent so under async
+    scheduling) that is known now and that this step reads (below the request's
+    ``computed`` count), the positions whose records :func:`settle_nb` settles. Returns
+    (the first slots, the arrivals, the columns the store needs); when the store is
+    narrower than that, nothing is written (grow it, call again)."""
     rows, first_slots, starts, counts, computed = cols[0], cols[1], cols[2], cols[3], cols[4]
+    n = rows.shape[0]
     end = 0
-    for i in range(rows.shape[0]):
+    for i in range(n):
         end = max(end, starts[i] + counts[i])
     if end > store.shape[1]:
-        return first_slots[:0], rows[:0], np.empty((3, 0), dtype=np.int64), end
+        return 0, 0, end
     at = m = 0
-    arrivals = np.empty((3, tokens.shape[0]), dtype=np.int64)
-    for i in range(rows.shape[0]):
+    for i in range(n):
         row, start, count, k = rows[i], starts[i], counts[i], computed[i]
         have = lens[row]
         for j in range(count):
             p, t = start + j, tokens[at + j]
             if p < have and p < k and t != -1 and store[row, p] == -1:
-                arrivals[0, m], arrivals[1, m], arrivals[2, m] = row, p, t
+                out[2, m], out[3, m], out[4, m] = row, p, t
                 m += 1
             store[row, p] = t
         at += count
         if start + count > have:
             lens[row] = start + count
-    keep = first_slots >= 0
-    keys, key_rows = first_slots[keep], rows[keep]
-    order = np.argsort(keys, kind="mergesort")  # (stable: the first of equal slots first)
-    return keys[order], key_rows[order], arrivals[:, :m], end
+    num_keys = 0
+    for i in range(n):
+        if first_slots[i] >= 0:
+            out[0, num_keys], out[1, num_keys] = first_slots[i], rows[i]
+            num_keys += 1
+    if num_keys > _SORT_IN_PLACE:  # (stable: the first of equal slots first)
+        order = np.argsort(out[0, :num_keys], kind="mergesort")
+        keys, key_rows = out[0, :num_keys][order], out[1, :num_keys][order]
+        out[0, :num_keys], out[1, :num_keys] = keys, key_rows
+    else:  # a decode step's few: insertion, stable, nothing allocated
+        for i in range(1, num_keys):
+            key, row = out[0, i], out[1, i]
+            j = i
+            while j > 0 and out[0, j - 1] > key:
+                out[0, j], out[1, j] = out[0, j - 1], out[1, j - 1]
+                j -= 1
+            out[0, j], out[1, j] = key, row
+    return num_keys, m, end
 
 
 @numba.njit(cache=True)

@@ -154,10 +154,12 @@ class VllmCanaryWorker:
         self._fast_rt = self.managers[0].runtime
         self._fast_args = (self.specs[0].block_size, self.specs[0].sliding_window or 0,
                            self._fast_rt.config.verify_tokens)  # fmt: skip
-        # meta_nb's compiled function (its argument types are fixed: int64 arrays made here)
+        # meta_nb's output (keys, their rows, arrivals; grown on demand) and compiled
+        # function (its argument types are fixed: int64 arrays made here)
+        self._meta_out = np.zeros((5, 64), dtype=np.int64)
         self._meta_entry = entry_point(meta_nb, np.zeros((5, 0), dtype=np.int64),
                                        np.zeros(0, dtype=np.int64), self.tables.tokens,
-                                       self.tables.lens)  # fmt: skip
+                                       self.tables.lens, self._meta_out)  # fmt: skip
 
     # -------------------------------------------------------------- scheduler input
     def on_meta(self, meta: StepMeta) -> None:
@@ -178,14 +180,18 @@ class VllmCanaryWorker:
         num = len(meta.tokens)  # (a prefill's thousands: fromiter, 35 against 54 us for 2048)
         tokens = (np.fromiter(meta.tokens, dtype=np.int64, count=num) if num > 64
                   else np.array(meta.tokens, dtype=np.int64))  # fmt: skip
+        out = self._meta_out
+        if max(len(rows), num) > out.shape[1]:
+            out = self._meta_out = np.zeros((5, 2 * max(len(rows), num)), dtype=np.int64)
         while True:
-            keys, key_rows, arrivals, end = self._meta_entry(cols, tokens, tables.tokens, tables.lens)
+            num_keys, num_arrived, end = self._meta_entry(cols, tokens, tables.tokens, tables.lens,
+                                                          out)  # fmt: skip
             if end <= tables.tokens.shape[1]:
                 break
             tables.ensure(self._num_rows, end)
-        self._by_slot = (keys, key_rows)
-        if arrivals.shape[1]:
-            self._settle(arrivals)
+        self._by_slot = (out[0, :num_keys], out[1, :num_keys])
+        if num_arrived:
+            self._settle(np.ascontiguousarray(out[2:, :num_arrived]))
 
     def _settle_final(self, meta: StepMeta) -> None:
         """Async scheduling: finished requests' token ids of positions they computed with
@@ -204,9 +210,10 @@ class VllmCanaryWorker:
         cols = np.array((rows, [-1] * len(idx), np.array(meta.final_starts)[idx], counts[idx],
                          np.array(meta.final_computed)[idx]), dtype=np.int64)  # fmt: skip
         # (the rows' tokens were stored before: the store is wide enough)
-        _, _, arrivals, _ = meta_nb(cols, tokens, self.tables.tokens, self.tables.lens)
-        if arrivals.shape[1]:
-            self._settle(arrivals)
+        out = np.zeros((5, max(len(rows), len(tokens))), dtype=np.int64)
+        _, num_arrived, _ = meta_nb(cols, tokens, self.tables.tokens, self.tables.lens, out)
+        if num_arrived:
+            self._settle(np.ascontiguousarray(out[2:, :num_arrived]))
 
     def _settle(self, arrivals: np.ndarray) -> None:
         """Async scheduling: the records of positions whose token arrived in this step's
