@@ -19,6 +19,7 @@ from kvcanary.integrations.vllm.bench import (
     add_bench_vllm_flags,
     check_bench_vllm_args,
     hook_shares,
+    tok_s_figures,
 )
 
 
@@ -223,6 +224,8 @@ def test_bench_vllm_flags_control_engine_and_bad_values() -> None:
     add_bench_vllm_flags(ap)
     assert ap.parse_args([]).control is True
     assert ap.parse_args(["--no-control"]).control is False
+    assert ap.parse_args([]).connector_control is True
+    assert ap.parse_args(["--no-connector-control"]).connector_control is False
     check_bench_vllm_args(ap.parse_args([]))
     with pytest.raises(ValueError, match=r"--rounds=0 is invalid: allowed an integer >= 1"):
         check_bench_vllm_args(ap.parse_args(["--rounds", "0"]))
@@ -244,3 +247,23 @@ def test_bench_vllm_hook_shares_take_each_hooks_best_pass() -> None:
     assert r["canary_vs_plain_decode_step_pct"] == 15.0
     assert r["canary_prefill_pass_ms"] == 1.5  # 1.0 + 0.5, each hook's best
     assert r["canary_vs_plain_prefill_pct"] == 15.0
+
+
+def test_bench_vllm_tok_s_figures_tell_the_connector_interface_from_the_canary() -> None:
+    """Each engine's best passes give its tok/s; the control engine gives the noise floor,
+    the no-op connector engine what vLLM's connector interface costs against plain and
+    what the canary costs beyond it; without those engines, neither section."""
+    times = {"plain": {"prefill": [0.20, 0.10], "full": [1.10, 1.30]},
+             "canary": {"prefill": [0.125, 0.13], "full": [1.375, 1.5]},
+             "control": {"prefill": [0.10, 0.11], "full": [1.20, 1.20]},
+             "connector": {"prefill": [0.11, 0.12], "full": [1.20, 1.21]}}  # fmt: skip
+    r = tok_s_figures(times, n_in=100, n_out=10)
+    assert r["prefill_tok_s"] == {"plain": 1000.0, "canary": 800.0, "overhead_pct": 25.0}
+    assert r["decode_tok_s"] == {"plain": 10.0, "canary": 8.0, "overhead_pct": 25.0}  # 10 / 1.25
+    assert r["noise_floor"]["decode_tok_s"] == {"plain": 10.0, "control": 9.1, "difference_pct": 10.0}
+    c = r["connector_control"]["decode_tok_s"]  # 10 / (1.2 - 0.11)
+    assert c == {"plain": 10.0, "connector": 9.2, "interface_pct": 9.0,
+                 "canary_beyond_interface_pct": 14.7}  # fmt: skip
+    assert r["connector_control"]["prefill_tok_s"]["interface_pct"] == 10.0  # 1000 / 909.1
+    bare = tok_s_figures({k: times[k] for k in ("plain", "canary")}, n_in=100, n_out=10)
+    assert set(bare) == {"prefill_tok_s", "decode_tok_s"}

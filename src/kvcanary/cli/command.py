@@ -287,6 +287,10 @@ def _cmd_bench_vllm(a: argparse.Namespace) -> int:
            for side in ("plain", "canary", "overhead_pct")},
         **{f"{k}_control_difference_pct": v["difference_pct"]
            for k, v in r.get("noise_floor", {}).items()},
+        **({"connector_outputs_identical": r["connector_outputs_identical"]}
+           if "connector_outputs_identical" in r else {}),
+        **{f"{k}_{side}": v[side] for k, v in r.get("connector_control", {}).items()
+           for side in ("interface_pct", "canary_beyond_interface_pct")},
         **{k: r["per_step"][k] for k in (
             "plain_decode_step_ms", "canary_decode_total_ms", "canary_vs_plain_decode_step_pct",
             "plain_prefill_pass_ms", "canary_prefill_pass_ms", "canary_vs_plain_prefill_pct")},

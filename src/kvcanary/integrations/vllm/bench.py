@@ -10,6 +10,9 @@ prefill). Outputs of the plain and canary engines must be identical. With ``--co
 (default) a second plain engine runs the same passes: its difference from the first is
 the noise floor of the overhead figures on this machine (``noise_floor``), and its outputs
 must equal the first's (``control_outputs_identical``: greedy decoding is deterministic).
+With ``--connector-control`` (default) an engine with a KV connector that does nothing
+(:mod:`.noop`) runs them too: its difference from plain is what vLLM's connector interface
+costs, the canary's against it what the canary adds (``connector_control``).
 
 Without ``--model`` a tiny random Llama checkpoint (fp32, 4 layers, hidden 64, head_dim 32)
 is written to a temporary directory. Needs the vLLM venv (``make test-vllm`` builds it);
@@ -64,6 +67,11 @@ def _serve(args: dict[str, Any], conn: Any) -> None:
     if args["canary"] is not None:
         kw["kv_transfer_config"] = {"kv_connector": "KVCanaryConnector", "kv_role": "kv_both",
                                     "kv_connector_extra_config": args["canary"]}  # fmt: skip
+    elif args["noop"]:
+        from kvcanary.integrations.vllm import noop
+
+        noop.register()
+        kw["kv_transfer_config"] = {"kv_connector": noop.NAME, "kv_role": "kv_both"}
     llm = LLM(**kw)
     prompts = [{"prompt_token_ids": p} for p in args["prompts"]]
 
@@ -119,6 +127,13 @@ def _serve(args: dict[str, Any], conn: Any) -> None:
                 stats["ms_per_step"] = {k: round(1e3 * v / max(s["steps"] - 2, 1), 4)
                                         for k, v in sorted(seconds.items())}  # fmt: skip
             stats["engine_steps"] = engine_steps[0]
+            from vllm.distributed.kv_transfer.kv_transfer_state import (
+                get_kv_transfer_group,
+                has_kv_transfer_group,
+            )
+
+            stats["kv_connector"] = (type(get_kv_transfer_group()).__name__
+                                     if has_kv_transfer_group() else None)  # fmt: skip
             conn.send(stats)
         else:
             conn.send(gen(1 if cmd == "prefill" else args["output_len"]))
@@ -141,6 +156,9 @@ def add_bench_vllm_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                     help="also run a second plain engine; its difference from the first is "
                          f"the noise floor of the overhead figures {d}")  # fmt: skip
+    ap.add_argument("--connector-control", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run an engine with a KV connector that does nothing: what "
+                         f"vLLM's connector interface costs, told from the canary's {d}")  # fmt: skip
     ap.add_argument("--json", metavar="OUT", help="also write the result as JSON to OUT")
 
 
@@ -191,9 +209,12 @@ def bench_vllm(a: argparse.Namespace) -> dict[str, Any]:
     engines: list[tuple[str, dict[str, Any] | None]] = [("plain", None), ("canary", canary)]
     if a.control:
         engines.append(("control", None))
+    if a.connector_control:
+        engines.append(("connector", None))
     for name, extra in engines:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=({**base, "canary": extra}, child))
+        args = {**base, "canary": extra, "noop": name == "connector"}
+        proc = ctx.Process(target=_serve, args=(args, child))
         proc.start()
         procs.append(proc)
         assert parent.recv() == "ready"
@@ -234,29 +255,54 @@ def bench_vllm(a: argparse.Namespace) -> dict[str, Any]:
         "method": "best of --rounds alternating passes (min seconds); decode = "
                   "(output tokens - 1 per prompt) / (full pass - prefill pass)",
     }
-    noise: dict[str, Any] = {}
-    for key, rate in (
-        ("prefill_tok_s", lambda t: n_in / min(t["prefill"])),
-        ("decode_tok_s", lambda t: n_out / max(min(t["full"]) - min(t["prefill"]), 1e-9)),
-    ):
-        plain, with_canary = rate(times["plain"]), rate(times["canary"])
-        result[key] = {"plain": round(plain, 1), "canary": round(with_canary, 1),
-                       "overhead_pct": round(100 * (plain / with_canary - 1), 1)}  # fmt: skip
-        if a.control:  # the same formula between two plain engines
-            control = rate(times["control"])
-            noise[key] = {"plain": round(plain, 1), "control": round(control, 1),
-                          "difference_pct": round(100 * (plain / control - 1), 1)}  # fmt: skip
+    result.update(tok_s_figures(times, n_in, n_out))
     if a.control:
-        result["noise_floor"] = noise
         # Greedy decoding of one checkpoint: two plain engines agree, or the canary's
         # outputs_identical means little on this machine.
         result["control_outputs_identical"] = bool(outputs["plain"]) and (
             outputs["plain"] == outputs["control"])  # fmt: skip
+    if a.connector_control:
+        result["connector_outputs_identical"] = bool(outputs["plain"]) and (
+            outputs["plain"] == outputs["connector"])  # fmt: skip
+        result["connector_stats"] = stats["connector"]
     result["per_step"] = hook_shares(times, hooks, a.output_len)
     result["seconds"] = {n: {k: [round(x, 4) for x in v] for k, v in t.items()}
                          for n, t in times.items()}  # fmt: skip
     tmp.cleanup()
     return result
+
+
+def tok_s_figures(times: dict[str, dict[str, list[float]]], n_in: int,
+                  n_out: int) -> dict[str, Any]:  # fmt: skip
+    """Prefill and decode tok/s of each engine's best passes (``times[engine][pass]``:
+    seconds; decode = ``n_out`` tokens / (full - prefill)): the canary's overhead against
+    plain; with a ``control`` engine the two plain engines' difference (``noise_floor``);
+    with a ``connector`` engine (a KV connector that does nothing) its cost against plain
+    and the canary's against it (``connector_control``)."""
+    out: dict[str, Any] = {}
+    noise: dict[str, Any] = {}
+    connector: dict[str, Any] = {}
+    for key, rate in (
+        ("prefill_tok_s", lambda t: n_in / min(t["prefill"])),
+        ("decode_tok_s", lambda t: n_out / max(min(t["full"]) - min(t["prefill"]), 1e-9)),
+    ):
+        plain, with_canary = rate(times["plain"]), rate(times["canary"])
+        out[key] = {"plain": round(plain, 1), "canary": round(with_canary, 1),
+                    "overhead_pct": round(100 * (plain / with_canary - 1), 1)}  # fmt: skip
+        if "control" in times:  # the same formula between two plain engines
+            control = rate(times["control"])
+            noise[key] = {"plain": round(plain, 1), "control": round(control, 1),
+                          "difference_pct": round(100 * (plain / control - 1), 1)}  # fmt: skip
+        if "connector" in times:
+            bare = rate(times["connector"])
+            connector[key] = {"plain": round(plain, 1), "connector": round(bare, 1),
+                              "interface_pct": round(100 * (plain / bare - 1), 1),
+                              "canary_beyond_interface_pct": round(100 * (bare / with_canary - 1), 1)}  # fmt: skip
+    if noise:
+        out["noise_floor"] = noise
+    if connector:
+        out["connector_control"] = connector
+    return out
 
 
 def hook_shares(times: dict[str, dict[str, list[float]]],
