@@ -191,7 +191,7 @@ class VllmCanaryWorker:
             tables.ensure(self._num_rows, end)
         self._by_slot = (out[0, :num_keys], out[1, :num_keys])
         if num_arrived:
-            self._settle(np.ascontiguousarray(out[2:, :num_arrived]))
+            self._settle(out, num_arrived)
 
     def _settle_final(self, meta: StepMeta) -> None:
         """Async scheduling: finished requests' token ids of positions they computed with
@@ -213,12 +213,14 @@ class VllmCanaryWorker:
         out = np.zeros((5, max(len(rows), len(tokens))), dtype=np.int64)
         _, num_arrived, _ = meta_nb(cols, tokens, self.tables.tokens, self.tables.lens, out)
         if num_arrived:
-            self._settle(np.ascontiguousarray(out[2:, :num_arrived]))
+            self._settle(out, num_arrived)
 
-    def _settle(self, arrivals: np.ndarray) -> None:
+    def _settle(self, out: np.ndarray, num_arrived: int) -> None:
         """Async scheduling: the records of positions whose token arrived in this step's
-        metadata, settled (:func:`.steps.settle_nb`) in every group's HEAD and TAIL
-        buffers, before anything reads them; their mirror entries already hold it."""
+        metadata (:func:`.steps.meta_nb`'s ``out``: its first ``num_arrived`` arrivals),
+        settled (:func:`.steps.settle_nb`) in every group's HEAD and TAIL buffers, before
+        anything reads them; their mirror entries already hold it."""
+        arrivals = np.ascontiguousarray(out[2:, :num_arrived])
         self.num_arrived += arrivals.shape[1]
         tables = self.tables
         if self.device.type != "cpu":
