@@ -135,3 +135,35 @@ def _flip_first_k_byte(llm: Any, rid: str) -> Any:
     raw = kv.view(kv.shape[0], -1).view(torch.uint8)
     raw[block, 0] ^= 0xFF  # slot 0, K element 0 of KV head 0
     return conn
+
+
+def test_only_the_first_layer_calls_the_connector(checkpoints: dict[str, Path]) -> None:
+    """HEAD runs in the first layer's ``wait_for_layer_load``; vLLM asks
+    ``has_connector_metadata()`` before every layer, and the later layers skip
+    ``wait_for_layer_load`` / ``save_kv_layer`` (gemma3: four layers, four KV cache
+    groups); every group is still verified in every step."""
+    calls: list[tuple[int, str, str]] = []
+    with H.vllm_engine(checkpoints["gemma3"], canary={"mode": "raise"}) as llm:
+        conn = H.connector(llm)
+        for name in ("wait_for_layer_load", "save_kv_layer"):
+            method = getattr(conn, name)
+
+            def spy(layer: str, *a: Any, _m: Any = method, _n: str = name, **k: Any) -> Any:
+                calls.append((conn.worker.num_steps, _n, layer))
+                return _m(layer, *a, **k)
+
+            setattr(conn, name, spy)
+        first = conn.worker.num_steps
+        H.generate(llm, [_prompt(1, 40), _prompt(2, 70)], max_tokens=8)
+        steps = conn.worker.num_steps - first
+        stats = conn.worker.stats()
+    assert steps >= 8
+    layer0 = calls[0][2]
+    assert "layers.0." in layer0
+    expected = [(s, n, layer0) for s in range(first, first + steps)
+                for n in ("wait_for_layer_load", "save_kv_layer")]  # fmt: skip
+    assert calls == expected
+    assert stats["violations"] == 0
+    for spec, group in zip(conn.specs, stats["groups"], strict=True):
+        tag = "HEAD_K_SWA" if spec.sliding_window else "HEAD_K_FULL"
+        assert group["verify_entries_by_tag"].get(tag, 0) > 0, (spec, group)

@@ -14,7 +14,8 @@ Where each canary call runs (vLLM 0.32, one step)::
                [layer 0: K/V of this step stored]
                wait_for_layer_load(first layer)        HEAD verify / write, every group
                [attention of every layer reads the cache]
-               save_kv_layer(...)                      nothing (TAIL needs every layer)
+               save_kv_layer(first layer)              nothing (TAIL needs every layer)
+               (later layers: no call; has_connector_metadata() is False once HEAD ran)
                wait_for_save()                         TAIL verify / write (real KV), reports
                get_block_ids_with_load_errors()        abort mode: the violating blocks
 
@@ -307,6 +308,13 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.on_meta(connector_metadata.step)
             self.seconds["bind"] += time.perf_counter() - t0
         self._head_done = False
+
+    def has_connector_metadata(self) -> bool:
+        """vLLM's attention layers ask this before each layer's ``wait_for_layer_load`` /
+        ``save_kv_layer`` (``maybe_transfer_kv_layer``; nothing else in vLLM reads it): True
+        until HEAD ran in this step, so the first layer runs HEAD and the later layers skip
+        both calls (two Python calls a layer fewer a step)."""
+        return not self._head_done and self._connector_metadata is not None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None  # nothing to load (on CPU vLLM calls this after the forward)

@@ -1,6 +1,7 @@
 """A KV connector that does nothing: ``kvcanary bench vllm``'s connector control, which
-measures what vLLM's KV connector interface costs a step (its per-layer calls, metadata and
-outputs) with no canary behind it, so the bench can tell that cost from the canary's.
+measures what vLLM's KV connector interface costs a step (its calls around the forward,
+metadata and outputs; no per-layer calls, as a connector that needs none) with no canary
+behind it, so the bench can tell that cost from the canary's.
 Registered by the bench in its own engine process only (imports vLLM)."""
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ NAME = "KVCanaryNoopConnector"
 class NoopConnector(KVConnectorBase_V1, SupportsHMA):
     """Every hook returns at once; the scheduler side loads nothing and sends empty
     metadata (a hybrid model keeps vLLM's hybrid allocator, as with the canary's)."""
+
+    def has_connector_metadata(self) -> bool:
+        return False  # no per-layer calls (vLLM asks this before each layer's)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None
