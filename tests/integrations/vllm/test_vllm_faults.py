@@ -229,6 +229,36 @@ def test_sliding_window_block_reused_in_one_forward_without_fingerprints(
                 caplog.text)  # fmt: skip
 
 
+@pytest.mark.parametrize("real_data", ["none", "all"])
+def test_hybrid_one_call_heads_leave_the_state_of_the_full_path(
+        checkpoints: dict[str, Path], real_data: str) -> None:  # fmt: skip
+    """gemma3 (four KV cache groups, three sliding): the worker's per-group compiled HEAD
+    (``VllmCanaryWorker._fast_heads``) against the full path, on the same steps with a
+    sliding-window block reused while in a window: the same violations in the same order,
+    the same stats and records (every group's HEAD and TAIL K); it ran on most steps."""
+    import torch
+
+    runs = []
+    for fast in (True, False):
+        with H.vllm_engine(checkpoints["gemma3"], canary={**CANARY, "real_data": real_data}) as llm:
+            conn = H.connector(llm)
+            conn.worker._fast_ok = fast
+            _reuse_window_block(llm)
+            for _ in range(4):
+                H.step(llm)
+            w = conn.worker
+            w.flush()
+            records = {bs: (r.k_head.clone(), r.k_tail.clone()) for bs, r in w.records.items()}
+            runs.append(([str(v) for v in w.violations], w.stats(), records, w.num_fast_steps))
+    (va, sa, ra, na), (vb, sb, rb, nb) = runs
+    assert na >= 10 and nb == 0, (na, nb)
+    assert va and va == vb
+    assert sa == sb
+    assert ra.keys() == rb.keys()
+    for bs in ra:
+        assert torch.equal(ra[bs][0], rb[bs][0]) and torch.equal(ra[bs][1], rb[bs][1]), bs
+
+
 def test_fault_table() -> None:
     """Print the campaign's table (the closing note's)."""
     if len(RESULTS) < 6:

@@ -210,30 +210,39 @@ def _head_verify_nb(bs, has_table, check_token, blk):
 
 
 @numba.njit(cache=True, inline="always")
-def _head_body(
-    r2t, rows, prefix, extend, out_cache_loc, input_ids, positions, exp_ids, exp_positions,
-    check_inputs, table, table_lens, has_table, check_token, position_assert, verify, blk,
-):  # fmt: skip
-    num_groups, num_launches = blk[0], blk[1]
-    out, ring, ring_index = _a2(blk, 16), _a2(blk, 3), _a1(blk, 6)
-    num_tokens = input_ids.shape[0]
+def _plan_phase(r2t, rows, prefix, extend, out_cache_loc, num_tokens, num_positions,
+                num_exp_ids, num_exp_positions, table, table_lens, has_table, blk):  # fmt: skip
+    """HEAD's first part: every group's plan, nothing written (a failure or a retry leaves
+    no trace). ``_PLAN_FAILED + g`` when group g's plan failed, else ``_OVERFLOW`` when a
+    group's verify exceeds its capacity, else ``_DONE``."""
+    num_groups = blk[0]
+    out = _a2(blk, 16)
     overflow = False
-    for g in range(num_groups):  # 1. plans only: a failure or a retry leaves no trace
+    for g in range(num_groups):
         k = _HEADER + g * _GROUP_W
         res = _plan_rows(
-            r2t, rows, prefix, extend, out_cache_loc, num_tokens, positions.shape[0],
-            exp_ids.shape[0], exp_positions.shape[0], blk[k], _a1(blk, k + 5), blk[k + 1] != 0,
-            table, table_lens, has_table, blk[k + 2], blk[k + 3], blk[k + 4],
-            _a2(blk, k + 7), _a2(blk, k + 10), _a1(blk, k + 13), _a2(blk, k + 15),
+            r2t, rows, prefix, extend, out_cache_loc, num_tokens, num_positions, num_exp_ids,
+            num_exp_positions, blk[k], _a1(blk, k + 5), blk[k + 1] != 0, table, table_lens,
+            has_table, blk[k + 2], blk[k + 3], blk[k + 4], _a2(blk, k + 7), _a2(blk, k + 10),
+            _a1(blk, k + 13), _a2(blk, k + 15),
         )  # fmt: skip
         for j in range(6):
             out[g, j] = res[j]
         if res[0] != _OK:
             return _PLAN_FAILED + g
         overflow |= res[1] > blk[k + 3]
-    bs = rows.shape[0]
+    return _OVERFLOW if overflow else _DONE
+
+
+@numba.njit(cache=True, inline="always")
+def _write_phase(bs, input_ids, positions, exp_ids, exp_positions, check_inputs,
+                 position_assert, blk):  # fmt: skip
+    """HEAD's second part, on the plans of :func:`_plan_phase`: each launch's holes, then
+    its write, in group order."""
+    num_groups, num_launches = blk[0], blk[1]
+    out, ring, ring_index = _a2(blk, 16), _a2(blk, 3), _a1(blk, 6)
     launches = _HEADER + num_groups * _GROUP_W
-    for i in range(num_launches):  # 2. holes, then the write, in group order
+    for i in range(num_launches):
         k = launches + i * _LAUNCH_W
         g, hole_tag = blk[k], blk[k + 2]
         if hole_tag >= 0:
@@ -243,11 +252,26 @@ def _head_body(
                         0, holes[2, h], _NOT_RESIDENT)  # fmt: skip
         _launch_write(blk, k, bs, input_ids, positions, exp_ids, exp_positions, check_inputs,
                       position_assert)  # fmt: skip
+
+
+@numba.njit(cache=True, inline="always")
+def _head_body(
+    r2t, rows, prefix, extend, out_cache_loc, input_ids, positions, exp_ids, exp_positions,
+    check_inputs, table, table_lens, has_table, check_token, position_assert, verify, blk,
+):  # fmt: skip
+    code = _plan_phase(r2t, rows, prefix, extend, out_cache_loc, input_ids.shape[0],
+                       positions.shape[0], exp_ids.shape[0], exp_positions.shape[0], table,
+                       table_lens, has_table, blk)  # fmt: skip
+    if code >= _PLAN_FAILED:
+        return code
+    bs = rows.shape[0]
+    _write_phase(bs, input_ids, positions, exp_ids, exp_positions, check_inputs,
+                 position_assert, blk)  # fmt: skip
     if verify:
         status = _verify_body(bs, has_table, check_token, blk)
         if status != _DONE:
             return status
-    return _OVERFLOW if overflow else _DONE
+    return code
 
 
 @numba.njit(cache=True)

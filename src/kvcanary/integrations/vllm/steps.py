@@ -17,7 +17,13 @@ import numba
 import numpy as np
 import torch
 
-from kvcanary.canary.kernels.fused_rows import _batch_block_nb, _head_nb
+from kvcanary.canary.kernels.fused_rows import (
+    _a1,
+    _batch_block_nb,
+    _head_nb,
+    _plan_phase,
+    _write_phase,
+)
 from kvcanary.canary.wire.hashing import ANCHOR_HASH_I64, chain_hash_nb, chain_hash_t
 from kvcanary.integrations.vllm.pool import VllmGroupPool
 
@@ -452,3 +458,51 @@ def head_step_nb(qsl, seq_lens, slot_mapping, bt, keys, key_rows, tokens, lens, 
     code = _head_nb(r2t, b_rows, b_prefix, b_ql, b_out, b_ids, b_pos, b_ids, b_pos, False,
                     tokens, b_lens, check_token, check_token, position_assert, True, blk)  # fmt: skip
     return code, n, num_tokens
+
+
+@numba.njit(cache=True)
+def head_plan_nb(qsl, seq_lens, key_slot_mapping, slot_mapping, bt, keys, key_rows, tokens,
+                 lens, fwd_ids, has_fwd, bs, window, r2t, seen, row_buf, token_buf, batch,
+                 check_token, blk):  # fmt: skip
+    """The first part of :func:`head_step_nb` for one group of a CPU step with several
+    (:meth:`.worker.VllmCanaryWorker._fast_heads`): the batch (its rows matched on the key
+    group's slots, ``key_slot_mapping``), the group's req->token rows, the batch block and
+    the group's plans, nothing written into records or the ring. Returns ``(code, rows,
+    tokens)`` as :func:`head_step_nb` does; the fused HEAD's code is its plan's (done, a
+    verify overflowed, or a plan failed). Then :func:`head_write_nb` on every group, then
+    every group's verify."""
+    n = qsl.shape[0] - 1
+    num_tokens = max(qsl[n], 0)
+    if n > row_buf.shape[1] or num_tokens > token_buf.shape[1]:
+        return FAST_GROW, n, num_tokens
+    ql, prefix, seq, positions, max_seq, may_depend, rows, ids, unmatched = batch_nb(
+        qsl, seq_lens, key_slot_mapping, keys, key_rows, tokens, lens)
+    if may_depend or unmatched or max_seq > r2t.shape[1]:
+        return FAST_FULL_PATH, n, num_tokens
+    if has_fwd:  # ids not known yet: the forward's
+        for t in range(num_tokens):
+            if ids[t] == -1:
+                ids[t] = fwd_ids[t]
+    out = group_rows_nb(bt, slot_mapping, seq, prefix, bs, window, r2t, rows, num_tokens, seen)
+    m = out.shape[0]
+    for r in range(n):
+        row_buf[0, r], row_buf[1, r], row_buf[2, r] = rows[r], prefix[r], ql[r]
+        row_buf[3, r] = lens[rows[r]]
+    for t in range(num_tokens):
+        token_buf[0, t], token_buf[1, t] = ids[t], positions[t]
+    for t in range(m):
+        token_buf[2, t] = out[t]
+    b_rows, b_prefix, b_ql, b_lens = row_buf[0, :n], row_buf[1, :n], row_buf[2, :n], row_buf[3, :n]
+    b_ids, b_pos, b_out = token_buf[0, :num_tokens], token_buf[1, :num_tokens], token_buf[2, :m]
+    batch[:] = _batch_block_nb(b_rows, b_prefix, b_ql, b_out, b_ids, b_pos, tokens, b_lens,
+                               check_token)  # fmt: skip
+    code = _plan_phase(r2t, b_rows, b_prefix, b_ql, b_out, num_tokens, num_tokens, num_tokens,
+                       num_tokens, tokens, b_lens, check_token, blk)  # fmt: skip
+    return code, n, num_tokens
+
+
+@numba.njit(cache=True)
+def head_write_nb(batch, position_assert, blk):
+    """The writes of a group whose plans :func:`head_plan_nb` made (its batch block)."""
+    ids, positions = _a1(batch, 8), _a1(batch, 10)
+    _write_phase(batch[1], ids, positions, ids, positions, False, position_assert, blk)

@@ -53,7 +53,9 @@ from kvcanary.integrations.vllm.steps import (
     batch_nb,
     chain_seed_nb,
     group_rows_nb,
+    head_plan_nb,
     head_step_nb,
+    head_write_nb,
     input_ids_nb,
     meta_nb,
     settle_nb,
@@ -143,13 +145,15 @@ class VllmCanaryWorker:
         # of a step], on the device), when the connector found it: the records of positions
         # planned without a token carry the id the forward used (.connector).
         self.forward_input_ids: torch.Tensor | None = None
-        # The one-call HEAD of a single-group CPU worker (_fast_head): the batch it keeps for
-        # TAIL (rows: table row, prefix, new tokens, token-store length; tokens: input id,
-        # position, slot) and its batch block; steps it ran.
-        self._fast_ok = self.device.type == "cpu" and len(self.specs) == 1
+        # The one-call HEAD of a CPU worker (_fast_head; several groups: _fast_heads): the
+        # batch it keeps for TAIL (rows: table row, prefix, new tokens, token-store length;
+        # per group tokens: input id, position, slot) and each group's batch block; steps
+        # it ran.
+        self._fast_ok = self.device.type == "cpu"
         self._row_buf = np.zeros((4, 64), dtype=np.int64)
-        self._token_buf = np.zeros((3, 256), dtype=np.int64)
-        self._batch_block = np.zeros(18, dtype=np.int64)
+        self._token_bufs = [np.zeros((3, 256), dtype=np.int64) for _ in self.specs]
+        self._batch_blocks = [np.zeros(18, dtype=np.int64) for _ in self.specs]
+        self._token_buf, self._batch_block = self._token_bufs[0], self._batch_blocks[0]
         self.num_fast_steps = 0
         self._fast_rt = self.managers[0].runtime
         self._fast_args = (self.specs[0].block_size, self.specs[0].sliding_window or 0,
@@ -268,8 +272,9 @@ class VllmCanaryWorker:
         checked in a second canary pass, once the rows it reads from wrote their records
         (at ``wait_for_save``; level ``L`` rows after level ``L - 1``)."""
         self._open = None  # a forward that raised before wait_for_save: drop it
-        if self._fast_ok and not self._lent and not self._seal_pending and self._fast_head(
-                metadata[0]):  # fmt: skip
+        if self._fast_ok and not self._lent and not self._seal_pending and (
+                self._fast_head(metadata[0]) if len(self.specs) == 1
+                else self._fast_heads(metadata)):  # fmt: skip
             return
         if self._lent:
             self._give_back_lent()
@@ -354,9 +359,7 @@ class VllmCanaryWorker:
                 )  # fmt: skip
             if code != FAST_GROW:
                 break
-            self._row_buf = np.zeros((4, max(2 * n, self._row_buf.shape[1])), dtype=np.int64)
-            self._token_buf = np.zeros((3, max(2 * num_tokens, self._token_buf.shape[1])),
-                                       dtype=np.int64)  # fmt: skip
+            self._grow_fast_buffers(n, num_tokens)
         if code == FAST_FULL_PATH:
             return False
         if code >= fused.SLOT_ERROR:
@@ -365,6 +368,62 @@ class VllmCanaryWorker:
             return False
         manager.opened_fused(fused, self._batch_block, code == fused.OVERFLOW)
         self._open = [[BufferStepBatch(self._row_buf, self._token_buf, n, num_tokens)]]
+        self.num_fast_steps += 1
+        return True
+
+    def _grow_fast_buffers(self, n: int, num_tokens: int) -> None:
+        """Room in the one-call HEAD's buffers for ``n`` rows and ``num_tokens`` tokens."""
+        self._row_buf = np.zeros((4, max(2 * n, self._row_buf.shape[1])), dtype=np.int64)
+        width = max(2 * num_tokens, self._token_bufs[0].shape[1])
+        self._token_bufs = [np.zeros((3, width), dtype=np.int64) for _ in self.specs]
+        self._token_buf = self._token_bufs[0]
+
+    def _fast_heads(self, metadata: Sequence[Any]) -> bool:
+        """HEAD of a CPU step with several groups (hybrid models), the full path's work in
+        order (:meth:`_head`: every group's writes, then every group's verifies): per group
+        one compiled call for the batch (its rows matched on the key group's slots), the
+        group's req->token rows and its plans (:func:`.steps.head_plan_nb`), then each
+        group's writes (:func:`.steps.head_write_nb`), then each group's verifies. False
+        when the step needs the full path (as :meth:`_fast_head`), before any group wrote
+        (a plan leaves no trace; the req->token rows brought up to date are the full
+        path's)."""
+        fused = [f for f in (manager.host_fused() for manager in self.managers) if f is not None]
+        if len(fused) != len(self.managers):
+            return False
+        tables, fwd, check_token = self.tables, self.forward_input_ids, self._fast_args[2]
+        md0, key = metadata[0], metadata[self._key_group]
+        qsl, seq_lens = md0.query_start_loc.numpy(), md0.seq_lens.numpy()
+        key_slots, ids = key.slot_mapping.numpy(), _NO_IDS if fwd is None else fwd.numpy()
+        codes: list[int] = []
+        while len(codes) < len(fused):
+            g = len(codes)
+            spec, md, f = self.specs[g], metadata[g], fused[g]
+            with parallel_lock:
+                code, n, num_tokens = head_plan_nb(
+                    qsl, seq_lens, key_slots, md.slot_mapping.numpy(), md.block_table.numpy(),
+                    *self._by_slot, tables.tokens, tables.lens, ids, fwd is not None,
+                    spec.block_size, spec.sliding_window or 0, tables.r2t_host[spec.index],
+                    tables.seen(spec.index, spec.block_size), self._row_buf,
+                    self._token_bufs[g], self._batch_blocks[g], check_token, f.block,
+                )  # fmt: skip
+            if code == FAST_GROW:  # (every group's batch block points into the buffers)
+                self._grow_fast_buffers(n, num_tokens)
+                codes = []
+                continue
+            if code == FAST_FULL_PATH or code >= f.PLAN_FAILED:
+                return False
+            codes.append(code)
+        position_assert = self._fast_rt.chain_position_assert
+        for f, batch in zip(fused, self._batch_blocks, strict=True):
+            with parallel_lock:
+                head_write_nb(batch, position_assert, f.block)
+        for manager, f, batch, code in zip(self.managers, fused, self._batch_blocks, codes,
+                                           strict=True):  # fmt: skip
+            manager.opened_fused(f, batch, code == f.OVERFLOW)
+        for f in fused:
+            f.head_verify()
+        self._open = [[BufferStepBatch(self._row_buf, buf, n, num_tokens)
+                       for buf in self._token_bufs]]  # fmt: skip
         self.num_fast_steps += 1
         return True
 
