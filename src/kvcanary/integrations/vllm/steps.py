@@ -18,10 +18,12 @@ import numpy as np
 import torch
 
 from kvcanary.canary.kernels.fused_rows import (
+    _DONE,
+    _PLAN_FAILED,
     _a1,
     _batch_block_nb,
-    _head_nb,
     _plan_phase,
+    _verify_body,
     _write_phase,
 )
 from kvcanary.canary.wire.hashing import ANCHOR_HASH_I64, chain_hash_nb, chain_hash_t
@@ -426,38 +428,19 @@ def head_step_nb(qsl, seq_lens, slot_mapping, bt, keys, key_rows, tokens, lens, 
     forward's input ids where the store has none yet (``fwd_ids``), :func:`group_rows_nb`,
     the batch block (``batch``, int64 [18], pointing into ``row_buf`` [4, >= rows] and
     ``token_buf`` [3, >= tokens], which keep the batch for TAIL) and the fused HEAD
-    (:func:`.fused_rows._head_nb`, ``blk`` its argument block). Returns ``(code, rows,
+    (:func:`head_plan_nb`, :func:`head_write_nb`, then the verify; ``blk`` the fused
+    launches' argument block). Returns ``(code, rows,
     tokens)``: FAST_FULL_PATH when the step needs the worker's full path (a row that
     depends on another, a row no request matched, tables too small; nothing written),
     FAST_GROW when the buffers are too small, else the fused HEAD's code."""
-    n = qsl.shape[0] - 1
-    num_tokens = max(qsl[n], 0)
-    if n > row_buf.shape[1] or num_tokens > token_buf.shape[1]:
-        return FAST_GROW, n, num_tokens
-    ql, prefix, seq, positions, max_seq, may_depend, rows, ids, unmatched = batch_nb(
-        qsl, seq_lens, slot_mapping, keys, key_rows, tokens, lens)
-    if may_depend or unmatched or max_seq > r2t.shape[1]:
-        return FAST_FULL_PATH, n, num_tokens
-    if has_fwd:  # ids not known yet: the forward's
-        for t in range(num_tokens):
-            if ids[t] == -1:
-                ids[t] = fwd_ids[t]
-    out = group_rows_nb(bt, slot_mapping, seq, prefix, bs, window, r2t, rows, num_tokens, seen)
-    m = out.shape[0]
-    for r in range(n):
-        row_buf[0, r], row_buf[1, r], row_buf[2, r] = rows[r], prefix[r], ql[r]
-        row_buf[3, r] = lens[rows[r]]
-    for t in range(num_tokens):
-        token_buf[0, t], token_buf[1, t] = ids[t], positions[t]
-    for t in range(m):
-        token_buf[2, t] = out[t]
-    b_rows, b_prefix, b_ql, b_lens = row_buf[0, :n], row_buf[1, :n], row_buf[2, :n], row_buf[3, :n]
-    b_ids, b_pos, b_out = token_buf[0, :num_tokens], token_buf[1, :num_tokens], token_buf[2, :m]
-    batch[:] = _batch_block_nb(b_rows, b_prefix, b_ql, b_out, b_ids, b_pos, tokens, b_lens,
-                               check_token)  # fmt: skip
-    code = _head_nb(r2t, b_rows, b_prefix, b_ql, b_out, b_ids, b_pos, b_ids, b_pos, False,
-                    tokens, b_lens, check_token, check_token, position_assert, True, blk)  # fmt: skip
-    return code, n, num_tokens
+    code, n, num_tokens = head_plan_nb(
+        qsl, seq_lens, slot_mapping, slot_mapping, bt, keys, key_rows, tokens, lens, fwd_ids,
+        has_fwd, bs, window, r2t, seen, row_buf, token_buf, batch, check_token, blk)  # fmt: skip
+    if code < 0 or code >= _PLAN_FAILED:  # (FAST_FULL_PATH, FAST_GROW: negative)
+        return code, n, num_tokens
+    head_write_nb(batch, position_assert, blk)
+    status = _verify_body(n, check_token, check_token, blk)
+    return (code if status == _DONE else status), n, num_tokens
 
 
 @numba.njit(cache=True)
