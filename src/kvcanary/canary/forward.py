@@ -194,7 +194,7 @@ class SingleForwardManager:
 
     def host_fused(self) -> FusedRowLaunches | None:
         """The fused launches, when a host may run their HEAD in a compiled call of its own
-        (``fused_rows._head_nb`` on a batch block it made; then :meth:`fused_opened`): built,
+        (``fused_rows``' HEAD phases on a batch block it made; then :meth:`fused_opened`): built,
         their TAIL entry resolved by an earlier batch-block HEAD, and nothing per forward
         that only the full path runs (graph-safe plans, a store check, a write-input
         assertion). None otherwise."""

@@ -32,9 +32,10 @@ tokens goes in the block too, and only a forward with a write-input assertion ru
 ``_head_nb`` / ``_tail_nb`` (the same bodies, arrays passed one by one). Exactly the
 per-launch path's records, ring rows (same order), counters and errors
 (``tests/canary/test_canary_fused_rows.py`` runs both on the same state and compares).
-A host that makes its batch in a compiled call of its own may call :func:`_head_nb` there
-(the vLLM worker's ``steps.head_step_nb``) and hand TAIL the batch block it filled
-(:meth:`FusedRowLaunches.opened`).
+A host that makes its batch in a compiled call of its own may run HEAD there, whole or as
+its phases (:func:`_plan_phase`, :func:`_write_phase`, then the verify; the vLLM worker's
+``steps.head_step_nb`` / ``head_plan_nb`` / ``head_write_nb``), and hand TAIL the batch
+block it filled (:meth:`FusedRowLaunches.opened`).
 It applies when every group plans as rows and every array the block describes is int64
 C-contiguous, but for real-KV words, which may be a column range of a wider tensor's rows
 (:func:`_rows_ok`: vLLM's CPU layout, where they are one head's V rows of each block; the
@@ -348,7 +349,7 @@ class FusedRowLaunches:
     (module doc). Owns nothing but argument tuples: the scratch is the planners', the
     records, sources, ring, counters and store watches the canary's."""
 
-    # head / _head_nb's codes (a host that calls _head_nb itself reads them)
+    # head / _head_nb's codes (a host that runs HEAD itself reads them)
     OVERFLOW, PLAN_FAILED, SLOT_ERROR = _OVERFLOW, _PLAN_FAILED, _SLOT_ERROR
 
     def __init__(self, planners: Sequence[RowPlanner], luts: tuple[np.ndarray, ...],
@@ -476,7 +477,7 @@ class FusedRowLaunches:
         return self._block
 
     def opened(self, batch: np.ndarray, check_token: bool, position_assert: bool) -> None:
-        """After a host ran HEAD itself (``_head_nb`` on the batch ``batch`` describes, a
+        """After a host ran HEAD itself (its phases on the batch ``batch`` describes, a
         batch block whose arrays the host keeps alive until TAIL): what :meth:`tail`
         needs, as :meth:`head` leaves it."""
         self._verify_call = (int(batch[1]), bool(batch[17]), check_token)
