@@ -209,7 +209,8 @@ class CanaryManager:
 
     def host_fused(self) -> FusedRowLaunches | None:
         """The fused launches of single-forward manager 0 when a host may run their HEAD in
-        a compiled call of its own (a vLLM CPU worker's step: ``steps.head_step_nb``), then
+        a compiled call of its own (a vLLM CPU worker's step: ``steps.head_step_nb`` /
+        ``head_groups_nb``), then
         call :meth:`opened_fused`: no forward open, no perturber, and
         ``SingleForwardManager.host_fused``. None otherwise (:meth:`before_forward`)."""
         if self._open is not None or self.perturber is not None:

@@ -34,8 +34,8 @@ per-launch path's records, ring rows (same order), counters and errors
 (``tests/canary/test_canary_fused_rows.py`` runs both on the same state and compares).
 A host that makes its batch in a compiled call of its own may run HEAD there, whole or as
 its phases (:func:`_plan_phase`, :func:`_write_phase`, then the verify; the vLLM worker's
-``steps.head_step_nb`` / ``head_plan_nb`` / ``head_write_nb``), and hand TAIL the batch
-block it filled (:meth:`FusedRowLaunches.opened`).
+``steps.head_step_nb``, or ``head_groups_nb`` for all of a hybrid model's groups), and hand
+TAIL the batch block it filled (:meth:`FusedRowLaunches.opened`).
 It applies when every group plans as rows and every array the block describes is int64
 C-contiguous, but for real-KV words, which may be a column range of a wider tensor's rows
 (:func:`_rows_ok`: vLLM's CPU layout, where they are one head's V rows of each block; the

@@ -424,53 +424,100 @@ FAST_FULL_PATH, FAST_GROW = -1, -2
 def head_step_nb(qsl, seq_lens, slot_mapping, bt, keys, key_rows, tokens, lens, fwd_ids,
                  has_fwd, bs, window, r2t, seen, row_buf, token_buf, batch, check_token,
                  position_assert, blk):  # fmt: skip
-    """One CPU step of a single-group canary in one compiled call: :func:`batch_nb`, the
-    forward's input ids where the store has none yet (``fwd_ids``), :func:`group_rows_nb`,
-    the batch block (``batch``, int64 [18], pointing into ``row_buf`` [4, >= rows] and
-    ``token_buf`` [3, >= tokens], which keep the batch for TAIL) and the fused HEAD
-    (:func:`head_plan_nb`, :func:`head_write_nb`, then the verify; ``blk`` the fused
-    launches' argument block). Returns ``(code, rows,
-    tokens)``: FAST_FULL_PATH when the step needs the worker's full path (a row that
-    depends on another, a row no request matched, tables too small; nothing written),
-    FAST_GROW when the buffers are too small, else the fused HEAD's code."""
-    code, n, num_tokens = head_plan_nb(
-        qsl, seq_lens, slot_mapping, slot_mapping, bt, keys, key_rows, tokens, lens, fwd_ids,
-        has_fwd, bs, window, r2t, seen, row_buf, token_buf, batch, check_token, blk)  # fmt: skip
-    if code < 0 or code >= _PLAN_FAILED:  # (FAST_FULL_PATH, FAST_GROW: negative)
+    """One CPU step of a single-group canary in one compiled call: the step's batch
+    (:func:`batch_nb`, the forward's input ids where the store has none yet: ``fwd_ids``),
+    :func:`group_rows_nb`, the batch block (``batch``, int64 [18], pointing into ``row_buf``
+    [4, >= rows] and ``token_buf`` [3, >= tokens], which keep the batch for TAIL) and the
+    fused HEAD (plans, writes, then the verify; ``blk`` the fused launches' argument block).
+    Returns ``(code, rows, tokens)``: FAST_FULL_PATH when the step needs the worker's full
+    path (a row that depends on another, a row no request matched, tables too small;
+    nothing written), FAST_GROW when the buffers are too small, else the fused HEAD's
+    code."""
+    code, n, num_tokens, prefix, seq, rows, ids, positions = _step_batch(
+        qsl, seq_lens, slot_mapping, keys, key_rows, tokens, lens, fwd_ids, has_fwd,
+        r2t.shape[1], row_buf, token_buf.shape[1])  # fmt: skip
+    if code < 0:
         return code, n, num_tokens
-    head_write_nb(batch, position_assert, blk)
+    code = _group_plan(bt, slot_mapping, bs, window, r2t, seen, prefix, seq, rows, ids,
+                       positions, n, num_tokens, row_buf, token_buf, batch, tokens,
+                       check_token, blk)  # fmt: skip
+    if code >= _PLAN_FAILED:
+        return code, n, num_tokens
+    _group_write(batch, position_assert, blk)
     status = _verify_body(n, check_token, check_token, blk)
     return (code if status == _DONE else status), n, num_tokens
 
 
 @numba.njit(cache=True)
-def head_plan_nb(qsl, seq_lens, key_slot_mapping, slot_mapping, bt, keys, key_rows, tokens,
-                 lens, fwd_ids, has_fwd, bs, window, r2t, seen, row_buf, token_buf, batch,
-                 check_token, blk):  # fmt: skip
-    """The first part of :func:`head_step_nb` for one group of a CPU step with several
-    (:meth:`.worker.VllmCanaryWorker._fast_heads`): the batch (its rows matched on the key
-    group's slots, ``key_slot_mapping``), the group's req->token rows, the batch block and
-    the group's plans, nothing written into records or the ring. Returns ``(code, rows,
-    tokens)`` as :func:`head_step_nb` does; the fused HEAD's code is its plan's (done, a
-    verify overflowed, or a plan failed). Then :func:`head_write_nb` on every group, then
-    every group's verify."""
+def head_groups_nb(qsl, seq_lens, key_slot_mapping, slot_mappings, bts, keys, key_rows, tokens,
+                   lens, fwd_ids, has_fwd, shapes, r2ts, seens, row_buf, token_bufs, batches,
+                   check_token, position_assert, blks, codes):  # fmt: skip
+    """:func:`head_step_nb` for a CPU step with several groups (hybrid models), in one
+    compiled call: the batch once (its rows matched on the key group's slots,
+    ``key_slot_mapping``), then per group g its req->token rows, batch block and plans
+    (``slot_mappings[g]``, ``bts[g]``, ``shapes[g]`` = (block size, window or 0),
+    ``r2ts[g]``, ``seens[g]``, ``token_bufs[g]``, ``batches[g]``, ``blks[g]``), then every
+    group's writes, then every group's verifies (the groups share record buffers: every
+    verify after every write is the alias check), as the worker's full path orders them.
+    Returns ``(code, rows, tokens)``: FAST_FULL_PATH, FAST_GROW, or a group's failed plan
+    (``>= _PLAN_FAILED``) before anything was written; a verify's slot error; else
+    ``_DONE`` with each group's fused HEAD code (done, or a verify overflowed) in
+    ``codes[g]``."""
+    code, n, num_tokens, prefix, seq, rows, ids, positions = _step_batch(
+        qsl, seq_lens, key_slot_mapping, keys, key_rows, tokens, lens, fwd_ids, has_fwd,
+        r2ts[0].shape[1], row_buf, token_bufs[0].shape[1])  # fmt: skip
+    if code < 0:
+        return code, n, num_tokens
+    num_groups = len(blks)
+    for g in range(num_groups):
+        code = _group_plan(bts[g], slot_mappings[g], shapes[g, 0], shapes[g, 1], r2ts[g],
+                           seens[g], prefix, seq, rows, ids, positions, n, num_tokens, row_buf,
+                           token_bufs[g], batches[g], tokens, check_token, blks[g])  # fmt: skip
+        if code >= _PLAN_FAILED:
+            return code, n, num_tokens
+        codes[g] = code
+    for g in range(num_groups):
+        _group_write(batches[g], position_assert, blks[g])
+    for g in range(num_groups):
+        status = _verify_body(n, check_token, check_token, blks[g])
+        if status != _DONE:
+            return status, n, num_tokens
+    return _DONE, n, num_tokens
+
+
+@numba.njit(cache=True, inline="always")
+def _step_batch(qsl, seq_lens, key_slot_mapping, keys, key_rows, tokens, lens, fwd_ids,
+                has_fwd, table_width, row_buf, token_width):  # fmt: skip
+    """The one-call HEADs' batch (:func:`batch_nb`, the forward's ids where the store has
+    none), its rows written into ``row_buf`` (table row, prefix, new tokens, store length).
+    Returns ``(code, n, num_tokens, prefix, seq, rows, ids, positions)``: code
+    FAST_GROW (buffers too small), FAST_FULL_PATH, or 0."""
     n = qsl.shape[0] - 1
     num_tokens = max(qsl[n], 0)
-    if n > row_buf.shape[1] or num_tokens > token_buf.shape[1]:
-        return FAST_GROW, n, num_tokens
     ql, prefix, seq, positions, max_seq, may_depend, rows, ids, unmatched = batch_nb(
         qsl, seq_lens, key_slot_mapping, keys, key_rows, tokens, lens)
-    if may_depend or unmatched or max_seq > r2t.shape[1]:
-        return FAST_FULL_PATH, n, num_tokens
+    if n > row_buf.shape[1] or num_tokens > token_width:
+        return FAST_GROW, n, num_tokens, prefix, seq, rows, ids, positions
+    if may_depend or unmatched or max_seq > table_width:
+        return FAST_FULL_PATH, n, num_tokens, prefix, seq, rows, ids, positions
     if has_fwd:  # ids not known yet: the forward's
         for t in range(num_tokens):
             if ids[t] == -1:
                 ids[t] = fwd_ids[t]
-    out = group_rows_nb(bt, slot_mapping, seq, prefix, bs, window, r2t, rows, num_tokens, seen)
-    m = out.shape[0]
     for r in range(n):
         row_buf[0, r], row_buf[1, r], row_buf[2, r] = rows[r], prefix[r], ql[r]
         row_buf[3, r] = lens[rows[r]]
+    return 0, n, num_tokens, prefix, seq, rows, ids, positions
+
+
+@numba.njit(cache=True, inline="always")
+def _group_plan(bt, slot_mapping, bs, window, r2t, seen, prefix, seq, rows, ids, positions, n,
+                num_tokens, row_buf, token_buf, batch, tokens, check_token, blk):  # fmt: skip
+    """One group's part of a one-call HEAD up to its plans, nothing written into records
+    or the ring: its req->token rows (:func:`group_rows_nb`), its tokens into ``token_buf``
+    (input id, position, slot), its batch block, then the fused HEAD's plans (its code)."""
+    out = group_rows_nb(bt, slot_mapping, seq, prefix, bs, window, r2t, rows, num_tokens, seen)
+    m = out.shape[0]
     for t in range(num_tokens):
         token_buf[0, t], token_buf[1, t] = ids[t], positions[t]
     for t in range(m):
@@ -479,13 +526,12 @@ def head_plan_nb(qsl, seq_lens, key_slot_mapping, slot_mapping, bt, keys, key_ro
     b_ids, b_pos, b_out = token_buf[0, :num_tokens], token_buf[1, :num_tokens], token_buf[2, :m]
     batch[:] = _batch_block_nb(b_rows, b_prefix, b_ql, b_out, b_ids, b_pos, tokens, b_lens,
                                check_token)  # fmt: skip
-    code = _plan_phase(r2t, b_rows, b_prefix, b_ql, b_out, num_tokens, num_tokens, num_tokens,
+    return _plan_phase(r2t, b_rows, b_prefix, b_ql, b_out, num_tokens, num_tokens, num_tokens,
                        num_tokens, tokens, b_lens, check_token, blk)  # fmt: skip
-    return code, n, num_tokens
 
 
-@numba.njit(cache=True)
-def head_write_nb(batch, position_assert, blk):
-    """The writes of a group whose plans :func:`head_plan_nb` made (its batch block)."""
+@numba.njit(cache=True, inline="always")
+def _group_write(batch, position_assert, blk):
+    """The writes of a group whose plans :func:`_group_plan` made (its batch block)."""
     ids, positions = _a1(batch, 8), _a1(batch, 10)
     _write_phase(batch[1], ids, positions, ids, positions, False, position_assert, blk)

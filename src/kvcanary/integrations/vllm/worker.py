@@ -27,7 +27,7 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from kvcanary.canary.config import CanaryConfig
 from kvcanary.canary.errors import KVCanaryViolation
 from kvcanary.canary.install import install_canary
 from kvcanary.canary.kernels import dispatch as kernels
+from kvcanary.canary.kernels.fused_rows import FusedRowLaunches
 from kvcanary.canary.kernels.numba_kernels import entry_point
 from kvcanary.canary.manager import AbortHandler, CanaryManager
 from kvcanary.canary.plan.types import WritePlan
@@ -53,9 +54,8 @@ from kvcanary.integrations.vllm.steps import (
     batch_nb,
     chain_seed_nb,
     group_rows_nb,
-    head_plan_nb,
+    head_groups_nb,
     head_step_nb,
-    head_write_nb,
     input_ids_nb,
     meta_nb,
     settle_nb,
@@ -154,6 +154,9 @@ class VllmCanaryWorker:
         self._token_bufs = [np.zeros((3, 256), dtype=np.int64) for _ in self.specs]
         self._batch_blocks = [np.zeros(18, dtype=np.int64) for _ in self.specs]
         self._token_buf, self._batch_block = self._token_bufs[0], self._batch_blocks[0]
+        self._group_shapes = np.array([(s.block_size, s.sliding_window or 0) for s in self.specs],
+                                      dtype=np.int64)  # fmt: skip
+        self._group_codes = np.zeros(len(self.specs), dtype=np.int64)
         self.num_fast_steps = 0
         self._fast_rt = self.managers[0].runtime
         self._fast_args = (self.specs[0].block_size, self.specs[0].sliding_window or 0,
@@ -379,49 +382,43 @@ class VllmCanaryWorker:
         self._token_buf = self._token_bufs[0]
 
     def _fast_heads(self, metadata: Sequence[Any]) -> bool:
-        """HEAD of a CPU step with several groups (hybrid models), the full path's work in
-        order (:meth:`_head`: every group's writes, then every group's verifies): per group
-        one compiled call for the batch (its rows matched on the key group's slots), the
-        group's req->token rows and its plans (:func:`.steps.head_plan_nb`), then each
-        group's writes (:func:`.steps.head_write_nb`), then each group's verifies. False
-        when the step needs the full path (as :meth:`_fast_head`), before any group wrote
-        (a plan leaves no trace; the req->token rows brought up to date are the full
-        path's)."""
-        fused = [f for f in (manager.host_fused() for manager in self.managers) if f is not None]
-        if len(fused) != len(self.managers):
+        """HEAD of a CPU step with several groups (hybrid models) in one compiled call
+        (:func:`.steps.head_groups_nb`: the batch, then per group its req->token rows and
+        plans, then every group's writes, then every group's verifies: the full path's
+        work in its order, :meth:`_head`). False when the step needs the full path (as
+        :meth:`_fast_head`), before any group wrote (a plan leaves no trace; the req->token
+        rows brought up to date are the full path's)."""
+        maybe = tuple(manager.host_fused() for manager in self.managers)
+        if None in maybe:
             return False
+        fused = cast(tuple[FusedRowLaunches, ...], maybe)
         tables, fwd, check_token = self.tables, self.forward_input_ids, self._fast_args[2]
-        md0, key = metadata[0], metadata[self._key_group]
-        qsl, seq_lens = md0.query_start_loc.numpy(), md0.seq_lens.numpy()
-        key_slots, ids = key.slot_mapping.numpy(), _NO_IDS if fwd is None else fwd.numpy()
-        codes: list[int] = []
-        while len(codes) < len(fused):
-            g = len(codes)
-            spec, md, f = self.specs[g], metadata[g], fused[g]
+        key = metadata[self._key_group]
+        slots = tuple(md.slot_mapping.numpy() for md in metadata)
+        bts = tuple(md.block_table.numpy() for md in metadata)
+        seens = tuple(tables.seen(s.index, s.block_size) for s in self.specs)
+        blks = tuple(f.block for f in fused)
+        while True:
             with parallel_lock:
-                code, n, num_tokens = head_plan_nb(
-                    qsl, seq_lens, key_slots, md.slot_mapping.numpy(), md.block_table.numpy(),
-                    *self._by_slot, tables.tokens, tables.lens, ids, fwd is not None,
-                    spec.block_size, spec.sliding_window or 0, tables.r2t_host[spec.index],
-                    tables.seen(spec.index, spec.block_size), self._row_buf,
-                    self._token_bufs[g], self._batch_blocks[g], check_token, f.block,
+                code, n, num_tokens = head_groups_nb(
+                    metadata[0].query_start_loc.numpy(), metadata[0].seq_lens.numpy(),
+                    key.slot_mapping.numpy(), slots, bts, *self._by_slot, tables.tokens,
+                    tables.lens, _NO_IDS if fwd is None else fwd.numpy(), fwd is not None,
+                    self._group_shapes, tuple(tables.r2t_host), seens, self._row_buf,
+                    tuple(self._token_bufs), tuple(self._batch_blocks), check_token,
+                    self._fast_rt.chain_position_assert, blks, self._group_codes,
                 )  # fmt: skip
-            if code == FAST_GROW:  # (every group's batch block points into the buffers)
-                self._grow_fast_buffers(n, num_tokens)
-                codes = []
-                continue
-            if code == FAST_FULL_PATH or code >= f.PLAN_FAILED:
-                return False
-            codes.append(code)
-        position_assert = self._fast_rt.chain_position_assert
-        for f, batch in zip(fused, self._batch_blocks, strict=True):
-            with parallel_lock:
-                head_write_nb(batch, position_assert, f.block)
-        for manager, f, batch, code in zip(self.managers, fused, self._batch_blocks, codes,
-                                           strict=True):  # fmt: skip
-            manager.opened_fused(f, batch, code == f.OVERFLOW)
-        for f in fused:
-            f.head_verify()
+            if code != FAST_GROW:
+                break
+            self._grow_fast_buffers(n, num_tokens)
+        f0 = fused[0]
+        if code >= f0.SLOT_ERROR:
+            raise IndexError("kv-canary: plan slot out of range of the canary buffer")
+        if code == FAST_FULL_PATH or code >= f0.PLAN_FAILED:
+            return False
+        for manager, f, batch, g_code in zip(self.managers, fused, self._batch_blocks,
+                                             self._group_codes.tolist(), strict=True):  # fmt: skip
+            manager.opened_fused(f, batch, g_code == f0.OVERFLOW)
         self._open = [[BufferStepBatch(self._row_buf, buf, n, num_tokens)
                        for buf in self._token_bufs]]  # fmt: skip
         self.num_fast_steps += 1
