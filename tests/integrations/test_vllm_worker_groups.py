@@ -1,7 +1,7 @@
 """The vLLM connector's worker on a hybrid model's steps (several KV cache groups: full and
-sliding-window layers) without vLLM: the one-call HEAD of a CPU step with several groups
-(:func:`kvcanary.integrations.vllm.steps.head_groups_nb`) leaves exactly the state the
-worker's full path leaves, faults included."""
+sliding-window layers) without vLLM: the one-call HEAD and TAIL of a CPU step with several
+groups (:func:`kvcanary.integrations.vllm.steps.head_groups_nb`, ``tail_groups_nb``) leave
+exactly the state the worker's full path leaves, faults included."""
 
 from __future__ import annotations
 
@@ -91,9 +91,9 @@ def _scenario(fast: bool, real_data: str) -> Hybrid:
 
 
 @pytest.mark.parametrize("real_data", ["none", "partial"])
-def test_hybrid_one_call_head_leaves_the_state_of_the_full_path(real_data: str) -> None:
+def test_hybrid_one_call_hooks_leave_the_state_of_the_full_path(real_data: str) -> None:
     """Three groups, faults in one sliding group's block table and in the token store:
-    the one-call HEAD and the full path leave the same records (HEAD and TAIL),
+    the one-call HEAD / TAIL and the full path leave the same records (HEAD and TAIL),
     every group's req->token rows, the same ring rows in the same order, the same counters;
     the one-call HEAD ran on most steps, and the faults were reported."""
     fast, full = _scenario(True, real_data), _scenario(False, real_data)

@@ -225,20 +225,26 @@ class CanaryManager:
         self._fast_tail = fused
         self._open = (0, [])
 
-    def after_forward(self, batch: ForwardBatchView) -> None:
+    def after_forward(self, batch: ForwardBatchView, tail_ran: bool = False) -> None:
         """After the host's forward of ``batch`` (the one :meth:`before_forward` saw): per
         group TAIL verify / write (+ store check) on the plans HEAD used, then the host-side
         work: overflow warning, perturbation post-forward hook, radix sweep, step += 1,
         pump -> reporter (``raise`` mode raises here), health check, stats line, SWA
         divergence sample (:meth:`tail` + :meth:`end_forward`, without their frames: each
-        costs ~0.5 us right after the model's forward)."""
+        costs ~0.5 us right after the model's forward). ``tail_ran``: the host ran the fused
+        TAIL of a forward :meth:`opened_fused` opened itself; the host-side work only."""
         opened = self._open
         if opened is None:
             raise _not_open()
         sfm = self.single_forward_managers[opened[0]]
         fused, self._fast_tail = self._fast_tail, None
         if fused is not None:  # HEAD ran through fast_head: TAIL is its fused launches'
-            fused.tail()
+            if tail_ran:
+                fused.tail_ran()
+            else:
+                fused.tail()
+        elif tail_ran:
+            raise RuntimeError("kv-canary: tail_ran for a forward opened_fused did not open")
         else:
             sfm.post_ops_maybe_inside_graph(batch, opened[1])
         self._open = None

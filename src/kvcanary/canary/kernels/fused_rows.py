@@ -583,6 +583,13 @@ class FusedRowLaunches:
         total = int(self.out[g, _TOTAL_VERIFY])
         return total, total <= int(self.capacities[g])
 
+    def tail_ran(self) -> None:
+        """A host ran this forward's TAIL itself, in a compiled call of its own (its
+        HEAD's batch block, no store check: the vLLM worker's ``steps.tail_groups_nb``)."""
+        if self._tail_call is None:
+            raise RuntimeError("kv-canary: fused TAIL without a HEAD in this forward")
+        self._tail_call = self._tail_host = None
+
     def tail(self) -> None:
         """Verify + write TAIL on HEAD's plans (and its batch and checks), then each
         launch's store check."""

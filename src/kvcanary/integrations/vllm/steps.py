@@ -23,6 +23,7 @@ from kvcanary.canary.kernels.fused_rows import (
     _a1,
     _batch_block_nb,
     _plan_phase,
+    _tail_body,
     _verify_body,
     _write_phase,
 )
@@ -535,3 +536,18 @@ def _group_write(batch, position_assert, blk):
     """The writes of a group whose plans :func:`_group_plan` made (its batch block)."""
     ids, positions = _a1(batch, 8), _a1(batch, 10)
     _write_phase(batch[1], ids, positions, ids, positions, False, position_assert, blk)
+
+
+@numba.njit(cache=True)
+def tail_groups_nb(batches, check_token, position_assert, blks):
+    """TAIL of a step :func:`head_groups_nb` opened, in one compiled call: each group's
+    fused TAIL (verify, write; no store check: a host-run HEAD has none) on its batch block
+    ``batches[g]`` and argument block ``blks[g]``, in group order. 0, or a slot error."""
+    for g in range(len(blks)):
+        batch = batches[g]
+        ids, positions = _a1(batch, 8), _a1(batch, 10)
+        status = _tail_body(batch[1], ids, positions, ids, positions, False, batch[17] != 0,
+                            check_token, position_assert, 0, blks[g])  # fmt: skip
+        if status != _DONE:
+            return status
+    return _DONE

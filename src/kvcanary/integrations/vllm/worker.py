@@ -60,6 +60,7 @@ from kvcanary.integrations.vllm.steps import (
     meta_nb,
     settle_nb,
     settle_t,
+    tail_groups_nb,
 )
 from kvcanary.jit.parallel import parallel_lock
 
@@ -157,6 +158,8 @@ class VllmCanaryWorker:
         self._group_shapes = np.array([(s.block_size, s.sliding_window or 0) for s in self.specs],
                                       dtype=np.int64)  # fmt: skip
         self._group_codes = np.zeros(len(self.specs), dtype=np.int64)
+        # A step _fast_heads opened: its calls' batch blocks and argument blocks, for TAIL
+        self._open_groups: tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]] | None = None
         self.num_fast_steps = 0
         self._fast_rt = self.managers[0].runtime
         self._fast_args = (self.specs[0].block_size, self.specs[0].sliding_window or 0,
@@ -274,7 +277,7 @@ class VllmCanaryWorker:
         (both rows' K/V are stored before attention reads): such a *dependent* row is
         checked in a second canary pass, once the rows it reads from wrote their records
         (at ``wait_for_save``; level ``L`` rows after level ``L - 1``)."""
-        self._open = None  # a forward that raised before wait_for_save: drop it
+        self._open = self._open_groups = None  # a forward that raised before wait_for_save
         if self._fast_ok and not self._lent and not self._seal_pending and (
                 self._fast_head(metadata[0]) if len(self.specs) == 1
                 else self._fast_heads(metadata)):  # fmt: skip
@@ -385,7 +388,8 @@ class VllmCanaryWorker:
         """HEAD of a CPU step with several groups (hybrid models) in one compiled call
         (:func:`.steps.head_groups_nb`: the batch, then per group its req->token rows and
         plans, then every group's writes, then every group's verifies: the full path's
-        work in its order, :meth:`_head`). False when the step needs the full path (as
+        work in its order, :meth:`_head`); its TAIL is one call too (:meth:`after_forward`:
+        :func:`.steps.tail_groups_nb`). False when the step needs the full path (as
         :meth:`_fast_head`), before any group wrote (a plan leaves no trace; the req->token
         rows brought up to date are the full path's)."""
         maybe = tuple(manager.host_fused() for manager in self.managers)
@@ -397,7 +401,7 @@ class VllmCanaryWorker:
         slots = tuple(md.slot_mapping.numpy() for md in metadata)
         bts = tuple(md.block_table.numpy() for md in metadata)
         seens = tuple(tables.seen(s.index, s.block_size) for s in self.specs)
-        blks = tuple(f.block for f in fused)
+        blks, batches = tuple(f.block for f in fused), tuple(self._batch_blocks)
         while True:
             with parallel_lock:
                 code, n, num_tokens = head_groups_nb(
@@ -405,7 +409,7 @@ class VllmCanaryWorker:
                     key.slot_mapping.numpy(), slots, bts, *self._by_slot, tables.tokens,
                     tables.lens, _NO_IDS if fwd is None else fwd.numpy(), fwd is not None,
                     self._group_shapes, tuple(tables.r2t_host), seens, self._row_buf,
-                    tuple(self._token_bufs), tuple(self._batch_blocks), check_token,
+                    tuple(self._token_bufs), batches, check_token,
                     self._fast_rt.chain_position_assert, blks, self._group_codes,
                 )  # fmt: skip
             if code != FAST_GROW:
@@ -419,6 +423,7 @@ class VllmCanaryWorker:
         for manager, f, batch, g_code in zip(self.managers, fused, self._batch_blocks,
                                              self._group_codes.tolist(), strict=True):  # fmt: skip
             manager.opened_fused(f, batch, g_code == f0.OVERFLOW)
+        self._open_groups = (batches, blks)
         self._open = [[BufferStepBatch(self._row_buf, buf, n, num_tokens)
                        for buf in self._token_bufs]]  # fmt: skip
         self.num_fast_steps += 1
@@ -444,13 +449,20 @@ class VllmCanaryWorker:
         if self._open is None:
             return
         passes, self._open = self._open, None
+        groups, self._open_groups = self._open_groups, None
+        if groups is not None:  # _fast_heads' step: every group's TAIL in one call
+            with parallel_lock:
+                status = tail_groups_nb(groups[0], self._fast_args[2],
+                                        self._fast_rt.chain_position_assert, groups[1])  # fmt: skip
+            if status:
+                raise IndexError("kv-canary: plan slot out of range of the canary buffer")
         error: KVCanaryViolation | None = None
         for i, batches in enumerate(passes):
             for manager, batch in zip(self.managers, batches, strict=True):
                 if i > 0:
                     manager.before_forward(batch)
                 try:
-                    manager.after_forward(batch)
+                    manager.after_forward(batch, tail_ran=groups is not None)
                 except KVCanaryViolation as e:
                     error = error or e
         for manager in self.managers:
