@@ -325,11 +325,14 @@ def test_warm_worker_compiles_every_kernel_the_worker_calls(extra: dict[str, Any
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-def test_full_group_rows_kept_across_steps_equal_a_rebuild() -> None:
-    """``group_rows_nb`` keeps a full group's rows across steps and rewrites only the blocks
-    whose block-table entry changed; over random steps (sequences growing and restarting,
-    old entries repointed, null blocks, rows changing hands between requests) every row
-    equals one rebuilt from that step's block table, at every position the planner reads."""
+@pytest.mark.parametrize("window", [0, 5])
+def test_group_rows_kept_across_steps_equal_a_rebuild(window: int) -> None:
+    """``group_rows_nb`` keeps a group's rows across steps: a full group's (``window`` 0)
+    rewriting only the blocks whose block-table entry changed, a sliding group's from its
+    window's start on, zero below. Over random steps (sequences growing, jumping by a chunk
+    and restarting, old entries repointed, null blocks, rows changing hands between
+    requests) every row equals one rebuilt from that step's block table below ``seq``,
+    at every position the planner or the dependency check reads."""
     rng = np.random.default_rng(7)
     bs, num_rows, width = 4, 6, 64
     table = np.zeros((num_rows, width), dtype=np.int64)
@@ -338,19 +341,22 @@ def test_full_group_rows_kept_across_steps_equal_a_rebuild() -> None:
     blocks = rng.integers(0, 50, size=(num_rows, width // bs))
     rewritten = 0
     for _ in range(300):
+        grow = np.where(rng.random(num_rows) < 0.2, rng.integers(2, 12, size=num_rows), 1)
         seqs = np.where(rng.random(num_rows) < 0.1, rng.integers(1, 30, size=num_rows),
-                        np.minimum(seqs + 1, width))  # fmt: skip
+                        np.minimum(seqs + grow, width))  # fmt: skip
         changed = rng.random(blocks.shape) < 0.03
         blocks = np.where(changed, rng.integers(0, 50, size=blocks.shape), blocks)
         batch = rng.permutation(num_rows)[: rng.integers(1, num_rows + 1)]  # rows, any order
         bt = blocks[batch].astype(np.int32)
         seq = seqs[batch].astype(np.int64)
+        prefix = np.maximum(seq - rng.integers(1, 4, size=seq.shape[0]), 0)
         before = table.copy()
-        group_rows_nb(bt, np.zeros(0, dtype=np.int64), seq, seq - 1, bs, 0, table,
+        group_rows_nb(bt, np.zeros(0, dtype=np.int64), seq, prefix, bs, window, table,
                       batch.astype(np.int64), 0, seen)  # fmt: skip
         rewritten += int((table != before).sum())
         for r, row in enumerate(batch):
             p = np.arange(seq[r])
             b = bt[r, p // bs].astype(np.int64)
-            assert (table[row, : seq[r]] == np.where(b != 0, b * bs + p % bs, 0)).all()
+            keep = (b != 0) & (p >= prefix[r] - window + 1 if window else True)
+            assert (table[row, : seq[r]] == np.where(keep, b * bs + p % bs, 0)).all()
     assert rewritten > 0  # (the steps changed rows: the comparison saw rewrites)

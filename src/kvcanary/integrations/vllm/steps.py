@@ -371,18 +371,23 @@ def group_rows_nb(bt, slot_mapping, seq, prefix, bs, window, table, rows, num_to
     blocks that changed (a decode step: none, or the one new block). The entries are pure
     functions of (block id, index), so the row equals a full rebuild's, whichever request
     held the row before (nothing else writes a full group's host rows; the tables and
-    ``seen`` are replaced together when they grow). A sliding group's
-    rows are rebuilt (their window's start moves every step)."""
+    ``seen`` are replaced together when they grow). A sliding group's row is rewritten from
+    ``K - W + 1`` on and kept 0 below it (``seen[row, 0]``: the position from which it may
+    not be 0; cleared up to the new start), so a step costs the window and the new tokens,
+    not the whole context, and the row below ``seq`` equals a full rebuild's."""
     nb = bt.shape[1]
     width = table.shape[1]
     for r in range(seq.shape[0]):
         row = rows[r]
         if window > 0:
-            lo = max(0, prefix[r] - window + 1)
-            for p in range(seq[r]):
+            lo = min(max(0, prefix[r] - window + 1), seq[r])
+            for p in range(max(seen[row, 0], 0), lo):
+                table[row, p] = 0
+            seen[row, 0] = lo
+            for p in range(lo, seq[r]):
                 bi = p // bs
                 b = bt[r, bi] if bi < nb else 0
-                table[row, p] = b * bs + p % bs if (b != 0 and p >= lo) else 0
+                table[row, p] = b * bs + p % bs if b != 0 else 0
             continue
         for bi in range((seq[r] + bs - 1) // bs):
             b = np.int64(bt[r, bi]) if bi < nb else 0
