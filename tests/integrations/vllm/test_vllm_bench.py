@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 
-import pytest
-
 from kvcanary.integrations.vllm.bench import add_bench_vllm_flags, bench_vllm
 
 
@@ -26,6 +24,13 @@ def test_bench_vllm_runs_the_connector_control_beside_the_canary() -> None:
     for key in ("prefill_tok_s", "decode_tok_s"):
         c = r["connector_control"][key]
         assert c["plain"] == r[key]["plain"]
-        assert c["interface_pct"] == pytest.approx(100 * (c["plain"] / c["connector"] - 1), abs=0.11)
-        assert c["canary_beyond_interface_pct"] == pytest.approx(
-            100 * (c["connector"] / r[key]["canary"] - 1), abs=0.11)  # fmt: skip
+        assert _is_ratio_pct(c["interface_pct"], c["plain"], c["connector"])
+        assert _is_ratio_pct(c["canary_beyond_interface_pct"], c["connector"], r[key]["canary"])
+
+
+def _is_ratio_pct(pct: float, num: float, den: float) -> bool:
+    """``pct`` (rounded to 0.1) is ``100 * (num / den - 1)`` of the unrounded tok/s that
+    ``num`` and ``den`` are rounded from (to 0.1): within the range those roundings allow
+    (a few tok/s, as this tiny workload's decode, make that range wider than 0.1)."""
+    corners = [100 * ((num + a) / (den + b) - 1) for a in (-0.05, 0.05) for b in (-0.05, 0.05)]
+    return min(corners) - 0.051 <= pct <= max(corners) + 0.051
