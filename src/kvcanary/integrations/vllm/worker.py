@@ -397,7 +397,6 @@ class VllmCanaryWorker:
             return False
         fused = cast(tuple[FusedRowLaunches, ...], maybe)
         tables, fwd, check_token = self.tables, self.forward_input_ids, self._fast_args[2]
-        key = metadata[self._key_group]
         slots = tuple(md.slot_mapping.numpy() for md in metadata)
         bts = tuple(md.block_table.numpy() for md in metadata)
         seens = tuple(tables.seen(s.index, s.block_size) for s in self.specs)
@@ -406,7 +405,7 @@ class VllmCanaryWorker:
             with parallel_lock:
                 code, n, num_tokens = head_groups_nb(
                     metadata[0].query_start_loc.numpy(), metadata[0].seq_lens.numpy(),
-                    key.slot_mapping.numpy(), slots, bts, *self._by_slot, tables.tokens,
+                    slots[self._key_group], slots, bts, *self._by_slot, tables.tokens,
                     tables.lens, _NO_IDS if fwd is None else fwd.numpy(), fwd is not None,
                     self._group_shapes, tuple(tables.r2t_host), seens, self._row_buf,
                     tuple(self._token_bufs), batches, check_token,
