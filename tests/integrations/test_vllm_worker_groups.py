@@ -18,7 +18,8 @@ from kvcanary.integrations.vllm.worker import VllmCanaryWorker
 
 BS, BLOCKS, HEADS, DIM, WINDOW = 4, 96, 2, 8, 6
 # Group g's block b is block b + g * SPREAD of the shared pool (vLLM's groups share one
-# block pool: no two groups hold the same block).
+# block pool: no two groups hold the same block). Group 0, the full one, is the key group:
+# its blocks are the synthetic scheduler's own, whose first slots the step metadata names.
 SPREAD = 32
 SPECS = [GroupSpec(0, ("full0",), BS, HEADS, DIM, None),
          GroupSpec(1, ("swa0",), BS, HEADS, DIM, WINDOW),
