@@ -23,7 +23,7 @@ from kvcanary.canary.kernels.fused_rows import (
     _a1,
     _batch_block_nb,
     _plan_phase,
-    _tail_body,
+    _tail_batch_nb,
     _verify_body,
     _write_phase,
 )
@@ -549,10 +549,7 @@ def tail_groups_nb(batches, check_token, position_assert, blks):
     fused TAIL (verify, write; no store check: a host-run HEAD has none) on its batch block
     ``batches[g]`` and argument block ``blks[g]``, in group order. 0, or a slot error."""
     for g in range(len(blks)):
-        batch = batches[g]
-        ids, positions = _a1(batch, 8), _a1(batch, 10)
-        status = _tail_body(batch[1], ids, positions, ids, positions, False, batch[17] != 0,
-                            check_token, position_assert, 0, blks[g])  # fmt: skip
+        status = _tail_batch_nb(batches[g], check_token, position_assert, 0, blks[g])
         if status != _DONE:
             return status
     return _DONE
