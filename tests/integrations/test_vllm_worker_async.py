@@ -223,7 +223,7 @@ def test_meta_stores_tokens_sorts_first_slots_and_lists_arrivals(num_requests: i
     starts = rng.integers(0, 4, n)
     counts = rng.integers(1, 4, n)
     computed = starts + counts - rng.integers(0, 2, n)
-    cols = np.stack([rows, first, starts, counts, computed]).astype(np.int64)
+    cols = np.stack([computed, counts, starts, counts, first], axis=1).astype(np.int64).reshape(-1)
     tokens = rng.integers(0, 100, int(counts.sum())).astype(np.int64)
     store = np.full((n + 1, 8), -1, dtype=np.int64)
     lens = np.zeros(n + 1, dtype=np.int64)
@@ -232,10 +232,10 @@ def test_meta_stores_tokens_sorts_first_slots_and_lists_arrivals(num_requests: i
     before = store.copy()
     out = np.zeros((5, max(n, tokens.shape[0])), dtype=np.int64)
     narrow = np.full((n + 1, 2), -1, dtype=np.int64)
-    assert meta_nb(cols, tokens, narrow, lens.copy(), out) == (0, 0, int((starts + counts).max()))
+    assert meta_nb(rows, cols, tokens, narrow, lens.copy(), out) == (0, 0, int((starts + counts).max()))
     assert (narrow == -1).all()
 
-    num_keys, num_arrived, _ = meta_nb(cols, tokens, store, lens, out)
+    num_keys, num_arrived, _ = meta_nb(rows, cols, tokens, store, lens, out)
 
     keep = first >= 0
     order = np.argsort(first[keep], kind="mergesort")

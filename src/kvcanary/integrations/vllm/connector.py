@@ -193,12 +193,19 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats = StatsCursor(self.options.canary.stats_interval or 100)  # vLLM /metrics
         # The group whose slots identify a batch row's request (as VllmCanaryWorker's).
         self._key_group = next((s.index for s in self.specs if s.sliding_window is None), 0)
+        self._first_layers = [s.layer_names[0] for s in self.specs]  # (their attn metadata)
         self._head_done = False
+        # The scheduler side's KV cache manager and its key group's req_to_blocks (None:
+        # not found), looked up once (_key_group_blocks)
+        self._blocks_of: tuple[Any, Any] | None = None
         # Wall seconds spent in the canary's hooks (bench: where the time goes): worker
         # "bind" / "head" / "tail", scheduler "meta".
         self.seconds: defaultdict[str, float] = defaultdict(float)
         # Scheduler side: live requests and how many of their token ids were sent.
         self._requests: dict[str, Request] = {}
+        # ... and the list of each one's token ids (vLLM's Request.all_token_ids: the same
+        # list for the request's life, which vLLM appends to)
+        self._known: dict[str, Any] = {}
         self._sent: dict[str, int] = {}
         self._finished: list[str] = []
         # Finished requests' token ids of positions sent as not known (async scheduling):
@@ -326,10 +333,10 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         attn = get_forward_context().attn_metadata
         if isinstance(attn, list):  # speculative decoding: [0] is the target model's
             attn = attn[0]
-        if isinstance(attn, dict):
-            metadata = [attn[s.layer_names[0]] for s in self.specs]
+        if isinstance(attn, dict):  # (map: no comprehension's frame)
+            metadata = list(map(attn.__getitem__, self._first_layers))
         else:
-            metadata = [attn for _ in self.specs]
+            metadata = [attn] * len(self.specs)
         t0 = time.perf_counter()
         self.worker.before_forward(metadata)
         self.seconds["head"] += time.perf_counter() - t0
@@ -429,11 +436,11 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ================================================================ scheduler side
     def on_new_request(self, request: Request) -> None:
-        self._requests[request.request_id] = request
+        self._track(request, replace=True)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:  # fmt: skip
-        self._requests.setdefault(request.request_id, request)
+        self._track(request)
         self._lookups[request.request_id] = num_computed_tokens  # the local hit (block-aligned)
         return 0, False
 
@@ -441,18 +448,27 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                                  num_external_tokens: int) -> None:  # fmt: skip
         # (num_external_tokens: 0 here under MultiConnector, which tells only the connector
         # that loads; the loads are inferred in build_connector_meta, module doc)
-        self._requests.setdefault(request.request_id, request)
+        self._track(request)
         self._allocated.append(request)
+
+    def _track(self, request: Request, replace: bool = False) -> None:
+        """Request ``request`` is live (``replace``: it replaces one of the same id)."""
+        rid = request.request_id
+        if replace or rid not in self._requests:
+            self._requests[rid] = request
+            known = request.all_token_ids  # (vLLM's ConstantList: read its list, `_x`)
+            self._known[rid] = getattr(known, "_x", known)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Loads that failed (module doc): a sync load sealed in the last two steps has its
         slots in reported blocks cleared in the next step; an async load in flight is
         sealed only up to its first position in a reported block (a request whose whole
         load failed: nothing)."""
-        invalid = set(connector_output.invalid_block_ids or ())
-        failed = set(getattr(connector_output, "failed_recving", None) or ())
-        if not invalid and not failed:
+        invalid_ids = connector_output.invalid_block_ids
+        failed_ids = getattr(connector_output, "failed_recving", None)
+        if not invalid_ids and not failed_ids:  # the usual step
             return
+        invalid, failed = set(invalid_ids or ()), set(failed_ids or ())
         if invalid:
             for _, seals in self._sealed:
                 for start, end, block_ids in seals:
@@ -489,61 +505,70 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         for rid in so.finished_req_ids:
             self._sent.pop(rid, None)
         manager = self._kv_cache_manager
-        req_blocks = self._key_group_blocks(manager)
+        blocks_of = self._blocks_of
+        if blocks_of is None or blocks_of[0] is not manager:
+            blocks_of = self._blocks_of = (manager, self._key_group_blocks(manager))
+        req_blocks = blocks_of[1]
         g = self._key_group
         bs = self.specs[g].block_size if self.specs else 1
-        requests, sent, salts = self._requests, self._sent, self._salts
+        sent, salts = self._sent, self._salts
         drafts_of = so.scheduled_spec_decode_tokens  # speculative decoding (ngram)
-        # (StepMeta.add's columns appended here, their bound appends kept: a call per
-        # request costs ~0.5 us)
-        add_rid, add_computed, add_scheduled = (
-            step.req_ids.append, step.num_computed.append, step.num_scheduled.append)  # fmt: skip
-        add_start, add_count, add_slot, tokens = (
-            step.token_starts.append, step.token_counts.append, step.first_slots.append,
-            step.tokens)  # fmt: skip
+        # (StepMeta.add's work done here, its bound appends kept: a call per request costs
+        # ~0.5 us)
+        add_rid, add_col, add_tokens = step.req_ids.append, step.cols.append, step.tokens.extend
+        get_known, get_k, get_sent = self._known.get, computed.get, sent.get
+        get_blocks = None if req_blocks is None else req_blocks.get
         for rid, num_scheduled in so.num_scheduled_tokens.items():
-            request = requests.get(rid)
-            k = computed.get(rid)
+            known = get_known(rid)  # (None: a request this side was not told of)
+            k = get_k(rid)
             if k is None:
-                k = 0 if request is None else request.num_computed_tokens
+                k = 0 if known is None else self._requests[rid].num_computed_tokens
             end = k + num_scheduled
-            start = sent.get(rid, 0)
+            start = get_sent(rid, 0)
             count = 0
-            if request is not None and end > start:
-                known = request.all_token_ids  # (vLLM's ConstantList: read its list, `_x`)
-                known = getattr(known, "_x", known)
-                have = len(known)
-                if end <= have and salts is None:  # the usual step: committed token ids
-                    tokens.extend(known[start:end])
+            if known is not None and end > start:
+                if end <= len(known) and salts is None:  # the usual step: committed ids
+                    add_tokens(known[start:end])
                     count = end - start
                     sent[rid] = end
                 else:
-                    mine = list(known[start:end])
-                    if end > have:  # beyond the request's committed token ids
-                        mine += self._uncommitted(drafts_of.get(rid), max(start, have), end)
-                    sent[rid] = min(end, have)
-                    if salts is not None:  # tenant isolation (.namespace)
-                        salt = salts.get(rid)
-                        if salt is None:
-                            salt = salts[rid] = salt_of(namespace(request))
-                        mine = salted(mine, salt)
-                    tokens.extend(mine)
-                    count = len(mine)
+                    count = self._send_uncommitted(step, rid, known, start, end,
+                                                   drafts_of.get(rid))  # fmt: skip
             b = 0  # the block of position k (0: none, the null block)
-            if req_blocks is not None:  # without listing every block of every group
-                blocks = req_blocks.get(rid, ())
-                b = blocks[k // bs].block_id if k // bs < len(blocks) else 0
+            if get_blocks is not None:  # without listing every block of every group
+                blocks = get_blocks(rid, ())
+                if k // bs < len(blocks):
+                    b = blocks[k // bs].block_id
             elif manager is not None and self.specs:
                 block_ids = manager.get_block_ids(rid)[g]
                 b = block_ids[k // bs] if k // bs < len(block_ids) else 0
             add_rid(rid)
-            add_computed(k)
-            add_scheduled(num_scheduled)
-            add_start(start)
-            add_count(count)
-            add_slot(b * bs + k % bs if b else -1)
+            add_col(k)  # StepMeta's COL_* order
+            add_col(num_scheduled)
+            add_col(start)
+            add_col(count)
+            add_col(b * bs + k % bs if b else -1)
         self._external_loads(so, step, computed)
         return KVCanaryConnectorMetadata(step)
+
+    def _send_uncommitted(self, step: StepMeta, rid: str, known: Any, start: int, end: int,
+                          drafts: list[int] | None) -> int:  # fmt: skip
+        """Sends the token ids of positions ``[start, end)`` of a step that goes beyond the
+        request's committed token ids (:meth:`_uncommitted`) or whose ids are salted
+        (tenant isolation, :mod:`.namespace`); returns how many."""
+        have = len(known)
+        mine = list(known[start:end])
+        if end > have:  # beyond the request's committed token ids
+            mine += self._uncommitted(drafts, max(start, have), end)
+        self._sent[rid] = min(end, have)
+        salts = self._salts
+        if salts is not None:
+            salt = salts.get(rid)
+            if salt is None:
+                salt = salts[rid] = salt_of(namespace(self._requests[rid]))
+            mine = salted(mine, salt)
+        step.tokens.extend(mine)
+        return len(mine)
 
     @staticmethod
     def _uncommitted(drafts: list[int] | None, first: int, end: int) -> list[int]:
@@ -667,6 +692,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 salt = None if self._salts is None else self._salts.get(rid)
                 self._final.append((rid, start, tokens if salt is None else salted(tokens, salt)))
         self._requests.pop(rid, None)
+        self._known.pop(rid, None)
         self._sent.pop(rid, None)
         self._lookups.pop(rid, None)
         self._loads.pop(rid, None)

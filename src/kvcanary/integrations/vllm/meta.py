@@ -34,22 +34,28 @@ class GroupSpec:
         return PoolKind.FULL if self.sliding_window is None else PoolKind.SWA
 
 
+# StepMeta.cols: a request's values, in this order
+COL_COMPUTED, COL_SCHEDULED, COL_START, COL_COUNT, COL_SLOT = range(5)
+NUM_COLS = 5
+
+
 @dataclass
 class StepMeta:
-    """One step's scheduled requests, from the scheduler side, as columns (plain data: it
-    travels in the connector metadata, pickled / msgpack'd between processes; columns
-    rather than an object per request, whose making and reading cost ~2 us a request on
-    each side of a step)::
+    """One step's scheduled requests, from the scheduler side (plain data: it travels in
+    the connector metadata, pickled between processes; flat columns rather than an object
+    per request, whose making and reading cost ~2 us a request on each side of a step)::
 
         req_ids        request ids, in the scheduler's order
-        num_computed   tokens already in the cache (vLLM's num_computed_tokens)
-        num_scheduled  tokens this step computes
-        token_starts   request i's token ids are those of positions
-        token_counts     [token_starts[i], token_starts[i] + token_counts[i])
+        cols           NUM_COLS values a request, in request order (int64 on the worker
+                       side in one conversion):
+          COL_COMPUTED   tokens already in the cache (vLLM's num_computed_tokens)
+          COL_SCHEDULED  tokens this step computes
+          COL_START      the request's token ids are those of positions
+          COL_COUNT        [start, start + count)
+          COL_SLOT       the key group's slot of position num_computed (-1: unallocated)
         tokens         every request's token ids, in request order (speculative
                        decoding: a draft's token id at its position; -1: not known to
                        the scheduler yet, async scheduling)
-        first_slots    the key group's slot of position num_computed (-1: unallocated)
         finished       requests finished since the previous step
         final_*        async scheduling: per finished request the token ids of positions
                        it computed that were sent as not known (-1) and are known at its
@@ -71,12 +77,8 @@ class StepMeta:
     """
 
     req_ids: list[str] = field(default_factory=list)
-    num_computed: list[int] = field(default_factory=list)
-    num_scheduled: list[int] = field(default_factory=list)
-    token_starts: list[int] = field(default_factory=list)
-    token_counts: list[int] = field(default_factory=list)
+    cols: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
-    first_slots: list[int] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     final_req_ids: list[str] = field(default_factory=list)
     final_starts: list[int] = field(default_factory=list)
@@ -92,12 +94,12 @@ class StepMeta:
             tokens: list[int], first_slot: int) -> None:  # fmt: skip
         """Append one request (its token ids: positions ``[token_start, + len(tokens))``)."""
         self.req_ids.append(req_id)
-        self.num_computed.append(num_computed)
-        self.num_scheduled.append(num_scheduled)
-        self.token_starts.append(token_start)
-        self.token_counts.append(len(tokens))
+        self.cols.extend((num_computed, num_scheduled, token_start, len(tokens), first_slot))
         self.tokens.extend(tokens)
-        self.first_slots.append(first_slot)
+
+    def column(self, col: int) -> list[int]:
+        """Every request's value ``col`` (``COL_*``), in request order."""
+        return self.cols[col::NUM_COLS]
 
     def final(self, req_id: str, start: int, tokens: list[int]) -> None:
         """Finished request ``req_id``'s token ids of positions ``[start, start +

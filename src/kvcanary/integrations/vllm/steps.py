@@ -28,6 +28,7 @@ from kvcanary.canary.kernels.fused_rows import (
     _write_phase,
 )
 from kvcanary.canary.wire.hashing import ANCHOR_HASH_I64, chain_hash_nb, chain_hash_t
+from kvcanary.integrations.vllm.meta import COL_COMPUTED, COL_COUNT, COL_SLOT, COL_START, NUM_COLS
 from kvcanary.integrations.vllm.pool import VllmGroupPool
 
 # meta_nb sorts at most this many first slots in place (more: an argsort)
@@ -208,28 +209,29 @@ def batch_nb(qsl, seq_lens, key_slots, keys, key_rows, tokens, lens):
 
 
 @numba.njit(cache=True)
-def meta_nb(cols, tokens, store, lens, out):
-    """:meth:`.worker.VllmCanaryWorker.on_meta`'s columns (``cols`` [5, requests]: each
-    request's row of the token store, first slot, token start, token count and computed
-    count): each request's token ids into its row of the token store (``store``, lengths
-    ``lens``: the known prefix grows). Into ``out`` (int64 [5, >= requests and tokens],
-    which the worker keeps: no array made per step): rows 0-1, the first slots that are
-    allocated, sorted, and their requests' rows; rows 2-4, the *arrivals*: row, position
-    and token id of each position the store held as not known yet (-1, sent so under async
-    scheduling) that is known now and that this step reads (below the request's
-    ``computed`` count), the positions whose records :func:`settle_nb` settles. Returns
-    (the first slots, the arrivals, the columns the store needs); when the store is
-    narrower than that, nothing is written (grow it, call again)."""
-    rows, first_slots, starts, counts, computed = cols[0], cols[1], cols[2], cols[3], cols[4]
+def meta_nb(rows, cols, tokens, store, lens, out):
+    """:meth:`.worker.VllmCanaryWorker.on_meta`'s step: each request's token ids into its
+    row of the token store (``store``, lengths ``lens``: the known prefix grows); ``rows``:
+    each request's row, ``cols``: :class:`.meta.StepMeta`'s ``cols`` (``NUM_COLS`` values a
+    request: computed count, scheduled count, token start, token count, first slot).
+    Into ``out`` (int64 [5, >= requests and tokens], which the worker keeps: no array made
+    per step): rows 0-1, the first slots that are allocated, sorted, and their requests'
+    rows; rows 2-4, the *arrivals*: row, position and token id of each position the store
+    held as not known yet (-1, sent so under async scheduling) that is known now and that
+    this step reads (below the request's computed count), the positions whose records
+    :func:`settle_nb` settles. Returns (the first slots, the arrivals, the columns the
+    store needs); when the store is narrower than that, nothing is written (grow it, call
+    again)."""
     n = rows.shape[0]
     end = 0
     for i in range(n):
-        end = max(end, starts[i] + counts[i])
+        end = max(end, cols[i * NUM_COLS + COL_START] + cols[i * NUM_COLS + COL_COUNT])
     if end > store.shape[1]:
         return 0, 0, end
     at = m = 0
     for i in range(n):
-        row, start, count, k = rows[i], starts[i], counts[i], computed[i]
+        c = i * NUM_COLS
+        row, k, start, count = rows[i], cols[c + COL_COMPUTED], cols[c + COL_START], cols[c + COL_COUNT]
         have = lens[row]
         for j in range(count):
             p, t = start + j, tokens[at + j]
@@ -242,8 +244,8 @@ def meta_nb(cols, tokens, store, lens, out):
             lens[row] = start + count
     num_keys = 0
     for i in range(n):
-        if first_slots[i] >= 0:
-            out[0, num_keys], out[1, num_keys] = first_slots[i], rows[i]
+        if cols[i * NUM_COLS + COL_SLOT] >= 0:
+            out[0, num_keys], out[1, num_keys] = cols[i * NUM_COLS + COL_SLOT], rows[i]
             num_keys += 1
     if num_keys > _SORT_IN_PLACE:  # (stable: the first of equal slots first)
         order = np.argsort(out[0, :num_keys], kind="mergesort")

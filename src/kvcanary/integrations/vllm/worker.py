@@ -41,7 +41,16 @@ from kvcanary.canary.kernels.numba_kernels import entry_point
 from kvcanary.canary.manager import AbortHandler, CanaryManager
 from kvcanary.canary.plan.types import WritePlan
 from kvcanary.canary.wire.constants import LaunchStage, launch_tag
-from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
+from kvcanary.integrations.vllm.meta import (
+    COL_COMPUTED,
+    COL_COUNT,
+    COL_SCHEDULED,
+    COL_SLOT,
+    COL_START,
+    NUM_COLS,
+    GroupSpec,
+    StepMeta,
+)
 from kvcanary.integrations.vllm.pool import SharedRecords, VllmGroupPool
 from kvcanary.integrations.vllm.steps import (
     FAST_FULL_PATH,
@@ -145,7 +154,8 @@ class VllmCanaryWorker:
         # The buffer the model runner's forward takes its input ids from (int, [>= tokens
         # of a step], on the device), when the connector found it: the records of positions
         # planned without a token carry the id the forward used (.connector).
-        self.forward_input_ids: torch.Tensor | None = None
+        self._forward_input_ids: torch.Tensor | None = None
+        self._fwd_np = _NO_IDS  # its numpy view on the CPU (the one-call HEADs read it)
         # The one-call HEAD of a CPU worker (_fast_head; several groups: _fast_heads): the
         # batch it keeps for TAIL (rows: table row, prefix, new tokens, token-store length;
         # per group tokens: input id, position, slot) and each group's batch block; steps
@@ -167,9 +177,17 @@ class VllmCanaryWorker:
         # meta_nb's output (keys, their rows, arrivals; grown on demand) and compiled
         # function (its argument types are fixed: int64 arrays made here)
         self._meta_out = np.zeros((5, 64), dtype=np.int64)
-        self._meta_entry = entry_point(meta_nb, np.zeros((5, 0), dtype=np.int64),
-                                       np.zeros(0, dtype=np.int64), self.tables.tokens,
+        self._meta_entry = entry_point(meta_nb, _NO_IDS, _NO_IDS, _NO_IDS, self.tables.tokens,
                                        self.tables.lens, self._meta_out)  # fmt: skip
+
+    @property
+    def forward_input_ids(self) -> torch.Tensor | None:
+        return self._forward_input_ids
+
+    @forward_input_ids.setter
+    def forward_input_ids(self, ids: torch.Tensor | None) -> None:
+        self._forward_input_ids = ids
+        self._fwd_np = ids.numpy() if ids is not None and ids.is_cpu else _NO_IDS
 
     # -------------------------------------------------------------- scheduler input
     def on_meta(self, meta: StepMeta) -> None:
@@ -184,18 +202,20 @@ class VllmCanaryWorker:
             self._clear(meta.invalid_slots)
         self._seal_pending = bool(meta.seal_req_ids)
         rows_of, tables = self._rows, self.tables
-        rows = [rows_of.get(rid) or self._row(rid) for rid in meta.req_ids]  # (row 0: padding)
-        cols = np.array((rows, meta.first_slots, meta.token_starts, meta.token_counts,
-                         meta.num_computed), dtype=np.int64).reshape(5, len(rows))  # fmt: skip
-        num = len(meta.tokens)  # (a prefill's thousands: fromiter, 35 against 54 us for 2048)
+        rows = np.array([rows_of.get(rid) or self._row(rid) for rid in meta.req_ids],
+                        dtype=np.int64)  # (row 0: padding)  # fmt: skip
+        # (a flat list in one conversion each; a prefill's thousands of token ids: fromiter,
+        # 35 against 54 us for 2048)
+        cols = np.array(meta.cols, dtype=np.int64)
+        num = len(meta.tokens)
         tokens = (np.fromiter(meta.tokens, dtype=np.int64, count=num) if num > 64
                   else np.array(meta.tokens, dtype=np.int64))  # fmt: skip
         out = self._meta_out
-        if max(len(rows), num) > out.shape[1]:
-            out = self._meta_out = np.zeros((5, 2 * max(len(rows), num)), dtype=np.int64)
+        if max(rows.shape[0], num) > out.shape[1]:
+            out = self._meta_out = np.zeros((5, 2 * max(rows.shape[0], num)), dtype=np.int64)
         while True:
-            num_keys, num_arrived, end = self._meta_entry(cols, tokens, tables.tokens, tables.lens,
-                                                          out)  # fmt: skip
+            num_keys, num_arrived, end = self._meta_entry(rows, cols, tokens, tables.tokens,
+                                                          tables.lens, out)  # fmt: skip
             if end <= tables.tokens.shape[1]:
                 break
             tables.ensure(self._num_rows, end)
@@ -216,12 +236,15 @@ class VllmCanaryWorker:
         at = np.concatenate(([0], np.cumsum(counts)))
         idx = [i for i, _ in known]
         tokens = np.concatenate([meta.final_tokens[at[i]:at[i + 1]] for i in idx]).astype(np.int64)
-        rows = [row for _, row in known]
-        cols = np.array((rows, [-1] * len(idx), np.array(meta.final_starts)[idx], counts[idx],
-                         np.array(meta.final_computed)[idx]), dtype=np.int64)  # fmt: skip
+        rows = np.array([row for _, row in known], dtype=np.int64)
+        cols = np.zeros((len(idx), NUM_COLS), dtype=np.int64)
+        cols[:, COL_COMPUTED] = np.array(meta.final_computed)[idx]
+        cols[:, COL_START], cols[:, COL_COUNT], cols[:, COL_SLOT] = (
+            np.array(meta.final_starts)[idx], counts[idx], -1)  # fmt: skip
         # (the rows' tokens were stored before: the store is wide enough)
         out = np.zeros((5, max(len(rows), len(tokens))), dtype=np.int64)
-        _, num_arrived, _ = meta_nb(cols, tokens, self.tables.tokens, self.tables.lens, out)
+        _, num_arrived, _ = meta_nb(rows, cols.reshape(-1), tokens, self.tables.tokens,
+                                    self.tables.lens, out)  # fmt: skip
         if num_arrived:
             self._settle(out, num_arrived)
 
@@ -353,13 +376,13 @@ class VllmCanaryWorker:
         fused = manager.host_fused()
         if fused is None:
             return False
-        tables, fwd, (bs, window, check_token) = self.tables, self.forward_input_ids, self._fast_args
+        tables, fwd, (bs, window, check_token) = self.tables, self._forward_input_ids, self._fast_args
         while True:
             with parallel_lock:
                 code, n, num_tokens = head_step_nb(
                     md.query_start_loc.numpy(), md.seq_lens.numpy(), md.slot_mapping.numpy(),
                     md.block_table.numpy(), *self._by_slot, tables.tokens, tables.lens,
-                    _NO_IDS if fwd is None else fwd.numpy(), fwd is not None, bs, window,
+                    self._fwd_np, fwd is not None, bs, window,
                     tables.r2t_host[0], tables.seen(0, bs), self._row_buf, self._token_buf,
                     self._batch_block, check_token, self._fast_rt.chain_position_assert, fused.block,
                 )  # fmt: skip
@@ -396,7 +419,7 @@ class VllmCanaryWorker:
         if None in maybe:
             return False
         fused = cast(tuple[FusedRowLaunches, ...], maybe)
-        tables, fwd, check_token = self.tables, self.forward_input_ids, self._fast_args[2]
+        tables, fwd, check_token = self.tables, self._forward_input_ids, self._fast_args[2]
         slots = tuple(md.slot_mapping.numpy() for md in metadata)
         bts = tuple(md.block_table.numpy() for md in metadata)
         seens = tuple(tables.seen(s.index, s.block_size) for s in self.specs)
@@ -406,7 +429,7 @@ class VllmCanaryWorker:
                 code, n, num_tokens = head_groups_nb(
                     metadata[0].query_start_loc.numpy(), metadata[0].seq_lens.numpy(),
                     slots[self._key_group], slots, bts, *self._by_slot, tables.tokens,
-                    tables.lens, _NO_IDS if fwd is None else fwd.numpy(), fwd is not None,
+                    tables.lens, self._fwd_np, fwd is not None,
                     self._group_shapes, tuple(tables.r2t_host), seens, self._row_buf,
                     tuple(self._token_bufs), batches, check_token,
                     self._fast_rt.chain_position_assert, blks, self._group_codes,
@@ -449,24 +472,31 @@ class VllmCanaryWorker:
             return
         passes, self._open = self._open, None
         groups, self._open_groups = self._open_groups, None
-        if groups is not None:  # _fast_heads' step: every group's TAIL in one call
-            with parallel_lock:
-                status = tail_groups_nb(groups[0], self._fast_args[2],
-                                        self._fast_rt.chain_position_assert, groups[1])  # fmt: skip
-            if status:
-                raise IndexError("kv-canary: plan slot out of range of the canary buffer")
         error: KVCanaryViolation | None = None
-        for i, batches in enumerate(passes):
-            for manager, batch in zip(self.managers, batches, strict=True):
-                if i > 0:
-                    manager.before_forward(batch)
-                try:
-                    manager.after_forward(batch, tail_ran=groups is not None)
-                except KVCanaryViolation as e:
-                    error = error or e
+        if groups is None and len(passes) == 1 and len(self.managers) == 1:  # the usual
+            try:  # single-group step (no loops)
+                self.managers[0].after_forward(passes[0][0])
+            except KVCanaryViolation as e:
+                error = e
+        else:
+            if groups is not None:  # _fast_heads' step: every group's TAIL in one call
+                with parallel_lock:
+                    status = tail_groups_nb(groups[0], self._fast_args[2],
+                                            self._fast_rt.chain_position_assert, groups[1])  # fmt: skip
+                if status:
+                    raise IndexError("kv-canary: plan slot out of range of the canary buffer")
+            for i, batches in enumerate(passes):
+                for manager, batch in zip(self.managers, batches, strict=True):
+                    if i > 0:
+                        manager.before_forward(batch)
+                    try:
+                        manager.after_forward(batch, tail_ran=groups is not None)
+                    except KVCanaryViolation as e:
+                        error = error or e
         for manager in self.managers:
             manager.end_step()
-        self._give_back_lent()
+        if self._lent:
+            self._give_back_lent()
         self.num_steps += 1
         self.num_dependent_passes += len(passes) - 1
         if error is not None:
@@ -598,8 +628,8 @@ class VllmCanaryWorker:
         found, step = False, self._step
         for r in np.flatnonzero(rows < 0).tolist():
             k, e = int(prefix[r]), int(ql[r])
-            cands = [rid for rid, k2, e2 in zip(step.req_ids, step.num_computed,
-                                                step.num_scheduled, strict=True)
+            cands = [rid for rid, k2, e2 in zip(step.req_ids, step.column(COL_COMPUTED),
+                                                step.column(COL_SCHEDULED), strict=True)
                      if k2 == k and e2 == e]  # fmt: skip
             if len(cands) == 1:
                 rows[r], found = self._row(cands[0]), True
