@@ -492,17 +492,21 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _build_meta(self, scheduler_output: SchedulerOutput) -> KVCanaryConnectorMetadata:
         so = scheduler_output
-        computed: dict[str, int] = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        computed: dict[str, int] = dict(zip(cached.req_ids, cached.num_computed_tokens,
+                                            strict=False))  # fmt: skip
         for r in so.scheduled_new_reqs:  # a request seen for the first time (or resumed)
+            computed[r.req_id] = r.num_computed_tokens
             self._sent.pop(r.req_id, None)
-        step = StepMeta(finished=list(so.finished_req_ids) + self._finished)
-        self._finished = []
-        for rid, start, final in self._final:
-            step.final(rid, start, final)
-        self._final = []
-        for rid in so.finished_req_ids:
+        finished = so.finished_req_ids
+        step = StepMeta(finished=[*finished, *self._finished])
+        if self._finished:
+            self._finished = []
+        if self._final:
+            for rid, start, final in self._final:
+                step.final(rid, start, final)
+            self._final = []
+        for rid in finished:
             self._sent.pop(rid, None)
         manager = self._kv_cache_manager
         blocks_of = self._blocks_of
