@@ -27,8 +27,11 @@ def first_generate_scenario(ckpt: str, options_json: str) -> None:
         with watch_compiles() as log:
             H.generate(llm, prompts, max_tokens=24)
         conn.worker.flush()
-        stats = conn.worker.stats()
+        stats, fast_steps = conn.worker.stats(), conn.worker.num_fast_steps
     assert stats["violations"] == 0 and stats["verify_entries"] > 0
+    # vLLM's own attention metadata takes the one-call HEAD (its dtypes and layouts are
+    # the ones steps.metadata_args reads): every decode step of the 24 tokens
+    assert fast_steps >= 20, (fast_steps, stats["steps"])
     assert log.names() == []
     assert sorted(map(str, loaded_kernels() - ready)) == []
 

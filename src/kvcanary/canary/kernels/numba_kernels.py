@@ -63,6 +63,17 @@ def i64_ptr(typingctx, addr):
     return sig, codegen
 
 
+@intrinsic
+def i32_ptr(typingctx, addr):
+    """An int64 address as ``int32*`` (for :func:`numba.carray`)."""
+    sig = types.CPointer(types.int32)(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int32)))
+
+    return sig, codegen
+
+
 def entry_point(dispatcher: Any, *sample_args: Any) -> Callable[..., Any]:
     """The compiled function of ``dispatcher`` (an ``njit`` function) for the numba types of
     ``sample_args``, compiled (or loaded from the cache) now. Calling it skips the

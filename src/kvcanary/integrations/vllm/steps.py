@@ -10,8 +10,9 @@ inside that range is ``verify_not_resident``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import numba
 import numpy as np
@@ -27,6 +28,7 @@ from kvcanary.canary.kernels.fused_rows import (
     _verify_body,
     _write_phase,
 )
+from kvcanary.canary.kernels.numba_kernels import i32_ptr, i64_ptr
 from kvcanary.canary.wire.hashing import ANCHOR_HASH_I64, chain_hash_nb, chain_hash_t
 from kvcanary.integrations.vllm.meta import COL_COMPUTED, COL_COUNT, COL_SLOT, COL_START, NUM_COLS
 from kvcanary.integrations.vllm.pool import VllmGroupPool
@@ -428,12 +430,57 @@ def chain_seed_nb(tokens):
 FAST_FULL_PATH, FAST_GROW = -1, -2
 
 
+# A step's attention metadata as the one-call HEADs take it: int32 query_start_loc and
+# seq_lens, then per group int64 slot_mapping and int32 block_table, all C-contiguous on the
+# CPU (vLLM's CPU attention backend), by address and length (:func:`metadata_args`: no
+# numpy view a step, ~1.4 us each right after the forward).
+MD_QSL, MD_NUM_QSL, MD_SEQ, MD_NUM_SEQ = range(4)
+MD_SLOTS, MD_NUM_SLOTS, MD_BT, MD_BT_ROWS, MD_BT_COLS = range(5)  # (a group's, from 0)
+_INT32, _INT64 = torch.int32, torch.int64
+
+
+def metadata_args(metadata: Sequence[Any]) -> tuple[int, ...] | None:
+    """The one-call HEADs' view of a step's attention metadata (``metadata[g]``: group g's;
+    the batch from group 0's): query_start_loc and seq_lens (``MD_*``: address, length),
+    then per group ``MD_SLOTS..MD_BT_COLS``; None when a tensor is not of the dtype and
+    layout they read (the worker's full path then reads it)."""
+    md = metadata[0]
+    qsl, seq = md.query_start_loc, md.seq_lens
+    if not (qsl.dtype is _INT32 and seq.dtype is _INT32 and qsl.is_contiguous()
+            and seq.is_contiguous()):  # fmt: skip
+        return None
+    out = [qsl.data_ptr(), qsl.shape[0], seq.data_ptr(), seq.shape[0]]
+    for md in metadata:
+        slots, bt = md.slot_mapping, md.block_table
+        if not (slots.dtype is _INT64 and bt.dtype is _INT32 and slots.is_contiguous()
+                and bt.is_contiguous() and bt.dim() == 2):  # fmt: skip
+            return None
+        rows, cols = bt.shape
+        out += (slots.data_ptr(), slots.shape[0], bt.data_ptr(), rows, cols)
+    return tuple(out)
+
+
+@numba.njit(cache=True, inline="always")
+def _md_batch(md):
+    """query_start_loc and seq_lens of :func:`metadata_args`' ``md``."""
+    return (numba.carray(i32_ptr(md[MD_QSL]), (md[MD_NUM_QSL],)),
+            numba.carray(i32_ptr(md[MD_SEQ]), (md[MD_NUM_SEQ],)))  # fmt: skip
+
+
+@numba.njit(cache=True, inline="always")
+def _md_group(md, g):
+    """Group g's slot_mapping and block_table of :func:`metadata_args`' ``md``."""
+    k = 4 + 5 * g
+    return (numba.carray(i64_ptr(md[k + MD_SLOTS]), (md[k + MD_NUM_SLOTS],)),
+            numba.carray(i32_ptr(md[k + MD_BT]), (md[k + MD_BT_ROWS], md[k + MD_BT_COLS])))  # fmt: skip
+
+
 @numba.njit(cache=True)
-def head_step_nb(qsl, seq_lens, slot_mapping, bt, keys, key_rows, tokens, lens, fwd_ids,
-                 has_fwd, bs, window, r2t, seen, row_buf, token_buf, batch, check_token,
-                 position_assert, blk):  # fmt: skip
+def head_step_nb(md, keys, key_rows, tokens, lens, fwd_ids, has_fwd, bs, window, r2t, seen,
+                 row_buf, token_buf, batch, check_token, position_assert, blk):  # fmt: skip
     """One CPU step of a single-group canary in one compiled call: the step's batch
-    (:func:`batch_nb`, the forward's input ids where the store has none yet: ``fwd_ids``),
+    (:func:`batch_nb` on the attention metadata ``md``, :func:`metadata_args`' tuple; the
+    forward's input ids where the store has none yet: ``fwd_ids``),
     :func:`group_rows_nb`, the batch block (``batch``, int64 [18], pointing into ``row_buf``
     [4, >= rows] and ``token_buf`` [3, >= tokens], which keep the batch for TAIL) and the
     fused HEAD (plans, writes, then the verify; ``blk`` the fused launches' argument block).
@@ -441,6 +488,8 @@ def head_step_nb(qsl, seq_lens, slot_mapping, bt, keys, key_rows, tokens, lens, 
     path (a row that depends on another, a row no request matched, tables too small;
     nothing written), FAST_GROW when the buffers are too small, else the fused HEAD's
     code."""
+    qsl, seq_lens = _md_batch(md)
+    slot_mapping, bt = _md_group(md, 0)
     code, n, num_tokens, prefix, seq, rows, ids, positions = _step_batch(
         qsl, seq_lens, slot_mapping, keys, key_rows, tokens, lens, fwd_ids, has_fwd,
         r2t.shape[1], row_buf, token_buf.shape[1])  # fmt: skip
@@ -457,20 +506,21 @@ def head_step_nb(qsl, seq_lens, slot_mapping, bt, keys, key_rows, tokens, lens, 
 
 
 @numba.njit(cache=True)
-def head_groups_nb(qsl, seq_lens, key_slot_mapping, slot_mappings, bts, keys, key_rows, tokens,
-                   lens, fwd_ids, has_fwd, shapes, r2ts, seens, row_buf, token_bufs, batches,
-                   check_token, position_assert, blks, codes):  # fmt: skip
+def head_groups_nb(md, key_group, keys, key_rows, tokens, lens, fwd_ids, has_fwd, shapes, r2ts,
+                   seens, row_buf, token_bufs, batches, check_token, position_assert, blks,
+                   codes):  # fmt: skip
     """:func:`head_step_nb` for a CPU step with several groups (hybrid models), in one
-    compiled call: the batch once (its rows matched on the key group's slots,
-    ``key_slot_mapping``), then per group g its req->token rows, batch block and plans
-    (``slot_mappings[g]``, ``bts[g]``, ``shapes[g]`` = (block size, window or 0),
-    ``r2ts[g]``, ``seens[g]``, ``token_bufs[g]``, ``batches[g]``, ``blks[g]``), then every
-    group's writes, then every group's verifies (the groups share record buffers: every
-    verify after every write is the alias check), as the worker's full path orders them.
-    Returns ``(code, rows, tokens)``: FAST_FULL_PATH, FAST_GROW, or a group's failed plan
-    (``>= _PLAN_FAILED``) before anything was written; a verify's slot error; else
-    ``_DONE`` with each group's fused HEAD code (done, or a verify overflowed) in
-    ``codes[g]``."""
+    compiled call: the batch once (its rows matched on the key group's slots), then per
+    group g its req->token rows, batch block and plans (its slot_mapping and block_table
+    in ``md``, ``shapes[g]`` = (block size, window or 0), ``r2ts[g]``, ``seens[g]``,
+    ``token_bufs[g]``, ``batches[g]``, ``blks[g]``), then every group's writes, then every
+    group's verifies (the groups share record buffers: every verify after every write is
+    the alias check), as the worker's full path orders them. Returns ``(code, rows,
+    tokens)``: FAST_FULL_PATH, FAST_GROW, or a group's failed plan (``>= _PLAN_FAILED``)
+    before anything was written; a verify's slot error; else ``_DONE`` with each group's
+    fused HEAD code (done, or a verify overflowed) in ``codes[g]``."""
+    qsl, seq_lens = _md_batch(md)
+    key_slot_mapping = _md_group(md, key_group)[0]
     code, n, num_tokens, prefix, seq, rows, ids, positions = _step_batch(
         qsl, seq_lens, key_slot_mapping, keys, key_rows, tokens, lens, fwd_ids, has_fwd,
         r2ts[0].shape[1], row_buf, token_bufs[0].shape[1])  # fmt: skip
@@ -478,8 +528,9 @@ def head_groups_nb(qsl, seq_lens, key_slot_mapping, slot_mappings, bts, keys, ke
         return code, n, num_tokens
     num_groups = len(blks)
     for g in range(num_groups):
-        code = _group_plan(bts[g], slot_mappings[g], shapes[g, 0], shapes[g, 1], r2ts[g],
-                           seens[g], prefix, seq, rows, ids, positions, n, num_tokens, row_buf,
+        slot_mapping, bt = _md_group(md, g)
+        code = _group_plan(bt, slot_mapping, shapes[g, 0], shapes[g, 1], r2ts[g], seens[g],
+                           prefix, seq, rows, ids, positions, n, num_tokens, row_buf,
                            token_bufs[g], batches[g], tokens, check_token, blks[g])  # fmt: skip
         if code >= _PLAN_FAILED:
             return code, n, num_tokens

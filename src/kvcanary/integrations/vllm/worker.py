@@ -67,6 +67,7 @@ from kvcanary.integrations.vllm.steps import (
     head_step_nb,
     input_ids_nb,
     meta_nb,
+    metadata_args,
     settle_nb,
     settle_t,
     tail_groups_nb,
@@ -171,6 +172,12 @@ class VllmCanaryWorker:
         # A step _fast_heads opened: its calls' batch blocks and argument blocks, for TAIL
         self._open_groups: tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]] | None = None
         self.num_fast_steps = 0
+        # head_step_nb's compiled entry (numba_kernels.entry_point: no typing of its
+        # arguments a step), made by the first one-call HEAD: every argument is an int64
+        # array the worker owns (replaced by one of the same type when it grows), a Python
+        # scalar or the attention metadata's tuple of ints, but the forward's input ids,
+        # whose setter drops it.
+        self._step_entry: Any = None
         self._fast_rt = self.managers[0].runtime
         self._fast_args = (self.specs[0].block_size, self.specs[0].sliding_window or 0,
                            self._fast_rt.config.verify_tokens)  # fmt: skip
@@ -188,6 +195,7 @@ class VllmCanaryWorker:
     def forward_input_ids(self, ids: torch.Tensor | None) -> None:
         self._forward_input_ids = ids
         self._fwd_np = ids.numpy() if ids is not None and ids.is_cpu else _NO_IDS
+        self._step_entry = None  # (its type may differ)
 
     # -------------------------------------------------------------- scheduler input
     def on_meta(self, meta: StepMeta) -> None:
@@ -302,7 +310,7 @@ class VllmCanaryWorker:
         (at ``wait_for_save``; level ``L`` rows after level ``L - 1``)."""
         self._open = self._open_groups = None  # a forward that raised before wait_for_save
         if self._fast_ok and not self._lent and not self._seal_pending and (
-                self._fast_head(metadata[0]) if len(self.specs) == 1
+                self._fast_head(metadata) if len(self.specs) == 1
                 else self._fast_heads(metadata)):  # fmt: skip
             return
         if self._lent:
@@ -364,7 +372,7 @@ class VllmCanaryWorker:
         self._head(passes[0])
         self._open = passes
 
-    def _fast_head(self, md: Any) -> bool:
+    def _fast_head(self, metadata: Sequence[Any]) -> bool:
         """HEAD of a single-group CPU step in one compiled call (:func:`.steps.head_step_nb`:
         the batch, the group's req->token rows and the fused HEAD), when the step needs
         nothing else (no row that depends on another or that no request matched; the
@@ -374,18 +382,20 @@ class VllmCanaryWorker:
         rows again, then grows the scratch)."""
         manager = self.managers[0]
         fused = manager.host_fused()
-        if fused is None:
+        md_args = metadata_args(metadata)
+        if fused is None or md_args is None:
             return False
         tables, fwd, (bs, window, check_token) = self.tables, self._forward_input_ids, self._fast_args
         while True:
+            args = (md_args, *self._by_slot, tables.tokens, tables.lens, self._fwd_np,
+                    fwd is not None, bs, window, tables.r2t_host[0], tables.seen(0, bs),
+                    self._row_buf, self._token_buf, self._batch_block, check_token,
+                    self._fast_rt.chain_position_assert, fused.block)  # fmt: skip
+            entry = self._step_entry
+            if entry is None:  # (the types of these arguments do not change: see __init__)
+                entry = self._step_entry = entry_point(head_step_nb, *args)
             with parallel_lock:
-                code, n, num_tokens = head_step_nb(
-                    md.query_start_loc.numpy(), md.seq_lens.numpy(), md.slot_mapping.numpy(),
-                    md.block_table.numpy(), *self._by_slot, tables.tokens, tables.lens,
-                    self._fwd_np, fwd is not None, bs, window,
-                    tables.r2t_host[0], tables.seen(0, bs), self._row_buf, self._token_buf,
-                    self._batch_block, check_token, self._fast_rt.chain_position_assert, fused.block,
-                )  # fmt: skip
+                code, n, num_tokens = entry(*args)
             if code != FAST_GROW:
                 break
             self._grow_fast_buffers(n, num_tokens)
@@ -416,19 +426,17 @@ class VllmCanaryWorker:
         :meth:`_fast_head`), before any group wrote (a plan leaves no trace; the req->token
         rows brought up to date are the full path's)."""
         maybe = tuple(manager.host_fused() for manager in self.managers)
-        if None in maybe:
+        md_args = metadata_args(metadata)
+        if None in maybe or md_args is None:
             return False
         fused = cast(tuple[FusedRowLaunches, ...], maybe)
         tables, fwd, check_token = self.tables, self._forward_input_ids, self._fast_args[2]
-        slots = tuple(md.slot_mapping.numpy() for md in metadata)
-        bts = tuple(md.block_table.numpy() for md in metadata)
         seens = tuple(tables.seen(s.index, s.block_size) for s in self.specs)
         blks, batches = tuple(f.block for f in fused), tuple(self._batch_blocks)
         while True:
             with parallel_lock:
                 code, n, num_tokens = head_groups_nb(
-                    metadata[0].query_start_loc.numpy(), metadata[0].seq_lens.numpy(),
-                    slots[self._key_group], slots, bts, *self._by_slot, tables.tokens,
+                    md_args, self._key_group, *self._by_slot, tables.tokens,
                     tables.lens, self._fwd_np, fwd is not None,
                     self._group_shapes, tuple(tables.r2t_host), seens, self._row_buf,
                     tuple(self._token_bufs), batches, check_token,
