@@ -172,12 +172,13 @@ class VllmCanaryWorker:
         # A step _fast_heads opened: its calls' batch blocks and argument blocks, for TAIL
         self._open_groups: tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]] | None = None
         self.num_fast_steps = 0
-        # head_step_nb's compiled entry (numba_kernels.entry_point: no typing of its
-        # arguments a step), made by the first one-call HEAD: every argument is an int64
-        # array the worker owns (replaced by one of the same type when it grows), a Python
-        # scalar or the attention metadata's tuple of ints, but the forward's input ids,
-        # whose setter drops it.
+        # head_step_nb's or head_groups_nb's compiled entry (numba_kernels.entry_point: no
+        # typing of its arguments a step), made by the first one-call HEAD: every argument
+        # is an int64 array the worker owns (replaced by one of the same type when it
+        # grows), a tuple of them, a Python scalar or the attention metadata's tuple of
+        # ints, but the forward's input ids, whose setter drops it.
         self._step_entry: Any = None
+        self._tail_entry: Any = None  # tail_groups_nb's (a hybrid step's TAIL)
         self._fast_rt = self.managers[0].runtime
         self._fast_args = (self.specs[0].block_size, self.specs[0].sliding_window or 0,
                            self._fast_rt.config.verify_tokens)  # fmt: skip
@@ -210,8 +211,11 @@ class VllmCanaryWorker:
             self._clear(meta.invalid_slots)
         self._seal_pending = bool(meta.seal_req_ids)
         rows_of, tables = self._rows, self.tables
-        rows = np.array([rows_of.get(rid) or self._row(rid) for rid in meta.req_ids],
-                        dtype=np.int64)  # (row 0: padding)  # fmt: skip
+        rows_list = list(map(rows_of.get, meta.req_ids))  # (no comprehension's frame)
+        if None in rows_list:  # requests seen for the first time
+            rows_list = [self._row(rid) if row is None else row
+                         for row, rid in zip(rows_list, meta.req_ids, strict=True)]  # fmt: skip
+        rows = np.array(rows_list, dtype=np.int64)
         # (a flat list in one conversion each; a prefill's thousands of token ids: fromiter,
         # 35 against 54 us for 2048)
         cols = np.array(meta.cols, dtype=np.int64)
@@ -434,14 +438,15 @@ class VllmCanaryWorker:
         seens = tuple(tables.seen(s.index, s.block_size) for s in self.specs)
         blks, batches = tuple(f.block for f in fused), tuple(self._batch_blocks)
         while True:
+            args = (md_args, self._key_group, *self._by_slot, tables.tokens, tables.lens,
+                    self._fwd_np, fwd is not None, self._group_shapes, tuple(tables.r2t_host),
+                    seens, self._row_buf, tuple(self._token_bufs), batches, check_token,
+                    self._fast_rt.chain_position_assert, blks, self._group_codes)  # fmt: skip
+            entry = self._step_entry
+            if entry is None:  # (as _fast_head's)
+                entry = self._step_entry = entry_point(head_groups_nb, *args)
             with parallel_lock:
-                code, n, num_tokens = head_groups_nb(
-                    md_args, self._key_group, *self._by_slot, tables.tokens,
-                    tables.lens, self._fwd_np, fwd is not None,
-                    self._group_shapes, tuple(tables.r2t_host), seens, self._row_buf,
-                    tuple(self._token_bufs), batches, check_token,
-                    self._fast_rt.chain_position_assert, blks, self._group_codes,
-                )  # fmt: skip
+                code, n, num_tokens = entry(*args)
             if code != FAST_GROW:
                 break
             self._grow_fast_buffers(n, num_tokens)
@@ -488,9 +493,12 @@ class VllmCanaryWorker:
                 error = e
         else:
             if groups is not None:  # _fast_heads' step: every group's TAIL in one call
+                args = (groups[0], self._fast_args[2], self._fast_rt.chain_position_assert,
+                        groups[1])  # fmt: skip
+                if self._tail_entry is None:  # (fixed types: the worker's arrays, flags)
+                    self._tail_entry = entry_point(tail_groups_nb, *args)
                 with parallel_lock:
-                    status = tail_groups_nb(groups[0], self._fast_args[2],
-                                            self._fast_rt.chain_position_assert, groups[1])  # fmt: skip
+                    status = self._tail_entry(*args)
                 if status:
                     raise IndexError("kv-canary: plan slot out of range of the canary buffer")
             for i, batches in enumerate(passes):
