@@ -52,26 +52,22 @@ _ANCHOR = np.int64(ANCHOR_HASH_I64)
 _HISTORY = _CHAIN | _TOKEN | _POSITION  # bits that say a slot holds another history
 
 
-@intrinsic
-def i64_ptr(typingctx, addr):
-    """An int64 address as ``int64*`` (for :func:`numba.carray`)."""
-    sig = types.CPointer(types.int64)(types.int64)
+def _pointer_of(element: Any) -> Any:
+    """The intrinsic taking an int64 address to ``element*`` (for :func:`numba.carray`)."""
+    pointer = types.CPointer(element)
 
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int64)))
+    def typed_ptr(typingctx: Any, addr: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.inttoptr(args[0], context.get_value_type(pointer))
 
-    return sig, codegen
+        return pointer(types.int64), codegen
+
+    typed_ptr.__name__ = typed_ptr.__qualname__ = f"{element}_ptr"
+    return intrinsic(typed_ptr)
 
 
-@intrinsic
-def i32_ptr(typingctx, addr):
-    """An int64 address as ``int32*`` (for :func:`numba.carray`)."""
-    sig = types.CPointer(types.int32)(types.int64)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int32)))
-
-    return sig, codegen
+i64_ptr = _pointer_of(types.int64)  # an int64 address as int64*
+i32_ptr = _pointer_of(types.int32)  # ... as int32*
 
 
 def entry_point(dispatcher: Any, *sample_args: Any) -> Callable[..., Any]:
