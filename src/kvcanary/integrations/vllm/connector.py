@@ -49,6 +49,7 @@ import sys
 import time
 import types
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -492,12 +493,21 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _build_meta(self, scheduler_output: SchedulerOutput) -> KVCanaryConnectorMetadata:
         so = scheduler_output
-        cached = so.scheduled_cached_reqs
-        computed: dict[str, int] = dict(zip(cached.req_ids, cached.num_computed_tokens,
-                                            strict=False))  # fmt: skip
-        for r in so.scheduled_new_reqs:  # a request seen for the first time (or resumed)
-            computed[r.req_id] = r.num_computed_tokens
-            self._sent.pop(r.req_id, None)
+        cached, new_reqs, scheduled = (so.scheduled_cached_reqs, so.scheduled_new_reqs,
+                                       so.num_scheduled_tokens)  # fmt: skip
+        # Each scheduled request with its num_computed_tokens: vLLM lists every scheduled
+        # request once, in the cached requests or the new (or resumed) ones.
+        pairs: Iterable[tuple[str, int]] = zip(cached.req_ids, cached.num_computed_tokens,
+                                               strict=False)  # fmt: skip
+        if new_reqs:  # requests seen for the first time (or resumed)
+            for r in new_reqs:
+                self._sent.pop(r.req_id, None)
+            pairs = [*pairs, *((r.req_id, r.num_computed_tokens) for r in new_reqs)]
+        if len(cached.req_ids) + len(new_reqs) != len(scheduled):  # one in neither list
+            computed, requests = dict(pairs), self._requests  # (not vLLM 0.32's scheduler)
+            pairs = [(rid, computed[rid] if rid in computed else
+                      requests[rid].num_computed_tokens if rid in requests else 0)
+                     for rid in scheduled]  # fmt: skip
         finished = so.finished_req_ids
         step = StepMeta(finished=[*finished, *self._finished])
         if self._finished:
@@ -517,16 +527,14 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         bs = self.specs[g].block_size if self.specs else 1
         sent, salts = self._sent, self._salts
         drafts_of = so.scheduled_spec_decode_tokens  # speculative decoding (ngram)
-        # (StepMeta.add's work done here, its bound appends kept: a call per request costs
+        # (StepMeta.add's work done here, its bound methods kept: a call per request costs
         # ~0.5 us)
-        add_rid, add_col, add_tokens = step.req_ids.append, step.cols.append, step.tokens.extend
-        get_known, get_k, get_sent = self._known.get, computed.get, sent.get
+        add_rid, add_cols, add_tokens = step.req_ids.append, step.cols.extend, step.tokens.extend
+        get_known, get_sent = self._known.get, sent.get
         get_blocks = None if req_blocks is None else req_blocks.get
-        for rid, num_scheduled in so.num_scheduled_tokens.items():
+        for rid, k in pairs:
+            num_scheduled = scheduled[rid]
             known = get_known(rid)  # (None: a request this side was not told of)
-            k = get_k(rid)
-            if k is None:
-                k = 0 if known is None else self._requests[rid].num_computed_tokens
             end = k + num_scheduled
             start = get_sent(rid, 0)
             count = 0
@@ -538,21 +546,19 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 else:
                     count = self._send_uncommitted(step, rid, known, start, end,
                                                    drafts_of.get(rid))  # fmt: skip
-            b = 0  # the block of position k (0: none, the null block)
+            slot = -1  # the key group's slot of position k (-1: none, the null block)
+            i = k // bs
             if get_blocks is not None:  # without listing every block of every group
                 blocks = get_blocks(rid, ())
-                if k // bs < len(blocks):
-                    b = blocks[k // bs].block_id
+                if i < len(blocks) and (b := blocks[i].block_id):
+                    slot = b * bs + k % bs
             elif manager is not None and self.specs:
                 block_ids = manager.get_block_ids(rid)[g]
-                b = block_ids[k // bs] if k // bs < len(block_ids) else 0
+                if i < len(block_ids) and (b := block_ids[i]):
+                    slot = b * bs + k % bs
             add_rid(rid)
-            add_col(k)  # StepMeta's COL_* order
-            add_col(num_scheduled)
-            add_col(start)
-            add_col(count)
-            add_col(b * bs + k % bs if b else -1)
-        self._external_loads(so, step, computed)
+            add_cols((k, num_scheduled, start, count, slot))  # StepMeta's COL_* order
+        self._external_loads(so, step)
         return KVCanaryConnectorMetadata(step)
 
     def _send_uncommitted(self, step: StepMeta, rid: str, known: Any, start: int, end: int,
@@ -587,8 +593,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         d0 = end - len(drafts)  # the first draft's position
         return [-1] * max(0, d0 - first) + list(drafts[max(0, first - d0) :])
 
-    def _external_loads(self, so: SchedulerOutput, step: StepMeta,
-                        computed: dict[str, int]) -> None:  # fmt: skip
+    def _external_loads(self, so: SchedulerOutput, step: StepMeta) -> None:
         """The loads of this step (module doc): sync loads sealed, async loads that start
         (their slots cleared) or completed (sealed), the slots cleared before this step."""
         allocated, self._allocated = self._allocated, []
@@ -601,6 +606,9 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if not (allocated or self._loads or any(self._invalid)):  # the usual step: no load
             return
         scheduled = so.num_scheduled_tokens
+        cached = so.scheduled_cached_reqs
+        computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        computed.update((r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs)
         if allocated and not self._partial_hits_off(manager):
             allocated = []
         sealed = []

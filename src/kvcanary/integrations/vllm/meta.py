@@ -9,7 +9,9 @@ llvmlite's objects; the numba-backed canary loads only when the KV caches regist
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from kvcanary.canary.wire.constants import PoolKind
 
@@ -80,15 +82,17 @@ class StepMeta:
     cols: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
-    final_req_ids: list[str] = field(default_factory=list)
-    final_starts: list[int] = field(default_factory=list)
-    final_computed: list[int] = field(default_factory=list)
-    final_tokens: list[int] = field(default_factory=list)
-    seal_req_ids: list[str] = field(default_factory=list)
-    seal_starts: list[int] = field(default_factory=list)
-    seal_ends: list[int] = field(default_factory=list)
-    seal_slots: list[list[int]] = field(default_factory=list)
-    invalid_slots: list[list[int]] = field(default_factory=list)
+    # (the rest are empty on nearly every step: an empty tuple until something is added,
+    # no list made a step)
+    final_req_ids: Sequence[str] = ()
+    final_starts: Sequence[int] = ()
+    final_computed: Sequence[int] = ()
+    final_tokens: Sequence[int] = ()
+    seal_req_ids: Sequence[str] = ()
+    seal_starts: Sequence[int] = ()
+    seal_ends: Sequence[int] = ()
+    seal_slots: Sequence[list[int]] = ()
+    invalid_slots: Sequence[list[int]] = ()
 
     def add(self, req_id: str, num_computed: int, num_scheduled: int, token_start: int,
             tokens: list[int], first_slot: int) -> None:  # fmt: skip
@@ -104,18 +108,22 @@ class StepMeta:
     def final(self, req_id: str, start: int, tokens: list[int]) -> None:
         """Finished request ``req_id``'s token ids of positions ``[start, start +
         len(tokens))``, which it computed with the token not known yet."""
-        self.final_req_ids.append(req_id)
-        self.final_starts.append(start)
-        self.final_computed.append(start + len(tokens))
-        self.final_tokens.extend(tokens)
+        if not self.final_req_ids:
+            self.final_req_ids, self.final_starts, self.final_computed = [], [], []
+            self.final_tokens = []
+        cast(list[str], self.final_req_ids).append(req_id)
+        cast(list[int], self.final_starts).append(start)
+        cast(list[int], self.final_computed).append(start + len(tokens))
+        cast(list[int], self.final_tokens).extend(tokens)
 
     def seal(self, req_id: str, start: int, end: int, slots: list[list[int]]) -> None:
         """Seal request ``req_id``'s positions ``[start, end)``: ``slots[g]``, their slots in
         group g (-1 where the group holds no block)."""
-        if not self.seal_slots:
+        if not self.seal_req_ids:
+            self.seal_req_ids, self.seal_starts, self.seal_ends = [], [], []
             self.seal_slots = [[] for _ in slots]
-        self.seal_req_ids.append(req_id)
-        self.seal_starts.append(start)
-        self.seal_ends.append(end)
+        cast(list[str], self.seal_req_ids).append(req_id)
+        cast(list[int], self.seal_starts).append(start)
+        cast(list[int], self.seal_ends).append(end)
         for mine, theirs in zip(self.seal_slots, slots, strict=True):
             mine.extend(theirs)
