@@ -224,6 +224,12 @@ def meta_nb(rows, cols, tokens, store, lens, out):
     :func:`settle_nb` settles. Returns (the first slots, the arrivals, the columns the
     store needs); when the store is narrower than that, nothing is written (grow it, call
     again)."""
+    return _meta_body(rows, cols, tokens, store, lens, out)
+
+
+@numba.njit(cache=True, inline="always")
+def _meta_body(rows, cols, tokens, store, lens, out):
+    """:func:`meta_nb`'s work (the one-call HEADs run it first when it is pending)."""
     n = rows.shape[0]
     end = 0
     for i in range(n):
@@ -426,8 +432,10 @@ def chain_seed_nb(tokens):
 
 
 # head_step_nb's codes besides the fused HEAD's (0: done, 1: a verify overflowed, >= 2: see
-# fused_rows): the step needs the full path (nothing was written), or larger buffers.
-FAST_FULL_PATH, FAST_GROW = -1, -2
+# fused_rows): the step needs the full path (nothing was written), or larger buffers; the
+# step's metadata (meta_nb's part, run first) needs a wider token store (nothing written),
+# or has arrivals to settle (its part done, nothing else).
+FAST_FULL_PATH, FAST_GROW, FAST_GROW_STORE, FAST_SETTLE = -1, -2, -3, -4
 
 
 # A step's attention metadata as the one-call HEADs take it: int32 query_start_loc and
@@ -476,57 +484,83 @@ def _md_group(md, g):
             numba.carray(i32_ptr(md[k + MD_BT]), (md[k + MD_BT_ROWS], md[k + MD_BT_COLS])))  # fmt: skip
 
 
+@numba.njit(cache=True, inline="always")
+def _step_keys(meta, meta_out, num_keys, store, lens):
+    """The step's first slots and their rows (``meta_out``'s rows 0-1, ``num_keys`` of
+    them), :func:`meta_nb`'s part run first when it is pending (``num_keys`` < 0: the
+    step's ``(rows, cols, tokens)`` in ``meta``). ``(code, value, num_keys)``: code 0;
+    FAST_GROW_STORE (value: the columns the store needs; nothing written); FAST_SETTLE
+    (value: the arrivals in ``meta_out``; the part done)."""
+    if num_keys >= 0:
+        return 0, 0, num_keys
+    num_keys, num_arrived, end = _meta_body(meta[0], meta[1], meta[2], store, lens, meta_out)
+    if end > store.shape[1]:
+        return FAST_GROW_STORE, end, -1
+    if num_arrived:
+        return FAST_SETTLE, num_arrived, num_keys
+    return 0, 0, num_keys
+
+
 @numba.njit(cache=True)
-def head_step_nb(md, keys, key_rows, tokens, lens, fwd_ids, has_fwd, bs, window, r2t, seen,
-                 row_buf, token_buf, batch, check_token, position_assert, blk):  # fmt: skip
-    """One CPU step of a single-group canary in one compiled call: the step's batch
-    (:func:`batch_nb` on the attention metadata ``md``, :func:`metadata_args`' tuple; the
-    forward's input ids where the store has none yet: ``fwd_ids``),
-    :func:`group_rows_nb`, the batch block (``batch``, int64 [18], pointing into ``row_buf``
-    [4, >= rows] and ``token_buf`` [3, >= tokens], which keep the batch for TAIL) and the
-    fused HEAD (plans, writes, then the verify; ``blk`` the fused launches' argument block).
-    Returns ``(code, rows, tokens)``: FAST_FULL_PATH when the step needs the worker's full
-    path (a row that depends on another, a row no request matched, tables too small;
-    nothing written), FAST_GROW when the buffers are too small, else the fused HEAD's
-    code."""
+def head_step_nb(md, meta, meta_out, num_keys, tokens, lens, fwd_ids, has_fwd, bs, window, r2t,
+                 seen, row_buf, token_buf, batch, check_token, position_assert, blk):  # fmt: skip
+    """One CPU step of a single-group canary in one compiled call, from the scheduler's
+    metadata on (bind and HEAD in one call): :func:`_step_keys` (the step's token ids into
+    the store, its first slots), the step's batch (:func:`batch_nb` on the attention
+    metadata ``md``, :func:`metadata_args`' tuple; the forward's input ids where the store
+    has none yet: ``fwd_ids``), :func:`group_rows_nb`, the batch block (``batch``, int64
+    [18], pointing into ``row_buf`` [4, >= rows] and ``token_buf`` [3, >= tokens], which keep
+    the batch for TAIL) and the fused HEAD (plans, writes, then the verify; ``blk`` the fused
+    launches' argument block). Returns ``(code, rows, tokens, num_keys)``: :func:`_step_keys`'
+    codes (``rows`` its value); FAST_FULL_PATH when the step needs the worker's full path (a
+    row that depends on another, a row no request matched, tables too small; nothing
+    written but the metadata's part), FAST_GROW when the buffers are too small, else the
+    fused HEAD's code."""
+    code, value, num_keys = _step_keys(meta, meta_out, num_keys, tokens, lens)
+    if code < 0:
+        return code, value, 0, num_keys
     qsl, seq_lens = _md_batch(md)
     slot_mapping, bt = _md_group(md, 0)
     code, n, num_tokens, prefix, seq, rows, ids, positions = _step_batch(
-        qsl, seq_lens, slot_mapping, keys, key_rows, tokens, lens, fwd_ids, has_fwd,
-        r2t.shape[1], row_buf, token_buf.shape[1])  # fmt: skip
+        qsl, seq_lens, slot_mapping, meta_out[0, :num_keys], meta_out[1, :num_keys], tokens,
+        lens, fwd_ids, has_fwd, r2t.shape[1], row_buf, token_buf.shape[1])  # fmt: skip
     if code < 0:
-        return code, n, num_tokens
+        return code, n, num_tokens, num_keys
     code = _group_plan(bt, slot_mapping, bs, window, r2t, seen, prefix, seq, rows, ids,
                        positions, n, num_tokens, row_buf, token_buf, batch, tokens,
                        check_token, blk)  # fmt: skip
     if code >= _PLAN_FAILED:
-        return code, n, num_tokens
+        return code, n, num_tokens, num_keys
     _group_write(batch, position_assert, blk)
     status = _verify_body(n, check_token, check_token, blk)
-    return (code if status == _DONE else status), n, num_tokens
+    return (code if status == _DONE else status), n, num_tokens, num_keys
 
 
 @numba.njit(cache=True)
-def head_groups_nb(md, key_group, keys, key_rows, tokens, lens, fwd_ids, has_fwd, shapes, r2ts,
-                   seens, row_buf, token_bufs, batches, check_token, position_assert, blks,
-                   codes):  # fmt: skip
+def head_groups_nb(md, key_group, meta, meta_out, num_keys, tokens, lens, fwd_ids, has_fwd,
+                   shapes, r2ts, seens, row_buf, token_bufs, batches, check_token,
+                   position_assert, blks, codes):  # fmt: skip
     """:func:`head_step_nb` for a CPU step with several groups (hybrid models), in one
-    compiled call: the batch once (its rows matched on the key group's slots), then per
-    group g its req->token rows, batch block and plans (its slot_mapping and block_table
-    in ``md``, ``shapes[g]`` = (block size, window or 0), ``r2ts[g]``, ``seens[g]``,
-    ``token_bufs[g]``, ``batches[g]``, ``blks[g]``), then every group's writes, then every
-    group's verifies (the groups share record buffers: every verify after every write is
-    the alias check), as the worker's full path orders them. Returns ``(code, rows,
-    tokens)``: FAST_FULL_PATH, FAST_GROW, or a group's failed plan (``>= _PLAN_FAILED``)
-    before anything was written; a verify's slot error; else ``_DONE`` with each group's
+    compiled call: the metadata's part, the batch once (its rows matched on the key
+    group's slots), then per group g its req->token rows, batch block and plans (its
+    slot_mapping and block_table in ``md``, ``shapes[g]`` = (block size, window or 0),
+    ``r2ts[g]``, ``seens[g]``, ``token_bufs[g]``, ``batches[g]``, ``blks[g]``), then every
+    group's writes, then every group's verifies (the groups share record buffers: every
+    verify after every write is the alias check), as the worker's full path orders them.
+    Returns ``(code, rows, tokens, num_keys)``: :func:`_step_keys`' codes, FAST_FULL_PATH,
+    FAST_GROW, or a group's failed plan (``>= _PLAN_FAILED``) before anything but the
+    metadata's part was written; a verify's slot error; else ``_DONE`` with each group's
     fused HEAD code (done, or a verify overflowed) in ``codes[g]``."""
+    code, value, num_keys = _step_keys(meta, meta_out, num_keys, tokens, lens)
+    if code < 0:
+        return code, value, 0, num_keys
     qsl, seq_lens = _md_batch(md)
     key_slot_mapping = _md_group(md, key_group)[0]
     code, n, num_tokens, prefix, seq, rows, ids, positions = _step_batch(
-        qsl, seq_lens, key_slot_mapping, keys, key_rows, tokens, lens, fwd_ids, has_fwd,
-        r2ts[0].shape[1], row_buf, token_bufs[0].shape[1])  # fmt: skip
+        qsl, seq_lens, key_slot_mapping, meta_out[0, :num_keys], meta_out[1, :num_keys],
+        tokens, lens, fwd_ids, has_fwd, r2ts[0].shape[1], row_buf, token_bufs[0].shape[1])  # fmt: skip
     if code < 0:
-        return code, n, num_tokens
+        return code, n, num_tokens, num_keys
     num_groups = len(blks)
     for g in range(num_groups):
         slot_mapping, bt = _md_group(md, g)
@@ -534,15 +568,15 @@ def head_groups_nb(md, key_group, keys, key_rows, tokens, lens, fwd_ids, has_fwd
                            prefix, seq, rows, ids, positions, n, num_tokens, row_buf,
                            token_bufs[g], batches[g], tokens, check_token, blks[g])  # fmt: skip
         if code >= _PLAN_FAILED:
-            return code, n, num_tokens
+            return code, n, num_tokens, num_keys
         codes[g] = code
     for g in range(num_groups):
         _group_write(batches[g], position_assert, blks[g])
     for g in range(num_groups):
         status = _verify_body(n, check_token, check_token, blks[g])
         if status != _DONE:
-            return status, n, num_tokens
-    return _DONE, n, num_tokens
+            return status, n, num_tokens, num_keys
+    return _DONE, n, num_tokens, num_keys
 
 
 @numba.njit(cache=True, inline="always")

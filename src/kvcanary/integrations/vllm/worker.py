@@ -55,6 +55,7 @@ from kvcanary.integrations.vllm.pool import SharedRecords, VllmGroupPool
 from kvcanary.integrations.vllm.steps import (
     FAST_FULL_PATH,
     FAST_GROW,
+    FAST_GROW_STORE,
     BufferStepBatch,
     GroupHost,
     GroupTableView,
@@ -76,6 +77,7 @@ from kvcanary.jit.parallel import parallel_lock
 
 logger = logging.getLogger("kvcanary.canary")
 _NO_IDS = np.zeros(0, dtype=np.int64)
+_NO_META = (_NO_IDS, _NO_IDS, _NO_IDS)  # the one-call HEADs' metadata once its part ran
 
 
 class VllmCanaryWorker:
@@ -134,9 +136,13 @@ class VllmCanaryWorker:
         self._num_rows = 1  # row 0: padding
         self._lent: list[int] = []
         self._step = StepMeta()
-        # This step's requests by the key group's slot of their first new token: (slots
-        # sorted, their rows), for matching batch rows in one compiled pass.
-        self._by_slot = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        # This step's metadata as on_meta converted it, (rows, cols, tokens), until its
+        # compiled part ran (meta_nb: the token ids into the store; in the one-call HEADs,
+        # first); then this step's requests by the key group's slot of their first new
+        # token, for matching batch rows in one compiled pass: _meta_out[0:2, :_num_keys]
+        # (slots sorted, their rows).
+        self._pending_meta: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._num_keys = 0
         self._open: list[list[StepBatch]] | None = None
         self.num_dependent_passes = 0
         self._invalid_blocks: set[int] = set()
@@ -183,7 +189,8 @@ class VllmCanaryWorker:
         self._fast_args = (self.specs[0].block_size, self.specs[0].sliding_window or 0,
                            self._fast_rt.config.verify_tokens)  # fmt: skip
         # meta_nb's output (keys, their rows, arrivals; grown on demand) and compiled
-        # function (its argument types are fixed: int64 arrays made here)
+        # function (its argument types are fixed: int64 arrays made here), for the steps
+        # the one-call HEADs do not take
         self._meta_out = np.zeros((5, 64), dtype=np.int64)
         self._meta_entry = entry_point(meta_nb, _NO_IDS, _NO_IDS, _NO_IDS, self.tables.tokens,
                                        self.tables.lens, self._meta_out)  # fmt: skip
@@ -200,6 +207,11 @@ class VllmCanaryWorker:
 
     # -------------------------------------------------------------- scheduler input
     def on_meta(self, meta: StepMeta) -> None:
+        """The scheduler's metadata of the step about to run: rows for its requests, its
+        numbers as arrays; their compiled part (:func:`.steps.meta_nb`) runs in the one-call
+        HEAD, or :meth:`_take_meta` (the full path, or a step that ran no forward)."""
+        if self._pending_meta is not None:  # a step without a forward
+            self._take_meta()
         if meta.final_req_ids:  # their rows still hold them
             self._settle_final(meta)
         for rid in meta.finished:
@@ -210,8 +222,7 @@ class VllmCanaryWorker:
         if meta.invalid_slots:
             self._clear(meta.invalid_slots)
         self._seal_pending = bool(meta.seal_req_ids)
-        rows_of, tables = self._rows, self.tables
-        rows_list = list(map(rows_of.get, meta.req_ids))  # (no comprehension's frame)
+        rows_list = list(map(self._rows.get, meta.req_ids))  # (no comprehension's frame)
         if None in rows_list:  # requests seen for the first time
             rows_list = [self._row(rid) if row is None else row
                          for row, rid in zip(rows_list, meta.req_ids, strict=True)]  # fmt: skip
@@ -222,18 +233,35 @@ class VllmCanaryWorker:
         num = len(meta.tokens)
         tokens = (np.fromiter(meta.tokens, dtype=np.int64, count=num) if num > 64
                   else np.array(meta.tokens, dtype=np.int64))  # fmt: skip
-        out = self._meta_out
-        if max(rows.shape[0], num) > out.shape[1]:
-            out = self._meta_out = np.zeros((5, 2 * max(rows.shape[0], num)), dtype=np.int64)
+        if max(rows.shape[0], num) > self._meta_out.shape[1]:
+            self._meta_out = np.zeros((5, 2 * max(rows.shape[0], num)), dtype=np.int64)
+        self._pending_meta = (rows, cols, tokens)
+
+    def _take_meta(self) -> None:
+        """The pending metadata's compiled part (:func:`.steps.meta_nb`), then the
+        settling of its arrivals."""
+        assert self._pending_meta is not None
+        (rows, cols, tokens), tables, out = self._pending_meta, self.tables, self._meta_out
         while True:
             num_keys, num_arrived, end = self._meta_entry(rows, cols, tokens, tables.tokens,
                                                           tables.lens, out)  # fmt: skip
             if end <= tables.tokens.shape[1]:
                 break
             tables.ensure(self._num_rows, end)
-        self._by_slot = (out[0, :num_keys], out[1, :num_keys])
+        self._pending_meta, self._num_keys = None, num_keys
         if num_arrived:
             self._settle(out, num_arrived)
+
+    def _retry_keys(self, code: int, value: int, num_keys: int) -> tuple[Any, ...] | None:
+        """After a one-call HEAD returned :func:`.steps._step_keys`' ``code`` (its
+        ``value``): the token store grown (the part not run), or the part taken and its
+        arrivals settled. The metadata to call again with (None: taken)."""
+        if code == FAST_GROW_STORE:
+            self.tables.ensure(self._num_rows, value)
+            return self._pending_meta
+        self._pending_meta, self._num_keys = None, num_keys
+        self._settle(self._meta_out, value)
+        return None
 
     def _settle_final(self, meta: StepMeta) -> None:
         """Async scheduling: finished requests' token ids of positions they computed with
@@ -317,6 +345,8 @@ class VllmCanaryWorker:
                 self._fast_head(metadata) if len(self.specs) == 1
                 else self._fast_heads(metadata)):  # fmt: skip
             return
+        if self._pending_meta is not None:
+            self._take_meta()
         if self._lent:
             self._give_back_lent()
         self._seals = None
@@ -328,7 +358,8 @@ class VllmCanaryWorker:
         tables = self.tables
         ql, prefix, seq, positions, max_seq, may_depend, rows, input_ids, unmatched = batch_nb(
             _host(md0.query_start_loc), _host(md0.seq_lens), _host(metadata[g].slot_mapping),
-            *self._by_slot, tables.tokens, tables.lens,
+            self._meta_out[0, : self._num_keys], self._meta_out[1, : self._num_keys],
+            tables.tokens, tables.lens,
         )  # fmt: skip
         n, num_tokens, dev = ql.shape[0], positions.shape[0], self.device
         if unmatched:  # rows no first slot matched (rare): the slow path
@@ -378,28 +409,36 @@ class VllmCanaryWorker:
 
     def _fast_head(self, metadata: Sequence[Any]) -> bool:
         """HEAD of a single-group CPU step in one compiled call (:func:`.steps.head_step_nb`:
-        the batch, the group's req->token rows and the fused HEAD), when the step needs
-        nothing else (no row that depends on another or that no request matched; the
-        manager's :meth:`~kvcanary.canary.manager.CanaryManager.host_fused`); the same work
-        as the full path. False otherwise, with nothing done but, when HEAD's plan needs
-        more scratch, the req->token rows brought up to date (the full path writes the same
-        rows again, then grows the scratch)."""
+        the step's metadata part, the batch, the group's req->token rows and the fused
+        HEAD), when the step needs nothing else (no row that depends on another or that no
+        request matched; the manager's
+        :meth:`~kvcanary.canary.manager.CanaryManager.host_fused`); the same work as the
+        full path. False otherwise, with nothing done but the metadata's part and, when
+        HEAD's plan needs more scratch, the req->token rows brought up to date (the full
+        path writes the same rows again, then grows the scratch)."""
         manager = self.managers[0]
         fused = manager.host_fused()
         md_args = metadata_args(metadata)
         if fused is None or md_args is None:
             return False
         tables, fwd, (bs, window, check_token) = self.tables, self._forward_input_ids, self._fast_args
+        pending = self._pending_meta
         while True:
-            args = (md_args, *self._by_slot, tables.tokens, tables.lens, self._fwd_np,
-                    fwd is not None, bs, window, tables.r2t_host[0], tables.seen(0, bs),
-                    self._row_buf, self._token_buf, self._batch_block, check_token,
-                    self._fast_rt.chain_position_assert, fused.block)  # fmt: skip
+            args = (md_args, _NO_META if pending is None else pending, self._meta_out,
+                    self._num_keys if pending is None else -1, tables.tokens, tables.lens,
+                    self._fwd_np, fwd is not None, bs, window, tables.r2t_host[0],
+                    tables.seen(0, bs), self._row_buf, self._token_buf, self._batch_block,
+                    check_token, self._fast_rt.chain_position_assert, fused.block)  # fmt: skip
             entry = self._step_entry
             if entry is None:  # (the types of these arguments do not change: see __init__)
                 entry = self._step_entry = entry_point(head_step_nb, *args)
             with parallel_lock:
-                code, n, num_tokens = entry(*args)
+                code, n, num_tokens, num_keys = entry(*args)
+            if code <= FAST_GROW_STORE:  # the metadata's part: a wider store, arrivals
+                pending = self._retry_keys(code, n, num_keys)
+                continue
+            self._pending_meta = pending = None
+            self._num_keys = num_keys
             if code != FAST_GROW:
                 break
             self._grow_fast_buffers(n, num_tokens)
@@ -435,18 +474,26 @@ class VllmCanaryWorker:
             return False
         fused = cast(tuple[FusedRowLaunches, ...], maybe)
         tables, fwd, check_token = self.tables, self._forward_input_ids, self._fast_args[2]
-        seens = tuple(tables.seen(s.index, s.block_size) for s in self.specs)
         blks, batches = tuple(f.block for f in fused), tuple(self._batch_blocks)
-        while True:
-            args = (md_args, self._key_group, *self._by_slot, tables.tokens, tables.lens,
-                    self._fwd_np, fwd is not None, self._group_shapes, tuple(tables.r2t_host),
-                    seens, self._row_buf, tuple(self._token_bufs), batches, check_token,
-                    self._fast_rt.chain_position_assert, blks, self._group_codes)  # fmt: skip
+        pending = self._pending_meta
+        while True:  # (the tables' arrays each time: a wider store grows them)
+            seens = tuple(tables.seen(s.index, s.block_size) for s in self.specs)
+            args = (md_args, self._key_group, _NO_META if pending is None else pending,
+                    self._meta_out, self._num_keys if pending is None else -1, tables.tokens,
+                    tables.lens, self._fwd_np, fwd is not None, self._group_shapes,
+                    tuple(tables.r2t_host), seens, self._row_buf, tuple(self._token_bufs),
+                    batches, check_token, self._fast_rt.chain_position_assert, blks,
+                    self._group_codes)  # fmt: skip
             entry = self._step_entry
             if entry is None:  # (as _fast_head's)
                 entry = self._step_entry = entry_point(head_groups_nb, *args)
             with parallel_lock:
-                code, n, num_tokens = entry(*args)
+                code, n, num_tokens, num_keys = entry(*args)
+            if code <= FAST_GROW_STORE:  # (as _fast_head's)
+                pending = self._retry_keys(code, n, num_keys)
+                continue
+            self._pending_meta = pending = None
+            self._num_keys = num_keys
             if code != FAST_GROW:
                 break
             self._grow_fast_buffers(n, num_tokens)
