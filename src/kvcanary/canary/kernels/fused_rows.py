@@ -479,8 +479,7 @@ class FusedRowLaunches:
     def opened(self, batch: np.ndarray, check_token: bool, position_assert: bool) -> None:
         """After a host ran HEAD itself (its phases on the batch ``batch`` describes, a
         batch block whose arrays the host keeps alive until TAIL): what :meth:`tail`
-        needs, as :meth:`head` leaves it."""
-        self._verify_call = (int(batch[1]), bool(batch[17]), check_token)
+        needs, as :meth:`head` leaves it (its verifies ran: no :meth:`head_verify`)."""
         self._tail_call, self._tail_host = (batch, check_token, position_assert), None
 
     @staticmethod
