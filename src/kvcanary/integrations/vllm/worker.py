@@ -83,8 +83,10 @@ _NO_META = (_NO_IDS, _NO_IDS, _NO_IDS)  # the one-call HEADs' metadata once its 
 class VllmCanaryWorker:
     """Every group's canary on one vLLM worker; the connector's worker side drives it::
 
-        on_meta(meta)                 bind_connector_metadata: tokens, finished requests,
-                                      the records of invalid slots cleared
+        on_meta(meta)                 bind_connector_metadata: rows for the step's
+                                      requests, finished requests, the records of invalid
+                                      slots cleared (the token ids into the store: in
+                                      HEAD's compiled call)
         before_forward(metadata)      first layer's wait_for_layer_load: the seals' HEAD
                                       records, then HEAD (all groups)
         after_forward()               wait_for_save: the seals' TAIL records, TAIL, reports,
