@@ -136,6 +136,30 @@ def test_rows_follow_requests_across_batch_orders_and_finished_requests(
     assert v.violations() == [] and "matches no scheduled request" not in caplog.text
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_token_ids_of_a_step_whose_head_never_ran_are_stored(fast: bool) -> None:
+    """A step's token ids go into the store in HEAD (the one-call HEAD's compiled call, or
+    the full path's first): a step whose forward never reached HEAD (it raised before)
+    still has them stored, when the next step's metadata arrives; the scheduler does not
+    send them again."""
+    v = FakeVllm()
+    w = v.worker
+    w._fast_ok = fast
+    v.add("a", list(range(10, 19)))
+    v.add("b", list(range(50, 56)))
+    v.step(["a", "b"])  # prefill
+    w.before_forward = lambda metadata: None  # type: ignore[method-assign]
+    w.after_forward = lambda: None  # type: ignore[method-assign]
+    v.step(["a", "b"])  # sends 1009 for a, 1006 for b; no HEAD, no TAIL
+    del w.before_forward, w.after_forward
+    v.step(["b", "a"])
+    v.step(["a", "b"])
+    rows = w._rows
+    assert w.tables.tokens[rows["a"], :12].tolist() == [*range(10, 19), 1009, 1010, 1011]
+    assert w.tables.tokens[rows["b"], :9].tolist() == [*range(50, 56), 1006, 1007, 1008]
+    assert (w.num_fast_steps > 0) == fast
+
+
 def test_a_row_no_request_matches_gets_a_row_of_its_own_for_the_step(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

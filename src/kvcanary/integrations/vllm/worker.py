@@ -468,8 +468,8 @@ class VllmCanaryWorker:
         plans, then every group's writes, then every group's verifies: the full path's
         work in its order, :meth:`_head`); its TAIL is one call too (:meth:`after_forward`:
         :func:`.steps.tail_groups_nb`). False when the step needs the full path (as
-        :meth:`_fast_head`), before any group wrote (a plan leaves no trace; the req->token
-        rows brought up to date are the full path's)."""
+        :meth:`_fast_head`), before any group wrote (the metadata's part done; a plan leaves no
+        trace; the req->token rows brought up to date are the full path's)."""
         maybe = tuple(manager.host_fused() for manager in self.managers)
         md_args = metadata_args(metadata)
         if None in maybe or md_args is None:
