@@ -49,7 +49,6 @@ import sys
 import time
 import types
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -495,21 +494,22 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         so = scheduler_output
         cached, new_reqs, scheduled = (so.scheduled_cached_reqs, so.scheduled_new_reqs,
                                        so.num_scheduled_tokens)  # fmt: skip
-        # Each scheduled request with its num_computed_tokens: vLLM lists every scheduled
+        # Each scheduled request and its num_computed_tokens: vLLM lists every scheduled
         # request once, in the cached requests or the new (or resumed) ones.
-        pairs: Iterable[tuple[str, int]] = zip(cached.req_ids, cached.num_computed_tokens,
-                                               strict=False)  # fmt: skip
+        req_ids, counts = [*cached.req_ids], cached.num_computed_tokens
         if new_reqs:  # requests seen for the first time (or resumed)
             for r in new_reqs:
                 self._sent.pop(r.req_id, None)
-            pairs = [*pairs, *((r.req_id, r.num_computed_tokens) for r in new_reqs)]
-        if len(cached.req_ids) + len(new_reqs) != len(scheduled):  # one in neither list
-            computed, requests = dict(pairs), self._requests  # (not vLLM 0.32's scheduler)
-            pairs = [(rid, computed[rid] if rid in computed else
-                      requests[rid].num_computed_tokens if rid in requests else 0)
-                     for rid in scheduled]  # fmt: skip
+                req_ids.append(r.req_id)
+            counts = [*counts, *(r.num_computed_tokens for r in new_reqs)]
+        if len(req_ids) != len(scheduled):  # one in neither list (not vLLM 0.32's scheduler)
+            computed, requests = dict(zip(req_ids, counts, strict=False)), self._requests
+            req_ids = list(scheduled)
+            counts = [computed[rid] if rid in computed else
+                      requests[rid].num_computed_tokens if rid in requests else 0
+                      for rid in req_ids]  # fmt: skip
         finished = so.finished_req_ids
-        step = StepMeta(finished=[*finished, *self._finished])
+        step = StepMeta(req_ids=req_ids, finished=[*finished, *self._finished])
         if self._finished:
             self._finished = []
         if self._final:
@@ -529,10 +529,10 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         drafts_of = so.scheduled_spec_decode_tokens  # speculative decoding (ngram)
         # (StepMeta.add's work done here, its bound methods kept: a call per request costs
         # ~0.5 us)
-        add_rid, add_cols, add_tokens = step.req_ids.append, step.cols.extend, step.tokens.extend
+        add_cols, add_tokens = step.cols.extend, step.tokens.extend
         get_known, get_sent = self._known.get, sent.get
         get_blocks = None if req_blocks is None else req_blocks.get
-        for rid, k in pairs:
+        for rid, k in zip(req_ids, counts, strict=True):
             num_scheduled = scheduled[rid]
             known = get_known(rid)  # (None: a request this side was not told of)
             end = k + num_scheduled
@@ -556,7 +556,6 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 block_ids = manager.get_block_ids(rid)[g]
                 if i < len(block_ids) and (b := block_ids[i]):
                     slot = b * bs + k % bs
-            add_rid(rid)
             add_cols((k, num_scheduled, start, count, slot))  # StepMeta's COL_* order
         self._external_loads(so, step)
         return KVCanaryConnectorMetadata(step)
