@@ -224,12 +224,6 @@ def meta_nb(rows, cols, tokens, store, lens, out):
     :func:`settle_nb` settles. Returns (the first slots, the arrivals, the columns the
     store needs); when the store is narrower than that, nothing is written (grow it, call
     again)."""
-    return _meta_body(rows, cols, tokens, store, lens, out)
-
-
-@numba.njit(cache=True, inline="always")
-def _meta_body(rows, cols, tokens, store, lens, out):
-    """:func:`meta_nb`'s work (the one-call HEADs run it first when it is pending)."""
     n = rows.shape[0]
     end = 0
     for i in range(n):
@@ -494,7 +488,7 @@ def _step_keys(meta, meta_out, num_keys, store, lens):
     (value: the arrivals in ``meta_out``; the part done)."""
     if num_keys >= 0:
         return 0, 0, num_keys
-    num_keys, num_arrived, end = _meta_body(meta[0], meta[1], meta[2], store, lens, meta_out)
+    num_keys, num_arrived, end = meta_nb(meta[0], meta[1], meta[2], store, lens, meta_out)
     if end > store.shape[1]:
         return FAST_GROW_STORE, end, -1
     if num_arrived:
