@@ -19,6 +19,7 @@ from kvcanary.integrations.vllm.bench import (
     add_bench_vllm_flags,
     check_bench_vllm_args,
     hook_shares,
+    paired_overheads,
     tok_s_figures,
 )
 
@@ -266,4 +267,26 @@ def test_bench_vllm_tok_s_figures_tell_the_connector_interface_from_the_canary()
                  "canary_beyond_interface_pct": 14.7}  # fmt: skip
     assert r["connector_control"]["prefill_tok_s"]["interface_pct"] == 10.0  # 1000 / 909.1
     bare = tok_s_figures({k: times[k] for k in ("plain", "canary")}, n_in=100, n_out=10)
-    assert set(bare) == {"prefill_tok_s", "decode_tok_s"}
+    assert set(bare) == {"prefill_tok_s", "decode_tok_s", "paired"}
+    assert set(bare["paired"]["decode_pct"]) == {"canary_vs_plain"}
+
+
+def test_bench_vllm_paired_figures_are_the_median_of_each_rounds_ratio() -> None:
+    """The paired figures compare two engines' passes of the same round (decode: full -
+    prefill of that round) and take the median ratio: a round slow for every engine (the
+    second) moves none of them, and they can differ from the best passes' ratio."""
+    times = {"plain": {"prefill": [0.10, 0.40, 0.10], "full": [1.10, 4.40, 1.00]},
+             "canary": {"prefill": [0.11, 0.44, 0.12], "full": [1.31, 5.24, 1.32]},
+             "control": {"prefill": [0.10, 0.41, 0.09], "full": [1.05, 4.51, 1.09]},
+             "connector": {"prefill": [0.10, 0.42, 0.11], "full": [1.12, 4.42, 1.11]}}  # fmt: skip
+    p = paired_overheads(times)
+    assert p["rounds"] == 3
+    # canary / plain: prefill 1.1, 1.1, 1.2 -> 1.1; decode 1.2 / 1.0, 4.8 / 4.0, 1.2 / 0.9
+    assert p["prefill_pct"]["canary_vs_plain"] == 10.0
+    assert p["decode_pct"]["canary_vs_plain"] == 20.0
+    # control / plain decode 0.95, 1.025, 1.1111 -> 1.025; prefill 1.0, 1.025, 0.9 -> 1.0
+    assert p["decode_pct"]["control_vs_plain"] == 2.5
+    assert p["prefill_pct"]["control_vs_plain"] == 0.0
+    # canary / connector decode 1.2 / 1.02, 4.8 / 4.0, 1.2 / 1.0 -> 1.1765, 1.2, 1.2
+    assert p["decode_pct"]["canary_vs_connector"] == 20.0
+    assert p["decode_pct"]["connector_vs_plain"] == 2.0  # 1.02, 1.0, 1.1111 -> 1.02

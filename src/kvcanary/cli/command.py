@@ -291,6 +291,8 @@ def _cmd_bench_vllm(a: argparse.Namespace) -> int:
            if "connector_outputs_identical" in r else {}),
         **{f"{k}_{side}": v[side] for k, v in r.get("connector_control", {}).items()
            for side in ("interface_pct", "canary_beyond_interface_pct")},
+        **{f"paired_{kind.removesuffix('_pct')}_{pair}_pct": v
+           for kind in ("prefill_pct", "decode_pct") for pair, v in r["paired"][kind].items()},
         **{k: r["per_step"][k] for k in (
             "plain_decode_step_ms", "canary_decode_total_ms", "canary_vs_plain_decode_step_pct",
             "plain_prefill_pass_ms", "canary_prefill_pass_ms", "canary_vs_plain_prefill_pct")},

@@ -4,17 +4,22 @@ in its own process; greedy outputs agree and each figure is the ratio it names."
 
 from __future__ import annotations
 
-import argparse
+import json
+from pathlib import Path
 
-from kvcanary.integrations.vllm.bench import add_bench_vllm_flags, bench_vllm
+import pytest
+
+from kvcanary.cli.command import main
 
 
-def test_bench_vllm_runs_the_connector_control_beside_the_canary() -> None:
-    ap = argparse.ArgumentParser()
-    add_bench_vllm_flags(ap)
-    a = ap.parse_args(["--rounds", "1", "--num-prompts", "2", "--input-len", "16",
-                       "--output-len", "4", "--no-control"])  # fmt: skip
-    r = bench_vllm(a)
+def test_bench_vllm_runs_the_connector_control_beside_the_canary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "vllm", "--rounds", "1", "--num-prompts", "2", "--input-len", "16",
+               "--output-len", "4", "--no-control", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    r = json.loads(out.read_text())
     assert r["outputs_identical"] and r["connector_outputs_identical"]
     assert "noise_floor" not in r and "control_outputs_identical" not in r
     stats = r["canary_stats"]
@@ -26,6 +31,17 @@ def test_bench_vllm_runs_the_connector_control_beside_the_canary() -> None:
         assert c["plain"] == r[key]["plain"]
         assert _is_ratio_pct(c["interface_pct"], c["plain"], c["connector"])
         assert _is_ratio_pct(c["canary_beyond_interface_pct"], c["connector"], r[key]["canary"])
+    # One round: each paired figure is the ratio of that round's passes, which the best
+    # passes' tok/s are too (their overheads rounded from the same times).
+    paired = r["paired"]
+    assert paired["rounds"] == 1
+    for kind, key in (("prefill_pct", "prefill_tok_s"), ("decode_pct", "decode_tok_s")):
+        assert abs(paired[kind]["canary_vs_plain"] - r[key]["overhead_pct"]) <= 0.1
+        c = r["connector_control"][key]
+        assert abs(paired[kind]["connector_vs_plain"] - c["interface_pct"]) <= 0.1
+        assert abs(paired[kind]["canary_vs_connector"] - c["canary_beyond_interface_pct"]) <= 0.1
+    table = capsys.readouterr().out
+    assert "paired_decode_canary_vs_plain_pct" in table and "canary_vs_plain_decode_step_pct" in table
 
 
 def _is_ratio_pct(pct: float, num: float, den: float) -> bool:

@@ -2,9 +2,10 @@
 ``python -m kvcanary.integrations.vllm.bench [--model DIR] [--json OUT]``.
 
 Spawned processes, one engine each (vLLM keeps one connector per process), all kept
-warm; the passes alternate between them for ``--rounds`` rounds, so interference from
-other jobs on a shared machine hits them alike, and the best (minimum) time of each pass
-counts. Passes: prefill (``max_tokens=1``) and full (``max_tokens=--output-len``), each
+warm; the passes alternate between them for ``--rounds`` rounds, each round starting with
+the next engine, so interference from other jobs on a shared machine hits them alike. The
+best (minimum) time of each pass counts, and the median over the rounds of each round's
+ratio of two engines' times (``paired``). Passes: prefill (``max_tokens=1``) and full (``max_tokens=--output-len``), each
 on a reset prefix cache; decode tok/s = generated tokens after the first / (full -
 prefill). Outputs of the plain and canary engines must be identical. With ``--control``
 (default) a second plain engine runs the same passes: its difference from the first is
@@ -26,6 +27,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -149,8 +151,9 @@ def add_bench_vllm_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--input-len", type=int, default=128, help=f"tokens per prompt {d}")
     ap.add_argument("--output-len", type=int, default=64, help=f"new tokens per prompt {d}")
     ap.add_argument("--block-size", type=int, default=32, help=f"vLLM KV block size {d}")
-    ap.add_argument("--rounds", type=int, default=5,
-                    help=f"alternating passes per engine; the best time counts {d}")
+    ap.add_argument("--rounds", type=int, default=30,
+                    help="alternating passes per engine: the best time of each counts, and "
+                         f"the median of each round's ratio (paired) {d}")  # fmt: skip
     ap.add_argument("--canary", default='{"mode": "log"}',
                     help=f"kv_connector_extra_config of the canary engine, as JSON {d}")
     ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
@@ -206,9 +209,12 @@ def bench_vllm(a: argparse.Namespace) -> dict[str, Any]:
     canary = json.loads(a.canary)
     ctx = mp.get_context("spawn")
     pipes, procs = {}, []
+    # The control first: the engine spawned first runs its passes slower than the others
+    # (on the 2-core Xeon VM, 2026-12-07: 10-25 % a prefill pass, 2-7 % a decode, whichever
+    # engine it is), and the control's difference from plain is the figure that shows it.
     engines: list[tuple[str, dict[str, Any] | None]] = [("plain", None), ("canary", canary)]
     if a.control:
-        engines.append(("control", None))
+        engines.insert(0, ("control", None))
     if a.connector_control:
         engines.append(("connector", None))
     for name, extra in engines:
@@ -222,9 +228,14 @@ def bench_vllm(a: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "full": []} for n in pipes}
     hooks: dict[str, list[dict[str, float]]] = {"prefill": [], "full": []}  # canary, per pass
     outputs: dict[str, list[list[int]]] = {}
-    for _ in range(a.rounds):  # alternate, so interference from other jobs hits both
+    names = list(pipes)
+    for r in range(a.rounds):  # alternate, so interference from other jobs hits both
+        # Each round starts with the next engine: the first of a round waited longest
+        # (through the others' full passes) and runs slower for it.
+        order = names[r % len(names):] + names[: r % len(names)]
         for kind in ("prefill", "full"):
-            for name, pipe in pipes.items():
+            for name in order:
+                pipe = pipes[name]
                 pipe.send(kind)
                 seconds, outs, pass_hooks = pipe.recv()
                 times[name][kind].append(seconds)
@@ -302,6 +313,35 @@ def tok_s_figures(times: dict[str, dict[str, list[float]]], n_in: int,
         out["noise_floor"] = noise
     if connector:
         out["connector_control"] = connector
+    out["paired"] = paired_overheads(times)
+    return out
+
+
+def paired_overheads(times: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
+    """Each engine's time against another's in the same round, the median over the rounds
+    (``times[engine][pass]``: seconds, one a round; decode = full - prefill of the round):
+    prefill and decode, the canary, the control and the connector control against plain,
+    and the canary against the connector control. The passes of one round run back to
+    back, so a slow spell of the machine that lasts longer than a round slows both sides
+    of each ratio, where the best passes (:func:`tok_s_figures`) may come from different
+    spells; with ~30 rounds the control stays within ~1 %."""
+    def seconds(engine: str, kind: str) -> list[float]:
+        t = times[engine]
+        if kind == "prefill":
+            return t["prefill"]
+        return [max(f - p, 1e-9) for f, p in zip(t["full"], t["prefill"], strict=True)]
+
+    pairs = [(name, "plain") for name in ("canary", "control", "connector") if name in times]
+    if "connector" in times:
+        pairs.append(("canary", "connector"))
+    out: dict[str, Any] = {}
+    for kind in ("prefill", "decode"):
+        out[f"{kind}_pct"] = {
+            f"{a}_vs_{b}": round(100 * (statistics.median(
+                x / y for x, y in zip(seconds(a, kind), seconds(b, kind), strict=True)) - 1), 1)
+            for a, b in pairs
+        }  # fmt: skip
+    out["rounds"] = len(times["plain"]["full"])
     return out
 
 
