@@ -237,10 +237,13 @@ def test_bench_vllm_flags_control_engine_and_bad_values() -> None:
 def test_bench_vllm_hook_shares_take_each_hooks_best_pass() -> None:
     """The hook figures of ``kvcanary bench vllm`` come from each hook's best pass: a pass
     slowed by another job (here the second full pass's ``head``) does not raise them; a
-    decode step's share is (full - prefill) / decode steps."""
-    times = {"plain": {"prefill": [0.010, 0.012], "full": [0.110, 0.130]}}
-    hooks = {"prefill": [{"head": 0.0010, "tail": 0.0006}, {"head": 0.0012, "tail": 0.0005}],
-             "full": [{"head": 0.0110, "tail": 0.0056}, {"head": 0.0900, "tail": 0.0055}]}  # fmt: skip
+    decode step's share is (full - prefill) / decode steps. The paired shares take each
+    round's hooks against the plain passes of that round, the median over the rounds."""
+    times = {"plain": {"prefill": [0.010, 0.012, 0.011], "full": [0.110, 0.130, 0.121]}}
+    hooks = {"prefill": [{"head": 0.0010, "tail": 0.0006}, {"head": 0.0012, "tail": 0.0005},
+                         {"head": 0.0011, "tail": 0.0006}],
+             "full": [{"head": 0.0110, "tail": 0.0056}, {"head": 0.0900, "tail": 0.0055},
+                      {"head": 0.0121, "tail": 0.0061}]}  # fmt: skip
     r = hook_shares(times, hooks, output_len=11)
     assert r["plain_decode_step_ms"] == 10.0  # (110 - 10) ms / 10 decode steps
     assert r["canary_decode_ms"] == {"head": 1.0, "tail": 0.5}  # (11 - 1) / 10, (5.5 - 0.5) / 10
@@ -248,6 +251,10 @@ def test_bench_vllm_hook_shares_take_each_hooks_best_pass() -> None:
     assert r["canary_vs_plain_decode_step_pct"] == 15.0
     assert r["canary_prefill_pass_ms"] == 1.5  # 1.0 + 0.5, each hook's best
     assert r["canary_vs_plain_prefill_pct"] == 15.0
+    # Paired, each round's hooks against its plain passes: decode 15.0 / 100, 93.8 / 118,
+    # 16.5 / 110 ms -> median 15 %; prefill 1.6 / 10, 1.7 / 12, 1.7 / 11 -> 15.45 %.
+    assert r["paired_canary_vs_plain_decode_step_pct"] == 15.0
+    assert r["paired_canary_vs_plain_prefill_pct"] == 15.5
 
 
 def test_bench_vllm_tok_s_figures_tell_the_connector_interface_from_the_canary() -> None:

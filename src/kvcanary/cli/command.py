@@ -295,7 +295,9 @@ def _cmd_bench_vllm(a: argparse.Namespace) -> int:
            for kind in ("prefill_pct", "decode_pct") for pair, v in r["paired"][kind].items()},
         **{k: r["per_step"][k] for k in (
             "plain_decode_step_ms", "canary_decode_total_ms", "canary_vs_plain_decode_step_pct",
-            "plain_prefill_pass_ms", "canary_prefill_pass_ms", "canary_vs_plain_prefill_pct")},
+            "paired_canary_vs_plain_decode_step_pct", "plain_prefill_pass_ms",
+            "canary_prefill_pass_ms", "canary_vs_plain_prefill_pct",
+            "paired_canary_vs_plain_prefill_pct")},
     }  # fmt: skip
     emit("kvcanary bench vllm (plain vs canary connector)", summary, None)
     if a.json:

@@ -40,6 +40,9 @@ def test_bench_vllm_runs_the_connector_control_beside_the_canary(
         c = r["connector_control"][key]
         assert abs(paired[kind]["connector_vs_plain"] - c["interface_pct"]) <= 0.1
         assert abs(paired[kind]["canary_vs_connector"] - c["canary_beyond_interface_pct"]) <= 0.1
+    step = r["per_step"]
+    for kind in ("decode_step", "prefill"):
+        assert abs(step[f"paired_canary_vs_plain_{kind}_pct"] - step[f"canary_vs_plain_{kind}_pct"]) <= 0.1
     table = capsys.readouterr().out
     assert "paired_decode_canary_vs_plain_pct" in table and "canary_vs_plain_decode_step_pct" in table
 

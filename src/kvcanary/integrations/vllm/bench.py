@@ -351,7 +351,8 @@ def hook_shares(times: dict[str, dict[str, list[float]]],
     best (minimum over the passes: interference only adds) seconds in a prefill pass and
     in a full pass; a decode step's share = (full - prefill) / decode steps, against the
     plain engine's best milliseconds per decode step; the prefill pass's share against the
-    plain engine's best prefill pass."""
+    plain engine's best prefill pass. The ``paired_*`` shares: each round's hook seconds
+    against the plain engine's passes of the same round, the median over the rounds."""
     steps = max(output_len - 1, 1)
     plain_step_ms = 1e3 * (min(times["plain"]["full"]) - min(times["plain"]["prefill"])) / steps
     best = {kind: {k: min(p.get(k, 0.0) for p in passes) for k in passes[0]} if passes else {}
@@ -361,13 +362,25 @@ def hook_shares(times: dict[str, dict[str, list[float]]],
     prefill_ms = 1e3 * sum(best["prefill"].values())
     decode_ms = sum(decode.values())
     plain_prefill_ms = 1e3 * min(times["plain"]["prefill"])
+    # Paired: each round's hook seconds against the plain engine's passes of that round
+    # (the best passes above may come from different spells of a shared machine).
+    plain, pre_hooks, full_hooks = times["plain"], hooks["prefill"], hooks["full"]
+    paired_decode = statistics.median(
+        max(sum(f.values()) - sum(p.values()), 0.0) / max(pf - pp, 1e-9)
+        for f, p, pf, pp in zip(full_hooks, pre_hooks, plain["full"], plain["prefill"], strict=True)
+    ) if full_hooks else 0.0  # fmt: skip
+    paired_prefill = statistics.median(
+        sum(p.values()) / max(pp, 1e-9) for p, pp in zip(pre_hooks, plain["prefill"], strict=True)
+    ) if pre_hooks else 0.0  # fmt: skip
     return {"plain_decode_step_ms": round(plain_step_ms, 3),
             "canary_decode_ms": {k: round(v, 4) for k, v in sorted(decode.items())},
             "canary_decode_total_ms": round(decode_ms, 3),
             "canary_vs_plain_decode_step_pct": round(100 * decode_ms / plain_step_ms, 1),
+            "paired_canary_vs_plain_decode_step_pct": round(100 * paired_decode, 1),
             "plain_prefill_pass_ms": round(plain_prefill_ms, 3),
             "canary_prefill_pass_ms": round(prefill_ms, 3),
-            "canary_vs_plain_prefill_pct": round(100 * prefill_ms / plain_prefill_ms, 1)}  # fmt: skip
+            "canary_vs_plain_prefill_pct": round(100 * prefill_ms / plain_prefill_ms, 1),
+            "paired_canary_vs_plain_prefill_pct": round(100 * paired_prefill, 1)}  # fmt: skip
 
 
 if __name__ == "__main__":
