@@ -17,7 +17,7 @@ def test_bench_vllm_runs_the_connector_control_beside_the_canary(
 ) -> None:
     out = tmp_path / "bench.json"
     rc = main(["bench", "vllm", "--rounds", "1", "--num-prompts", "2", "--input-len", "16",
-               "--output-len", "4", "--no-control", "--json", str(out)])  # fmt: skip
+               "--output-len", "16", "--no-control", "--json", str(out)])  # fmt: skip
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["outputs_identical"] and r["connector_outputs_identical"]

@@ -366,7 +366,7 @@ def hook_shares(times: dict[str, dict[str, list[float]]],
     # (the best passes above may come from different spells of a shared machine).
     plain, pre_hooks, full_hooks = times["plain"], hooks["prefill"], hooks["full"]
     paired_decode = statistics.median(
-        max(sum(f.values()) - sum(p.values()), 0.0) / max(pf - pp, 1e-9)
+        sum(max(v - p.get(k, 0.0), 0.0) for k, v in f.items()) / max(pf - pp, 1e-9)
         for f, p, pf, pp in zip(full_hooks, pre_hooks, plain["full"], plain["prefill"], strict=True)
     ) if full_hooks else 0.0  # fmt: skip
     paired_prefill = statistics.median(
