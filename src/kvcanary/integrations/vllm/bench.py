@@ -210,8 +210,8 @@ def bench_vllm(a: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     pipes, procs = {}, []
     # The control first: the engine spawned first runs its passes slower than the others
-    # (on the 2-core Xeon VM, 2026-12-07: 10-25 % a prefill pass, 2-7 % a decode, whichever
-    # engine it is), and the control's difference from plain is the figure that shows it.
+    # (on the 2-core Xeon VM, 2026-12-07: 10-30 % a prefill pass, up to 7 % a decode,
+    # whichever engine it is), and the control's difference from plain is where it shows.
     engines: list[tuple[str, dict[str, Any] | None]] = [("plain", None), ("canary", canary)]
     if a.control:
         engines.insert(0, ("control", None))
