@@ -5,12 +5,13 @@ Spawned processes, one engine each (vLLM keeps one connector per process), all k
 warm; the passes alternate between them for ``--rounds`` rounds, each round starting with
 the next engine, so interference from other jobs on a shared machine hits them alike. The
 best (minimum) time of each pass counts, and the median over the rounds of each round's
-ratio of two engines' times (``paired``). Passes: prefill (``max_tokens=1``) and full (``max_tokens=--output-len``), each
-on a reset prefix cache; decode tok/s = generated tokens after the first / (full -
-prefill). Outputs of the plain and canary engines must be identical. With ``--control``
-(default) a second plain engine runs the same passes: its difference from the first is
-the noise floor of the overhead figures on this machine (``noise_floor``), and its outputs
-must equal the first's (``control_outputs_identical``: greedy decoding is deterministic).
+ratio of two engines' times (``paired``). Passes: prefill (``max_tokens=1``) and full
+(``max_tokens=--output-len``), each on a reset prefix cache; decode tok/s = generated
+tokens after the first / (full - prefill). Outputs of the plain and canary engines must be
+identical. With ``--control`` (default) a second plain engine, spawned first, runs the
+same passes: its difference from the first is the noise floor of the overhead figures on
+this machine (``noise_floor``), and its outputs must equal the first's
+(``control_outputs_identical``: greedy decoding is deterministic).
 With ``--connector-control`` (default) an engine with a KV connector that does nothing
 (:mod:`.noop`) runs them too: its difference from plain is what vLLM's connector interface
 costs, the canary's against it what the canary adds (``connector_control``).
@@ -324,7 +325,8 @@ def paired_overheads(times: dict[str, dict[str, list[float]]]) -> dict[str, Any]
     and the canary against the connector control. The passes of one round run back to
     back, so a slow spell of the machine that lasts longer than a round slows both sides
     of each ratio, where the best passes (:func:`tok_s_figures`) may come from different
-    spells; with ~30 rounds the control stays within ~1 %."""
+    spells. They settle with ~30 rounds; the control's then shows the machine's noise and
+    how much slower the engine spawned first runs (:func:`bench_vllm`)."""
     def seconds(engine: str, kind: str) -> list[float]:
         t = times[engine]
         if kind == "prefill":
