@@ -9,8 +9,8 @@ ratio of two engines' times (``paired``). Passes: prefill (``max_tokens=1``) and
 (``max_tokens=--output-len``), each on a reset prefix cache; decode tok/s = generated
 tokens after the first / (full - prefill). Outputs of the plain and canary engines must be
 identical. With ``--control`` (default) a second plain engine, spawned first, runs the
-same passes: its difference from the first is the noise floor of the overhead figures on
-this machine (``noise_floor``), and its outputs must equal the first's
+same passes: its difference from plain is the noise floor of the overhead figures on
+this machine (``noise_floor``), and its outputs must equal plain's
 (``control_outputs_identical``: greedy decoding is deterministic).
 With ``--connector-control`` (default) an engine with a KV connector that does nothing
 (:mod:`.noop`) runs them too: its difference from plain is what vLLM's connector interface
@@ -329,9 +329,7 @@ def paired_overheads(times: dict[str, dict[str, list[float]]]) -> dict[str, Any]
     how much slower the engine spawned first runs (:func:`bench_vllm`)."""
     def seconds(engine: str, kind: str) -> list[float]:
         t = times[engine]
-        if kind == "prefill":
-            return t["prefill"]
-        return [max(f - p, 1e-9) for f, p in zip(t["full"], t["prefill"], strict=True)]
+        return t["prefill"] if kind == "prefill" else _round_decode_seconds(t)
 
     pairs = [(name, "plain") for name in ("canary", "control", "connector") if name in times]
     if "connector" in times:
@@ -347,6 +345,17 @@ def paired_overheads(times: dict[str, dict[str, list[float]]]) -> dict[str, Any]
     return out
 
 
+def _round_decode_seconds(t: dict[str, list[float]]) -> list[float]:
+    """An engine's decode seconds in each round: its full pass less its prefill pass."""
+    return [max(f - p, 1e-9) for f, p in zip(t["full"], t["prefill"], strict=True)]
+
+
+def _hook_decode_seconds(full: dict[str, float], prefill: dict[str, float]) -> dict[str, float]:
+    """Each hook's decode seconds: its full-pass seconds less its prefill-pass seconds,
+    floored at 0."""
+    return {k: max(v - prefill.get(k, 0.0), 0.0) for k, v in full.items()}
+
+
 def hook_shares(times: dict[str, dict[str, list[float]]],
                 hooks: dict[str, list[dict[str, float]]], output_len: int) -> dict[str, Any]:  # fmt: skip
     """Where the time goes, measured inside the canary engine's own passes: each hook's
@@ -359,8 +368,8 @@ def hook_shares(times: dict[str, dict[str, list[float]]],
     plain_step_ms = 1e3 * (min(times["plain"]["full"]) - min(times["plain"]["prefill"])) / steps
     best = {kind: {k: min(p.get(k, 0.0) for p in passes) for k in passes[0]} if passes else {}
             for kind, passes in hooks.items()}  # fmt: skip
-    decode = {k: max(v - best["prefill"].get(k, 0.0), 0.0) * 1e3 / steps
-              for k, v in best["full"].items()}  # fmt: skip
+    decode = {k: v * 1e3 / steps
+              for k, v in _hook_decode_seconds(best["full"], best["prefill"]).items()}  # fmt: skip
     prefill_ms = 1e3 * sum(best["prefill"].values())
     decode_ms = sum(decode.values())
     plain_prefill_ms = 1e3 * min(times["plain"]["prefill"])
@@ -368,8 +377,9 @@ def hook_shares(times: dict[str, dict[str, list[float]]],
     # (the best passes above may come from different spells of a shared machine).
     plain, pre_hooks, full_hooks = times["plain"], hooks["prefill"], hooks["full"]
     paired_decode = statistics.median(
-        sum(max(v - p.get(k, 0.0), 0.0) for k, v in f.items()) / max(pf - pp, 1e-9)
-        for f, p, pf, pp in zip(full_hooks, pre_hooks, plain["full"], plain["prefill"], strict=True)
+        sum(_hook_decode_seconds(f, p).values()) / plain_decode
+        for f, p, plain_decode in zip(full_hooks, pre_hooks, _round_decode_seconds(plain),
+                                      strict=True)
     ) if full_hooks else 0.0  # fmt: skip
     paired_prefill = statistics.median(
         sum(p.values()) / max(pp, 1e-9) for p, pp in zip(pre_hooks, plain["prefill"], strict=True)
