@@ -215,7 +215,8 @@ def meta_nb(rows, cols, tokens, store, lens, out):
     """:meth:`.worker.VllmCanaryWorker.on_meta`'s step: each request's token ids into its
     row of the token store (``store``, lengths ``lens``: the known prefix grows); ``rows``:
     each request's row, ``cols``: :class:`.meta.StepMeta`'s ``cols`` (``NUM_COLS`` values a
-    request: computed count, scheduled count, token start, token count, first slot).
+    request: computed count, scheduled count, token start, token count, first slot; a
+    row given as ``-1 - row`` is a request's new row: emptied first, ``rows`` set to it).
     Into ``out`` (int64 [5, >= requests and tokens], which the worker keeps: no array made
     per step): rows 0-1, the first slots that are allocated, sorted, and their requests'
     rows; rows 2-4, the *arrivals*: row, position and token id of each position the store
@@ -234,6 +235,10 @@ def meta_nb(rows, cols, tokens, store, lens, out):
     for i in range(n):
         c = i * NUM_COLS
         row, k, start, count = rows[i], cols[c + COL_COMPUTED], cols[c + COL_START], cols[c + COL_COUNT]
+        if row < 0:  # a new row: no token ids known
+            row = rows[i] = -1 - row
+            store[row, :] = -1
+            lens[row] = 0
         have = lens[row]
         for j in range(count):
             p, t = start + j, tokens[at + j]
