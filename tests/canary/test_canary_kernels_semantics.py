@@ -15,7 +15,7 @@ from kvcanary.canary.plan.types import VerifyPlan, WritePlan
 from kvcanary.canary.report.ring import RunCounters, ViolationRing
 from kvcanary.canary.wire.constants import CanaryLaunchTag as Tag
 from kvcanary.canary.wire.constants import FailReason as FR
-from kvcanary.canary.wire.hashing import to_i64
+from kvcanary.canary.wire.hashing import ANCHOR_HASH, to_i64
 from kvcanary.canary.wire.real_kv import RealKvSource
 from kvcanary.canary.wire.records import alloc_canary_buffer, as_int64_records, read_record
 from kvcanary.canary.wire.violation import ViolationRecord
@@ -224,6 +224,33 @@ def test_write_input_assert(impl_name: str) -> None:
     assert rows[0].stored_chain_hash == slot_hash([60, 4, seed_hash])  # running hash before it
 
 
+def test_requests_over_the_same_entries_each_report_their_own_chain(impl_name: str) -> None:
+    """Requests 0 and 1 write the same 8 entries, from different seeds, with a write-input
+    mismatch on the second entry (request 2 writes 8 entries of its own): each request's
+    ring row carries its own running hash before that entry (the numba kernel interleaves
+    requests' chains only when their ranges follow one another), and the entries keep the
+    last request's records."""
+    records = alloc_canary_buffer(24)
+    rec = as_int64_records(records)
+    rec[23, :3] = torch.tensor([33, 1, 999])  # request 1's seed: token 33 at position 1
+    t, ids = torch.tensor, list(range(40, 56))
+    expected = [ids[0], 99, *ids[2:]]
+    positions = torch.arange(16) % 8
+    plan = WritePlan(t([-1, 23, -1]), t([0, 0, 8]), t([8, 8, 8]), t(ids), positions,
+                     torch.arange(5, 21), 8, 24, t(expected), positions)  # fmt: skip
+    ring = ViolationRing(8)
+    IMPLS[impl_name].write(records, plan, ring, Tag.HEAD_K_FULL, chain_position_assert=False)
+    first = to_i64(slot_hash([40, 0, to_i64(ANCHOR_HASH)]))  # request 0: anchor, then 40 @ 0
+    seed = to_i64(slot_hash([33, 1, 999]))
+    second = to_i64(slot_hash([40, 0, seed]))  # request 1: its seed, then 40 @ 0
+    rows = ring.read()
+    assert [(r.slot_idx, r.fail_reason, r.stored_chain_hash) for r in rows] == [
+        (6, FR.WRITE_TOKEN_MISMATCH, first),
+        (6, FR.WRITE_TOKEN_MISMATCH, second),
+    ]
+    assert int(rec[5, 2]) == seed and int(rec[6, 2]) == second  # the last request's records
+
+
 def test_a_seed_stored_to_earlier_in_the_same_write_is_read_after_that_store(
     impl_name: str,
 ) -> None:
@@ -252,3 +279,30 @@ def test_a_seed_stored_to_earlier_in_the_same_write_is_read_after_that_store(
     assert ring.num_recorded() == 0  # position 1 follows the new record's position 0
     assert counters.kernel_runs[Tag.HEAD_K_FULL] == 1
     assert counters.slots_processed[Tag.HEAD_K_FULL] == 2
+
+
+def test_a_seed_a_prefill_stored_to_in_the_same_write_is_read_after_that_store(
+    impl_name: str,
+) -> None:
+    """As above with 8 tokens a request (the numba kernel then computes the chains before
+    any store, several requests at a time): request 1 chains from slot 12, which request
+    0's last token writes in the same launch; its chain is that of request 0's new record
+    (request 2 writes entries of its own)."""
+    records = alloc_canary_buffer(32)
+    rec = as_int64_records(records)
+    rec[12, :3] = torch.tensor([77, 3, 1234])  # before the launch
+    plan = WritePlan(
+        seed_slots=torch.tensor([-1, 12, -1]),
+        token_starts=torch.tensor([0, 8, 16]),
+        num_tokens=torch.tensor([8, 8, 8]),
+        token_ids=torch.arange(40, 64),
+        positions=torch.cat([torch.arange(16), torch.arange(8)]),
+        slots=torch.arange(5, 29),
+        max_num_tokens=8,
+        total_num_tokens=24,
+    )
+    ring = ViolationRing(8)
+    IMPLS[impl_name].write(records, plan, ring, Tag.HEAD_K_FULL, chain_position_assert=True)
+    assert (read_record(records, 12).token, read_record(records, 12).position) == (47, 7)
+    assert int(rec[13, 2]) == to_i64(slot_hash(rec[12].tolist()))  # from the new record
+    assert ring.num_recorded() == 0  # position 8 follows the new record's position 7
