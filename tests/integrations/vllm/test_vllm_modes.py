@@ -137,12 +137,19 @@ def _flip_first_k_byte(llm: Any, rid: str) -> Any:
     return conn
 
 
-def test_only_the_first_layer_calls_the_connector(checkpoints: dict[str, Path]) -> None:
-    """HEAD runs in the first layer's ``wait_for_layer_load``; vLLM asks
-    ``has_connector_metadata()`` before every layer, and the later layers skip
-    ``wait_for_layer_load`` / ``save_kv_layer`` (gemma3: four layers, four KV cache
-    groups); every group is still verified in every step."""
+def test_head_runs_in_bind_and_no_layer_calls_the_connector(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM binds the metadata inside the step's forward context, so HEAD runs in
+    ``bind_connector_metadata`` and no layer calls ``wait_for_layer_load`` /
+    ``save_kv_layer`` (vLLM asks ``has_connector_metadata()`` before every layer; gemma3:
+    four layers, four KV cache groups); every group is still verified in every step. A
+    host that binds outside a forward context gets HEAD in the first layer's
+    ``wait_for_layer_load``, and the later layers skip both calls."""
+    import kvcanary.integrations.vllm.connector as connector_module
+
     calls: list[tuple[int, str, str]] = []
+    heads: list[tuple[int, bool]] = []  # (step, inside bind)
     with H.vllm_engine(checkpoints["gemma3"], canary={"mode": "raise"}) as llm:
         conn = H.connector(llm)
         for name in ("wait_for_layer_load", "save_kv_layer"):
@@ -153,11 +160,36 @@ def test_only_the_first_layer_calls_the_connector(checkpoints: dict[str, Path]) 
                 return _m(layer, *a, **k)
 
             setattr(conn, name, spy)
+        in_bind = [False]
+        bind, before_forward = conn.bind_connector_metadata, conn.worker.before_forward
+
+        def bind_spy(meta: Any) -> None:
+            in_bind[0] = True
+            try:
+                bind(meta)
+            finally:
+                in_bind[0] = False
+
+        def head_spy(metadata: Any) -> None:
+            heads.append((conn.worker.num_steps, in_bind[0]))
+            before_forward(metadata)
+
+        conn.bind_connector_metadata, conn.worker.before_forward = bind_spy, head_spy
         first = conn.worker.num_steps
         H.generate(llm, [_prompt(1, 40), _prompt(2, 70)], max_tokens=8)
         steps = conn.worker.num_steps - first
+        assert steps >= 8
+        assert calls == []
+        assert heads == [(s, True) for s in range(first, first + steps)]
+        # Without a forward context at bind: HEAD in the first layer's wait_for_layer_load.
+        monkeypatch.setattr(connector_module, "is_forward_context_available", lambda: False)
+        heads.clear()
+        first = conn.worker.num_steps
+        H.generate(llm, [_prompt(3, 50)], max_tokens=8)
+        steps = conn.worker.num_steps - first
         stats = conn.worker.stats()
     assert steps >= 8
+    assert heads == [(s, False) for s in range(first, first + steps)]
     layer0 = calls[0][2]
     assert "layers.0." in layer0
     expected = [(s, n, layer0) for s in range(first, first + steps)

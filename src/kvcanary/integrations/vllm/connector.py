@@ -10,18 +10,19 @@ Where each canary call runs (vLLM 0.32, one step)::
     scheduler: build_connector_meta(scheduler_output)
         -> StepMeta: per scheduled request its computed / scheduled counts, the token ids
            the worker has not seen yet, and the slot of its first new token per group
-    worker:    bind_connector_metadata(meta)           tokens into the worker's mirror
-               [layer 0: K/V of this step stored]
-               wait_for_layer_load(first layer)        HEAD verify / write, every group
-               [attention of every layer reads the cache]
-               save_kv_layer(first layer)              nothing (TAIL needs every layer)
-               (later layers: no call; has_connector_metadata() is False once HEAD ran)
+    worker:    bind_connector_metadata(meta)           tokens into the worker's mirror, then
+                                                       HEAD verify / write, every group
+                                                       (vLLM binds inside the forward
+                                                       context: its attention metadata)
+               [the forward: every layer stores its K/V and reads the cache; no layer
+                calls the connector: has_connector_metadata() is False once HEAD ran]
                wait_for_save()                         TAIL verify / write (real KV), reports
                get_block_ids_with_load_errors()        abort mode: the violating blocks
 
-HEAD verifies records only, so it may run after layer 0 stored this step's K/V (vLLM's
-order: the store precedes ``wait_for_layer_load``); a violation is reported in the step
-it is found, before the sampled tokens leave the engine (``raise``: the step fails).
+A host that binds outside the forward context gets HEAD at the first layer's
+``wait_for_layer_load`` instead (after layer 0 stored its K/V: HEAD verifies records
+only, so nothing it sees changes). A violation is reported in the step it is found,
+before the sampled tokens leave the engine (``raise``: the step fails).
 
 External loads. Beside a connector that loads KV (vLLM's ``MultiConnector``: an offload
 tier, P/D disaggregation), a request may start on tokens no forward of this engine
@@ -59,7 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.forward_context import get_forward_context
+from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 from kvcanary.integrations.vllm.namespace import namespace, salt_of, salted
@@ -309,18 +310,26 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's metadata, then HEAD: vLLM binds inside the step's forward context
+        (``KVConnectorModelRunnerMixin._get_kv_connector_output``), so HEAD runs here,
+        before the forward, on the context's attention metadata. Without a forward context
+        or attention metadata (a step without a forward) HEAD waits for the first layer's
+        ``wait_for_layer_load``."""
         super().bind_connector_metadata(connector_metadata)
+        self._head_done = False
         if self.worker is not None and isinstance(connector_metadata, KVCanaryConnectorMetadata):
             t0 = time.perf_counter()
             self.worker.on_meta(connector_metadata.step)
             self.seconds["bind"] += time.perf_counter() - t0
-        self._head_done = False
+            if is_forward_context_available():
+                attn = get_forward_context().attn_metadata
+                if attn is not None:
+                    self._head(attn)
 
     def has_connector_metadata(self) -> bool:
         """vLLM's attention layers ask this before each layer's ``wait_for_layer_load`` /
         ``save_kv_layer`` (``maybe_transfer_kv_layer``; nothing else in vLLM reads it): True
-        until HEAD ran in this step, so the first layer runs HEAD and the later layers skip
-        both calls (two Python calls a layer fewer a step)."""
+        until HEAD ran in this step, so once bind ran HEAD no layer calls the connector."""
         return not self._head_done and self._connector_metadata is not None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -329,8 +338,12 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._head_done or self.worker is None:
             return
+        self._head(get_forward_context().attn_metadata)  # (bind ran no HEAD)
+
+    def _head(self, attn: Any) -> None:
+        """HEAD of the step whose forward context holds ``attn`` (its attention metadata)."""
+        assert self.worker is not None
         self._head_done = True
-        attn = get_forward_context().attn_metadata
         if isinstance(attn, list):  # speculative decoding: [0] is the target model's
             attn = attn[0]
         if isinstance(attn, dict):  # (map: no comprehension's frame)

@@ -88,8 +88,9 @@ class VllmCanaryWorker:
                                       requests, finished requests, the records of invalid
                                       slots cleared (the token ids into the store: in
                                       HEAD's compiled call)
-        before_forward(metadata)      first layer's wait_for_layer_load: the seals' HEAD
-                                      records, then HEAD (all groups)
+        before_forward(metadata)      bind_connector_metadata too (before the forward;
+                                      else the first layer's wait_for_layer_load): the
+                                      seals' HEAD records, then HEAD (all groups)
         after_forward()               wait_for_save: the seals' TAIL records, TAIL, reports,
                                       abort-mode blocks
         take_invalid_blocks()         get_block_ids_with_load_errors (abort mode)
