@@ -320,14 +320,10 @@ class VllmCanaryWorker:
         as ``-1 - row``: :func:`.steps.meta_nb` empties such a row (no token ids known)
         before it stores the step's token ids (one compiled pass; emptied here, a prefill
         of 16 new requests cost ~1.2 us a row)."""
-        free, taken = self._free_rows, self._rows
+        taken = self._rows
         for i, row in enumerate(rows):
             if row is None:
-                if free:
-                    row = free.pop()
-                else:
-                    row, self._num_rows = self._num_rows, self._num_rows + 1
-                taken[req_ids[i]] = row
+                row = taken[req_ids[i]] = self._free_row()
                 rows[i] = -1 - row
         self.tables.ensure(self._num_rows, 1)
 
@@ -340,13 +336,17 @@ class VllmCanaryWorker:
 
     def _take_row(self) -> int:
         """A row no live request holds, emptied (no token ids known)."""
-        if self._free_rows:
-            row = self._free_rows.pop()
-        else:
-            row, self._num_rows = self._num_rows, self._num_rows + 1
-            self.tables.ensure(row + 1, 1)
+        row = self._free_row()
+        self.tables.ensure(row + 1, 1)
         self.tables.tokens[row] = -1
         self.tables.lens[row] = 0
+        return row
+
+    def _free_row(self) -> int:
+        """A row no live request holds (a freed one, else the next new one), as it is."""
+        if self._free_rows:
+            return self._free_rows.pop()
+        row, self._num_rows = self._num_rows, self._num_rows + 1
         return row
 
     # -------------------------------------------------------------- the forward
