@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kvcanary.canary.kernels import fused_rows
+from kvcanary.integrations.vllm import worker as worker_module
 from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 from kvcanary.integrations.vllm.options import parse_options
 from kvcanary.integrations.vllm.steps import group_rows_nb
@@ -137,11 +138,16 @@ def test_rows_follow_requests_across_batch_orders_and_finished_requests(
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_the_token_ids_of_a_step_whose_head_never_ran_are_stored(fast: bool) -> None:
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_token_ids_of_a_step_whose_head_never_ran_are_stored(
+    fast: bool, packed: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """A step's token ids go into the store in HEAD (the one-call HEAD's compiled call, or
     the full path's first): a step whose forward never reached HEAD (it raised before)
     still has them stored, when the next step's metadata arrives; the scheduler does not
-    send them again."""
+    send them again. ``packed``: every step's ids go through the buffer on_meta packs a
+    prefill's many ids into, which the next step's on_meta writes again."""
+    monkeypatch.setattr(worker_module, "_PACK_MIN", 0 if packed else 1 << 40)
     v = FakeVllm()
     w = v.worker
     w._fast_ok = fast
