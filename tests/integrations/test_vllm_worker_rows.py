@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvcanary.canary.kernels import fused_rows
-from kvcanary.integrations.vllm import worker as worker_module
+from kvcanary.integrations.vllm import meta as meta_module
 from kvcanary.integrations.vllm.meta import GroupSpec, StepMeta
 from kvcanary.integrations.vllm.options import parse_options
 from kvcanary.integrations.vllm.steps import group_rows_nb
@@ -145,11 +145,20 @@ def test_the_token_ids_of_a_step_whose_head_never_ran_are_stored(
     """A step's token ids go into the store in HEAD (the one-call HEAD's compiled call, or
     the full path's first): a step whose forward never reached HEAD (it raised before)
     still has them stored, when the next step's metadata arrives; the scheduler does not
-    send them again. ``packed``: every step's ids go through the buffer on_meta packs a
-    prefill's many ids into, which the next step's on_meta writes again."""
-    monkeypatch.setattr(worker_module, "_PACK_MIN", 0 if packed else 1 << 40)
+    send them again. ``packed``: every step's ids travel packed (``StepMeta.pack``, as the
+    scheduler side sends a prefill's many ids)."""
     v = FakeVllm()
     w = v.worker
+    if packed:
+        monkeypatch.setattr(meta_module, "PACK_MIN", 0)
+        on_meta = w.on_meta
+
+        def packed_on_meta(meta: StepMeta) -> None:
+            meta.pack()
+            assert meta.packed is not None and meta.tokens == []
+            on_meta(meta)
+
+        w.on_meta = packed_on_meta  # type: ignore[method-assign]
     w._fast_ok = fast
     v.add("a", list(range(10, 19)))
     v.add("b", list(range(50, 56)))

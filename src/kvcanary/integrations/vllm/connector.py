@@ -570,6 +570,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 if i < len(block_ids) and (b := block_ids[i]):
                     slot = b * bs + k % bs
             add_cols((k, num_scheduled, start, count, slot))  # StepMeta's COL_* order
+        step.pack()
         self._external_loads(so, step)
         return KVCanaryConnectorMetadata(step)
 

@@ -9,6 +9,7 @@ llvmlite's objects; the numba-backed canary loads only when the KV caches regist
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -36,6 +37,10 @@ class GroupSpec:
         return PoolKind.FULL if self.sliding_window is None else PoolKind.SWA
 
 
+# StepMeta.pack packs more token ids than this
+PACK_MIN = 256
+_pack_into = struct.pack_into
+
 # StepMeta.cols: a request's values, in this order
 COL_COMPUTED, COL_SCHEDULED, COL_START, COL_COUNT, COL_SLOT = range(5)
 NUM_COLS = 5
@@ -57,7 +62,9 @@ class StepMeta:
           COL_SLOT       the key group's slot of position num_computed (-1: unallocated)
         tokens         every request's token ids, in request order (speculative
                        decoding: a draft's token id at its position; -1: not known to
-                       the scheduler yet, async scheduling)
+                       the scheduler yet, async scheduling); a step with more than
+                       PACK_MIN has them in ``packed`` instead (:meth:`pack`)
+        packed         the token ids as native int64 (a bytearray), or None
         finished       requests finished since the previous step
         final_*        async scheduling: per finished request the token ids of positions
                        it computed that were sent as not known (-1) and are known at its
@@ -82,6 +89,7 @@ class StepMeta:
     cols: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    packed: bytearray | None = None
     # (the rest are empty on nearly every step: an empty tuple until something is added,
     # no list made a step)
     final_req_ids: Sequence[str] = ()
@@ -100,6 +108,17 @@ class StepMeta:
         self.req_ids.append(req_id)
         self.cols.extend((num_computed, num_scheduled, token_start, len(tokens), first_slot))
         self.tokens.extend(tokens)
+
+    def pack(self) -> None:
+        """More than PACK_MIN token ids (a prefill's) into ``packed``, ``tokens`` emptied:
+        one ``struct.pack_into`` (~6 ns an id; numpy converts each Python int on its own,
+        ~11-14), read by the worker as it is (``np.frombuffer``), and pickled between
+        processes (tensor parallelism) as bytes: 2048 ids ~1 against ~60 us as a list."""
+        num = len(self.tokens)
+        if num > PACK_MIN:
+            self.packed = bytearray(8 * num)
+            _pack_into(f"{num}q", self.packed, 0, *self.tokens)
+            self.tokens = []
 
     def column(self, col: int) -> list[int]:
         """Every request's value ``col`` (``COL_*``), in request order."""

@@ -24,7 +24,6 @@ The pools: :mod:`.pool`; the step tables and their compiled passes: :mod:`.steps
 from __future__ import annotations
 
 import logging
-import struct
 from collections import Counter
 from collections.abc import Sequence
 from itertools import repeat
@@ -76,9 +75,6 @@ from kvcanary.integrations.vllm.steps import (
     tail_groups_nb,
 )
 from kvcanary.jit.parallel import parallel_lock
-
-_pack_into = struct.pack_into
-_PACK_MIN = 256  # on_meta packs more token ids than this with _pack_into
 
 logger = logging.getLogger("kvcanary.canary")
 _NO_IDS = np.zeros(0, dtype=np.int64)
@@ -150,7 +146,6 @@ class VllmCanaryWorker:
         # token, for matching batch rows in one compiled pass: _meta_out[0:2, :_num_keys]
         # (slots sorted, their rows).
         self._pending_meta: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self._meta_in = np.zeros(256, dtype=np.int64)  # (the arrays' buffer: on_meta)
         self._num_keys = 0
         self._open: list[list[StepBatch]] | None = None
         self.num_dependent_passes = 0
@@ -235,17 +230,11 @@ class VllmCanaryWorker:
             self._new_rows(meta.req_ids, rows_list)
         rows = np.array(rows_list, dtype=np.int64)
         cols = np.array(meta.cols, dtype=np.int64)
-        num = len(meta.tokens)
-        if num > _PACK_MIN:  # a prefill's: into a buffer kept across steps, in one
-            # struct.pack_into (2048 ids: ~13 us against ~22 for np.fromiter, which
-            # converts each Python int on its own; read before the next step's on_meta
-            # writes the buffer again: _take_meta above)
-            if num > self._meta_in.shape[0]:
-                self._meta_in = np.zeros(2 * num, dtype=np.int64)
-            tokens = self._meta_in[:num]
-            _pack_into(f"{num}q", tokens, 0, *meta.tokens)
-        else:  # (np.array is as fast for a few, and its code is warm at decode)
+        if meta.packed is not None:  # (StepMeta.pack: native int64, no conversion)
+            tokens = np.frombuffer(meta.packed, dtype=np.int64)
+        else:
             tokens = np.array(meta.tokens, dtype=np.int64)
+        num = tokens.shape[0]
         if max(rows.shape[0], num) > self._meta_out.shape[1]:
             self._meta_out = np.zeros((5, 2 * max(rows.shape[0], num)), dtype=np.int64)
         self._pending_meta = (rows, cols, tokens)
