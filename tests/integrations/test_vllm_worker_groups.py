@@ -45,7 +45,7 @@ class Hybrid:
         """One step; ``fault``: (group, batch row, block index, block of the pool) repointed
         in that group's block table (the forward reads another block than the one it
         holds)."""
-        meta, mds = self.fake.step(work, finished=finished, pending=pending)
+        meta, mds, _ = self.fake.step(work, finished=finished, pending=pending)
         for g, md in enumerate(mds):
             md.block_table = torch.where(md.block_table != 0, md.block_table + g * SPREAD, 0)
             md.slot_mapping = md.slot_mapping + g * SPREAD * BS

@@ -333,14 +333,18 @@ def warm_worker_scenario(extra: dict[str, Any]) -> None:
 
     spec = GroupSpec(0, ("layer0",), BS, HEADS, DIM, None)
     kv = torch.zeros(BLOCKS, HEADS, BS, 2 * DIM)
+    extra = dict(extra)
+    forward_ids = extra.pop("forward_ids", False)  # the model runner's int32 input-id buffer
+    fwd = torch.zeros(4096, dtype=torch.int32) if forward_ids else None
     config = parse_options(extra).canary
-    report = warm_worker(config, [spec], {"layer0": kv})
+    report = warm_worker(config, [spec], {"layer0": kv}, fwd)
     assert report.skipped is None
     warm = loaded_kernels()
     assert any(".fused_rows." in name for name, _ in warm)
     assert any("vllm.steps.batch_nb" in name for name, _ in warm)
     fake = FakeVllm()
     fake.worker = VllmCanaryWorker(config, [spec], {"layer0": kv})
+    fake.worker.forward_input_ids = None if fwd is None else torch.zeros_like(fwd)
     _three_requests(fake)
     for _ in range(2):  # async scheduling: tokens planned unknown, known a step later
         fake.step(["r1", "r2"], pending=("r1", "r2"))
@@ -352,7 +356,8 @@ def warm_worker_scenario(extra: dict[str, Any]) -> None:
     assert not torch.any(kv)  # the warm-up wrote nothing into the cache
 
 
-@pytest.mark.parametrize("extra", [{"mode": "log"}, {"mode": "raise", "real_data": "partial", "v_half": True}])
+@pytest.mark.parametrize("extra", [{"mode": "log"}, {"mode": "raise", "real_data": "partial", "v_half": True},
+                                   {"mode": "log", "forward_ids": True}])
 def test_warm_worker_compiles_every_kernel_the_worker_calls(extra: dict[str, Any]) -> None:
     """After the connector's start-up warm-up (synthetic steps on a throwaway worker over
     the same layer tensors), a worker's real steps, in a fresh process, need no kernel the

@@ -16,7 +16,9 @@ previous step copied into its input-id buffer, ``GPUModelRunner._prepare_input_i
   settled with the scheduler's tokens.
 * fault: the forward of one decode step takes another input id than the one the scheduler
   records as sampled (injected into the model runner's input-id buffer): reported as
-  ``verify_token`` at that position's slot once the scheduler's token arrives.
+  ``verify_token`` at that position's slot once the scheduler's token arrives; the same
+  with synchronous scheduling, in the next step (the records carry the forward's ids in
+  both).
 """
 
 from __future__ import annotations
@@ -123,18 +125,24 @@ def test_async_clean_run_checks_every_async_planned_token(
             assert got == outputs[rid][: OUT - 1], rid
 
 
-def test_a_wrong_input_id_in_an_async_planned_slot_is_reported_as_verify_token(
-    checkpoints: dict[str, Path], async_scheduling: None,
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
+def test_a_wrong_input_id_in_a_decode_forward_is_reported_as_verify_token(
+    checkpoints: dict[str, Path], scheduling: str, request: pytest.FixtureRequest,
 ) -> None:  # fmt: skip
-    """The fault: vLLM's async input path puts another id than the one sampled into one
+    """The fault: vLLM's input path puts another id than the one sampled into one
     request's decode input (as a wrong index in ``_prepare_input_ids``' scatter would). The
     scheduler commits the sampled id; the forward computed the slot's KV from the other one.
-    The canary's record of that slot carries the forward's id; when the scheduler's token
-    arrives (the next step's metadata), that step's HEAD reports verify_token there."""
+    The canary's record of that slot carries the forward's id. Async: when the scheduler's
+    token arrives (a later step's metadata), that step's HEAD reports verify_token there;
+    sync: the scheduler's token came with the step, and the next step's HEAD reports it."""
+    if scheduling == "async":
+        request.getfixturevalue("async_scheduling")
     prompts = _prompts(7)
     with H.vllm_engine(checkpoints["llama"], canary=CANARY) as llm:
+        assert (type(H.scheduler(llm)).__name__ == "AsyncScheduler") == (scheduling == "async")
         conn = H.connector(llm)
         runner = H.worker(llm).model_runner
+        assert conn.worker.forward_input_ids is runner.input_ids.gpu
         prepare = runner._prepare_input_ids
         injected: dict[str, Any] = {}
         calls = {"n": 0}
@@ -179,6 +187,8 @@ def test_a_wrong_input_id_in_an_async_planned_slot_is_reported_as_verify_token(
         assert {(r.slot_idx, r.position, r.stored_token, r.expected_token) for r in token_rows} == {
             (slot, pos, injected["wrong"], injected["true"])
         }
-        # Found within two engine steps of the faulty forward (the batch queue of two: the
-        # step whose metadata brings the sampled token is planned one step later).
-        assert steps_after is not None and steps_after <= 2, steps_after
+        # Found within two engine steps of the faulty forward (async: the batch queue of
+        # two, the step whose metadata brings the sampled token is planned one step later;
+        # sync: the next step, whose HEAD reads the slot first).
+        assert steps_after is not None and steps_after <= (2 if scheduling == "async" else 1), (
+            steps_after)  # fmt: skip

@@ -237,8 +237,9 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
         # Compile every kernel the canary calls now, at worker start-up, not in the first
         # forward (numba's on-disk cache makes it a load after the first run).
+        forward_ids = self._forward_input_ids() if self._token_check else None
         logger.info("kv-canary (vLLM): compiling the canary's kernels (first run, cached afterwards)")
-        warm = warm_worker(self.options.canary, self.specs, kv_caches)
+        warm = warm_worker(self.options.canary, self.specs, kv_caches, forward_ids)
         logger.info(
             "kv-canary (vLLM): kernels ready in %.1f s (%d compiled in %.1f s, the rest from "
             "the cache)%s", warm.wall_s, warm.num_compiled, warm.compile_s,
@@ -246,8 +247,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         )  # fmt: skip
         self.warmup = warm
         self.worker = VllmCanaryWorker(self.options.canary, self.specs, kv_caches)
-        if self._async and self._token_check:
-            self._attach_forward_input_ids()
+        self.worker.forward_input_ids = forward_ids
         parallel = self._vllm_config.parallel_config
         self.rank, self.world_size = int(parallel.rank), int(parallel.world_size)
         labels = None
@@ -279,19 +279,20 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         except ValueError:  # a previous engine of this process registered the same names
             self._registered = None
 
-    def _attach_forward_input_ids(self) -> None:
-        """Async scheduling: give the worker the buffer vLLM's model runner feeds its
-        forward's input ids from (``GPUModelRunner.input_ids``, a persistent buffer; the
-        async path writes the previous step's sampled ids into it on the device), so the
-        records of positions planned without a token carry the token the forward used, and
-        the scheduler's token, when it arrives, is checked against it. The connector API
-        does not hand it over: it is found on the call stack of ``register_kv_caches``
+    def _forward_input_ids(self) -> torch.Tensor | None:
+        """The buffer vLLM's model runner feeds its forward's input ids from, for the worker
+        (``GPUModelRunner.input_ids``, a persistent buffer, filled before the step binds the
+        connector's metadata; with async scheduling the previous step's sampled ids are
+        copied into it on the device), so that every record carries the id the forward
+        took, and the token check compares it with the scheduler's: a forward that took
+        another id fails ``verify_token`` at the slot's next read. The connector API does
+        not hand the buffer over: it is found on the call stack of ``register_kv_caches``
         (the model runner's ``initialize_kv_cache``). Not with tenant isolation (records
-        carry salted token ids); not found: those records carry -1 until the token arrives,
-        then the scheduler's (a warning says so)."""
-        assert self.worker is not None
+        carry salted token ids); not found (a warning says so): the records carry the
+        scheduler's ids, and those of positions planned before their token is known (async
+        scheduling) -1 until it arrives."""
         if self._salts is not None:
-            return
+            return None
         frame: types.FrameType | None = sys._getframe(1)
         for _ in range(12):
             if frame is None:
@@ -300,14 +301,13 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             buf = getattr(getattr(runner, "input_ids", None), "gpu", None)
             is_runner = hasattr(runner, "execute_model")
             if is_runner and isinstance(buf, torch.Tensor) and buf.dim() == 1:
-                self.worker.forward_input_ids = buf
-                return
+                return buf
             frame = frame.f_back
         logger.warning(
-            "kv-canary (vLLM): async scheduling is on and the model runner's input ids were "
-            "not found; records of tokens planned before they are known carry the "
-            "scheduler's token once it arrives (the forward's own input is not checked)"
+            "kv-canary (vLLM): the model runner's input ids were not found; the records "
+            "carry the scheduler's token ids (the forward's own input is not checked)"
         )
+        return None
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """The step's metadata, then HEAD: vLLM binds inside the step's forward context

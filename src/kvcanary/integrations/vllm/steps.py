@@ -594,10 +594,9 @@ def _step_batch(qsl, seq_lens, key_slot_mapping, keys, key_rows, tokens, lens, f
         return FAST_GROW, n, num_tokens, prefix, seq, rows, ids, positions
     if may_depend or unmatched or max_seq > table_width:
         return FAST_FULL_PATH, n, num_tokens, prefix, seq, rows, ids, positions
-    if has_fwd:  # ids not known yet: the forward's
+    if has_fwd:  # the records carry the forward's ids (the store keeps the scheduler's)
         for t in range(num_tokens):
-            if ids[t] == -1:
-                ids[t] = fwd_ids[t]
+            ids[t] = fwd_ids[t]
     for r in range(n):
         row_buf[0, r], row_buf[1, r], row_buf[2, r] = rows[r], prefix[r], ql[r]
         row_buf[3, r] = lens[rows[r]]

@@ -73,12 +73,13 @@ class _Synthetic:
         self.loaded[rid] = self.computed[rid] = loaded
 
     def step(self, work: dict[str, int], finished: Sequence[str] = (), pending: Sequence[str] = ()
-             ) -> tuple[StepMeta, list[SimpleNamespace]]:  # fmt: skip
-        """The metadata of one step computing ``work[rid]`` tokens of each request;
-        ``pending``: requests whose last token is sent as not known yet (-1, async
-        scheduling), and again, known, in their next step."""
+             ) -> tuple[StepMeta, list[SimpleNamespace], list[int]]:  # fmt: skip
+        """The metadata of one step computing ``work[rid]`` tokens of each request, and
+        the input ids its forward takes; ``pending``: requests whose last token is sent as
+        not known yet (-1, async scheduling), and again, known, in their next step."""
         meta = StepMeta(finished=list(finished))
         qsl, seq = [0], []
+        forward: list[int] = []
         slots: list[list[int]] = [[] for _ in self.specs]
         bs_key = self.key.block_size
         for rid, n in work.items():
@@ -91,6 +92,7 @@ class _Synthetic:
             if rid in pending:
                 send = send[:-1] + [-1]
             meta.add(rid, k, n, self.sent[rid], send, first)
+            forward += toks[k : k + n]
             if rid in self.loaded:
                 loaded = self.loaded.pop(rid)
                 held = [[self.blocks[rid][p // s.block_size] * s.block_size + p % s.block_size
@@ -120,13 +122,15 @@ class _Synthetic:
             self.computed[rid] += n
             if self.computed[rid] == len(self.tokens[rid]):  # sampled a token
                 self.tokens[rid].append(1 + len(self.tokens[rid]) % 97)
-        return meta, mds
+        return meta, mds, forward
 
 
-def warm_worker(config: CanaryConfig, specs: Sequence[GroupSpec],
-                layers: dict[str, torch.Tensor]) -> WorkerWarmup:  # fmt: skip
+def warm_worker(config: CanaryConfig, specs: Sequence[GroupSpec], layers: dict[str, torch.Tensor],
+                forward_ids: torch.Tensor | None = None) -> WorkerWarmup:  # fmt: skip
     """Compile (or load from the cache) every kernel a :class:`.worker.VllmCanaryWorker`
-    with ``config`` over ``layers`` calls (module doc)."""
+    with ``config`` over ``layers`` calls (module doc); ``forward_ids``: the model runner's
+    input-id buffer the real worker will read (the throwaway gets one of its dtype and
+    device, which its synthetic forwards fill)."""
     from kvcanary.engine.warmup import eager_canary, watch_compiles
     from kvcanary.integrations.vllm.worker import VllmCanaryWorker
     from kvcanary.jit import parallel as numba_parallel
@@ -136,6 +140,8 @@ def warm_worker(config: CanaryConfig, specs: Sequence[GroupSpec],
     warm_config = dataclasses.replace(eager_canary(config), mode="log")
     with watch_compiles() as compiles, numba_parallel.compiling_both():
         worker = VllmCanaryWorker(warm_config, specs, layers)
+        if forward_ids is not None:
+            worker.forward_input_ids = torch.zeros_like(forward_ids)
         bs = max(s.block_size for s in specs)
         window = max((s.sliding_window or 0 for s in specs), default=0)
         prompt_len = max(window + 2 * bs + 3, 3 * bs + 1)
@@ -168,8 +174,12 @@ def warm_worker(config: CanaryConfig, specs: Sequence[GroupSpec],
     return WorkerWarmup(time.perf_counter() - t0, compiles.num_compiled, compiles.compile_s, None)
 
 
-def _run(worker: VllmCanaryWorker, step: tuple[StepMeta, list[SimpleNamespace]]) -> None:
-    meta, metadata = step
+def _run(worker: VllmCanaryWorker,
+         step: tuple[StepMeta, list[SimpleNamespace], list[int]]) -> None:  # fmt: skip
+    meta, metadata, forward = step
+    ids = worker.forward_input_ids
+    if ids is not None:  # what vLLM's input path puts there before the step binds
+        ids[: len(forward)] = torch.tensor(forward, dtype=ids.dtype)
     worker.on_meta(meta)
     worker.before_forward(metadata)
     worker.after_forward()

@@ -383,10 +383,8 @@ class VllmCanaryWorker:
         if unmatched:  # rows no first slot matched (rare): the slow path
             input_ids = self._unmatched_rows(rows, prefix, ql, num_tokens, input_ids)
         fwd = self.forward_input_ids if num_tokens else None
-        if fwd is not None and dev.type == "cpu":  # ids not known yet: the forward's
-            pending = input_ids == -1
-            if pending.any():
-                input_ids[pending] = fwd[:num_tokens].numpy()[pending]
+        if fwd is not None and dev.type == "cpu":  # the records carry the forward's ids
+            input_ids = fwd[:num_tokens].numpy().astype(np.int64)
         tables.ensure(self._num_rows, max_seq)
         outs = [self._group_rows(spec, md, n, num_tokens, prefix, seq, max_seq, rows)
                 for spec, md in zip(self.specs, metadata, strict=True)]  # fmt: skip
@@ -402,7 +400,7 @@ class VllmCanaryWorker:
         row_idx, prefix_t, ql_t, positions_t, ids_t = (
             _tensor(a, dev) for a in (rows, prefix, ql, positions, input_ids))  # fmt: skip
         if fwd is not None and dev.type != "cpu":  # on the device: no copy to the host
-            ids_t = torch.where(ids_t == -1, fwd[:num_tokens].to(ids_t.dtype), ids_t)
+            ids_t = fwd[:num_tokens].to(ids_t.dtype)
         levels = [0] * n
         if may_depend:
             # Only a row that starts this step on a prefix (a prefix hit, a resumed
