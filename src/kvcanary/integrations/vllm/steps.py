@@ -507,8 +507,8 @@ def head_step_nb(md, meta, meta_out, num_keys, tokens, lens, fwd_ids, has_fwd, b
     """One CPU step of a single-group canary in one compiled call, from the scheduler's
     metadata on (bind and HEAD in one call): :func:`_step_keys` (the step's token ids into
     the store, its first slots), the step's batch (:func:`batch_nb` on the attention
-    metadata ``md``, :func:`metadata_args`' tuple; the forward's input ids where the store
-    has none yet: ``fwd_ids``), :func:`group_rows_nb`, the batch block (``batch``, int64
+    metadata ``md``, :func:`metadata_args`' tuple; with ``has_fwd``, the records carry the
+    forward's input ids ``fwd_ids``), :func:`group_rows_nb`, the batch block (``batch``, int64
     [18], pointing into ``row_buf`` [4, >= rows] and ``token_buf`` [3, >= tokens], which keep
     the batch for TAIL) and the fused HEAD (plans, writes, then the verify; ``blk`` the fused
     launches' argument block). Returns ``(code, rows, tokens, num_keys)``: :func:`_step_keys`'
@@ -582,8 +582,8 @@ def head_groups_nb(md, key_group, meta, meta_out, num_keys, tokens, lens, fwd_id
 @numba.njit(cache=True, inline="always")
 def _step_batch(qsl, seq_lens, key_slot_mapping, keys, key_rows, tokens, lens, fwd_ids,
                 has_fwd, table_width, row_buf, token_width):  # fmt: skip
-    """The one-call HEADs' batch (:func:`batch_nb`, the forward's ids where the store has
-    none), its rows written into ``row_buf`` (table row, prefix, new tokens, store length).
+    """The one-call HEADs' batch (:func:`batch_nb`; the forward's ids when ``has_fwd``),
+    its rows written into ``row_buf`` (table row, prefix, new tokens, store length).
     Returns ``(code, n, num_tokens, prefix, seq, rows, ids, positions)``: code
     FAST_GROW (buffers too small), FAST_FULL_PATH, or 0."""
     n = qsl.shape[0] - 1

@@ -163,8 +163,8 @@ class VllmCanaryWorker:
         self.num_arrived = 0
         self.num_settled = 0
         # The buffer the model runner's forward takes its input ids from (int, [>= tokens
-        # of a step], on the device), when the connector found it: the records of positions
-        # planned without a token carry the id the forward used (.connector).
+        # of a step], on the device), when the connector found it: the records carry the
+        # ids the forward took, the store the scheduler's (.connector).
         self._forward_input_ids: torch.Tensor | None = None
         self._fwd_np = _NO_IDS  # its numpy view on the CPU (the one-call HEADs read it)
         # The one-call HEAD of a CPU worker (_fast_head; several groups: _fast_heads): the
