@@ -217,6 +217,35 @@ def test_a_block_table_entry_pointing_elsewhere_is_reported() -> None:
 
 
 @pytest.mark.parametrize("fast", [True, False])
+def test_records_carry_the_forward_ids_but_where_the_scheduler_sends_0(fast: bool) -> None:
+    """With the model runner's input-id buffer (``forward_input_ids``) the records carry the
+    ids the forward took, and the next read checks them against the scheduler's: a decode
+    input other than the sampled token is verify_token at its slot. Where the scheduler's
+    id is 0 (vLLM's prompt-embedding positions, whose buffer entries are a sentinel or a
+    stale id, not a token's) the records keep the scheduler's 0: no violation there."""
+    v = FakeVllm()
+    w = v.worker
+    w._fast_ok = fast
+    w.forward_input_ids = torch.zeros(256, dtype=torch.int32)
+    v.add("a", [0, 0, 0, 0, 0, 31, 32])  # five embedding positions, then two token ids
+    v.add("b", list(range(50, 57)))
+    stale = [91, 92, 93, 94, 95, 31, 32, *range(50, 57)]  # a's embedding rows: stale ids
+    v.step(["a", "b"], input_ids=stale)
+    for order in (["b", "a"], ["a", "b"]):
+        v.step(order)
+    assert v.violations() == []
+    b_pos = len(v.tokens["b"]) - 1  # b's next input: its last sampled token
+    wrong = [v.tokens["a"][-1], 4242]
+    v.step(["a", "b"], input_ids=wrong)
+    v.step(["a", "b"])
+    rows = [r for r in v.violations() if "verify_token" in r.fail_reasons]
+    slot = v.blocks["b"][b_pos // BS] * BS + b_pos % BS
+    assert {(r.slot_idx, r.position, r.stored_token, r.expected_token) for r in rows} == {
+        (slot, b_pos, 4242, v.tokens["b"][b_pos])}  # fmt: skip
+    assert {r.launch_tag for r in rows} == {"HEAD_K_FULL", "TAIL_K_FULL"}  # the next step's
+
+
+@pytest.mark.parametrize("fast", [True, False])
 def test_a_token_id_the_scheduler_sent_differently_is_reported_through_the_batch_block(
     fast: bool,
 ) -> None:

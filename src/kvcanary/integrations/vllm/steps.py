@@ -437,6 +437,11 @@ def chain_seed_nb(tokens):
 FAST_FULL_PATH, FAST_GROW, FAST_GROW_STORE, FAST_SETTLE = -1, -2, -3, -4
 
 
+# The scheduler's token id at positions whose forward input id the records do not take:
+# vLLM's id of a prompt-embedding position (``Request._all_token_ids`` holds 0 there, while
+# the model runner's input-id buffer holds a sentinel or a stale id: not a token's id).
+FORWARD_ID_SKIP = 0
+
 # A step's attention metadata as the one-call HEADs take it: int32 query_start_loc and
 # seq_lens, then per group int64 slot_mapping and int32 block_table, all C-contiguous on the
 # CPU (vLLM's CPU attention backend), by address and length (:func:`metadata_args`; right
@@ -594,9 +599,10 @@ def _step_batch(qsl, seq_lens, key_slot_mapping, keys, key_rows, tokens, lens, f
         return FAST_GROW, n, num_tokens, prefix, seq, rows, ids, positions
     if may_depend or unmatched or max_seq > table_width:
         return FAST_FULL_PATH, n, num_tokens, prefix, seq, rows, ids, positions
-    if has_fwd:  # the records carry the forward's ids (the store keeps the scheduler's)
-        for t in range(num_tokens):
-            ids[t] = fwd_ids[t]
+    if has_fwd:  # the records carry the forward's ids (the store keeps the scheduler's),
+        for t in range(num_tokens):  # but where the scheduler's id is 0 (FORWARD_ID_SKIP)
+            if ids[t] != FORWARD_ID_SKIP:
+                ids[t] = fwd_ids[t]
     for r in range(n):
         row_buf[0, r], row_buf[1, r], row_buf[2, r] = rows[r], prefix[r], ql[r]
         row_buf[3, r] = lens[rows[r]]

@@ -57,6 +57,7 @@ from kvcanary.integrations.vllm.steps import (
     FAST_FULL_PATH,
     FAST_GROW,
     FAST_GROW_STORE,
+    FORWARD_ID_SKIP,
     BufferStepBatch,
     GroupHost,
     GroupTableView,
@@ -384,7 +385,8 @@ class VllmCanaryWorker:
             input_ids = self._unmatched_rows(rows, prefix, ql, num_tokens, input_ids)
         fwd = self.forward_input_ids if num_tokens else None
         if fwd is not None and dev.type == "cpu":  # the records carry the forward's ids
-            input_ids = fwd[:num_tokens].numpy().astype(np.int64)
+            input_ids = np.where(input_ids != FORWARD_ID_SKIP, fwd[:num_tokens].numpy(),
+                                 input_ids).astype(np.int64)  # fmt: skip
         tables.ensure(self._num_rows, max_seq)
         outs = [self._group_rows(spec, md, n, num_tokens, prefix, seq, max_seq, rows)
                 for spec, md in zip(self.specs, metadata, strict=True)]  # fmt: skip
@@ -400,7 +402,7 @@ class VllmCanaryWorker:
         row_idx, prefix_t, ql_t, positions_t, ids_t = (
             _tensor(a, dev) for a in (rows, prefix, ql, positions, input_ids))  # fmt: skip
         if fwd is not None and dev.type != "cpu":  # on the device: no copy to the host
-            ids_t = fwd[:num_tokens].to(ids_t.dtype)
+            ids_t = torch.where(ids_t != FORWARD_ID_SKIP, fwd[:num_tokens].to(ids_t.dtype), ids_t)
         levels = [0] * n
         if may_depend:
             # Only a row that starts this step on a prefix (a prefix hit, a resumed
