@@ -226,9 +226,6 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._num_metas = 0
         self._partial_hits_warned = False
         self._token_check = self.options.canary.verify_tokens
-        # Async scheduling: a decode step is planned before its input token is known
-        # (docs/VLLM.md, "Tokens").
-        self._async = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
